@@ -1,0 +1,365 @@
+"""Recipes: frozen dataclasses, YAML loading, --set overrides and validation.
+
+A recipe is data only. load_recipe() reads YAML, applies `--set a.b=c` overrides, rejects unknown
+keys (naming the closest valid one) and wrong types, then validates cross-field rules and raises
+one ConfigError that lists every problem at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    family: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None      # None = n_heads (no grouped-query attention)
+    ffn_hidden: Optional[int] = None      # None = 4*d_model (gpt2) or SwiGLU's 8/3*d_model rounded to 64
+    max_seq_len: int = 1024
+    tie_embeddings: Optional[bool] = None  # None = family default (gpt2 ties, others do not)
+    init_from: Optional[str] = None       # local Hugging Face model directory
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
+    sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.family == "gpt2":
+            return 4 * self.d_model
+        return 64 * ((8 * self.d_model // 3 + 63) // 64)
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.family == "qwen2" if self.qkv_bias is None else self.qkv_bias
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp: Optional[int] = None         # data-parallel replicas; None = world_size / (tp * pp)
+    tp: int = 1                      # tensor-parallel ranks; divides n_heads, ffn and vocab
+    pp: int = 1                      # pipeline stages; <= model.n_layers
+    microbatches: int = 1            # per optimizer step and dp rank; >= pp for 1f1b
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    virtual_stages: int = 1          # model chunks per pp rank (interleaved-1f1b)
+    stage_layers: Optional[list] = None  # explicit layers per stage; None = balanced by cost
+    zero: int = 0                    # 0 | 1 (shard optimizer state) | 2 (also gradients)
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: Optional[int] = None  # full recompute only for the first N layers of a stage
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8            # sequences per optimizer step, over all dp ranks
+    seq_len: int = 256
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0           # 0 disables clipping
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str = ""                   # local text/jsonl/parquet file or folder, or a datasets name
+    tokenizer: str = ""              # local tokenizer directory or name
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    seed: int = 1234
+    cache_dir: Optional[str] = None  # tokenised-data cache; None = ~/.cache/pipetrain
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0                   # steps; 0 = only at the end
+    keep: int = 3                    # newest K checkpoints kept
+    verify: bool = True              # verify per-file checksums on load
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    log_every: int = 1
+    eval_every: int = 0              # 0 = only at the end
+    eval_batches: int = 4
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = from the GPU table
+    sample_tokens: int = 200         # tokens generated at the end of a run (0 = none)
+    progress: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+_SECTION_CLASSES = {
+    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig,
+}
+# Paths in a YAML file are relative to that file; paths from --set are relative to the cwd.
+_PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+              ("model", "init_from"), ("run", "output_dir")}
+
+
+def _closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
+    """Coerce ints to floats where a float is expected; record a problem for any other mismatch."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(where, value, inner[0], problems)
+    if origin is Literal:
+        if value not in args:
+            problems.append(f"{where}={value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is list:
+        if not isinstance(value, list):
+            problems.append(f"{where}={value!r} must be a list")
+        return value
+    expected = {int: int, float: float, str: str, bool: bool}.get(hint)
+    if expected is not None:
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if not ok:
+            problems.append(f"{where}={value!r} must be {expected.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _resolve_path(value: Optional[str], base: str) -> Optional[str]:
+    """Make a relative path absolute against base; a hub name ("gpt2", "user/corpus") with no such
+    local path stays as written."""
+    if not value:
+        return value
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return expanded
+    candidate = os.path.normpath(os.path.join(base, expanded))
+    looks_local = expanded.startswith(".") or os.path.exists(candidate)
+    return candidate if looks_local or expanded.count("/") > 1 else value
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'parallel.tp=2' -> ('parallel', 'tp', 2); the value is parsed as a YAML scalar."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE such as parallel.tp=2")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set {text!r}: key must be SECTION.NAME such as train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not a YAML scalar ({exc.problem})") from None
+    return parts[0], parts[1], value
+
+
+def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = None) -> Recipe:
+    """Build and validate a Recipe from a nested dict plus overrides; raise one ConfigError for all problems."""
+    problems: list[str] = []
+    base_dir = base_dir or os.getcwd()
+    if not isinstance(raw, dict):
+        raise ConfigError("recipe: top level must be a mapping of sections (model, parallel, train, ...)")
+    values: dict[str, dict] = {name: {} for name in _SECTION_CLASSES}
+    for section, body in raw.items():
+        if section not in _SECTION_CLASSES:
+            problems.append(f"unknown section '{section}'{_closest(section, _SECTION_CLASSES)}")
+            continue
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"section '{section}' must be a mapping of keys")
+            continue
+        for key, value in body.items():
+            if (section, key) in _PATH_KEYS and isinstance(value, str):
+                value = _resolve_path(value, base_dir)
+            values[section][key] = value
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in _SECTION_CLASSES:
+            problems.append(f"--set {text}: unknown section '{section}'{_closest(section, _SECTION_CLASSES)}")
+            continue
+        if (section, key) in _PATH_KEYS and isinstance(value, str):
+            value = _resolve_path(value, os.getcwd())
+        values[section][key] = value
+
+    sections = {}
+    for section, cls in _SECTION_CLASSES.items():
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values[section].items():
+            if key not in hints:
+                problems.append(f"unknown key '{section}.{key}'{_closest(key, hints)}")
+                continue
+            kwargs[key] = _check_type(f"{section}.{key}", value, hints[key], problems)
+        if problems:
+            continue
+        sections[section] = cls(**kwargs)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    recipe = Recipe(**sections)
+    problems = validate(recipe)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return recipe
+
+
+def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe file, apply overrides and validate."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe file {path!r} not found; pass --recipe with a path such as recipes/tiny.yaml")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def validate(r: Recipe, world_size: int | None = None) -> list[str]:
+    """Cross-field rules; returns every problem found (empty when the recipe is consistent)."""
+    m, p, t, d = r.model, r.parallel, r.train, r.data
+    problems = []
+
+    def need(cond: bool, msg: str):
+        if not cond:
+            problems.append(msg)
+
+    for sec, name in [(m, "vocab_size"), (m, "d_model"), (m, "n_layers"), (m, "n_heads"), (m, "max_seq_len"),
+                      (p, "tp"), (p, "pp"), (p, "microbatches"), (p, "virtual_stages"),
+                      (t, "global_batch"), (t, "seq_len")]:
+        need(getattr(sec, name) >= 1, f"{_sec(sec)}.{name}={getattr(sec, name)} must be >= 1")
+    if problems:
+        return problems
+    need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    need(m.n_heads % m.kv_heads == 0,
+         f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")
+    need(m.family == "gpt2" or m.head_dim % 2 == 0,
+         f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
+    need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
+    need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    need(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    need(bool(d.path), "data.path is empty; set it to a text/jsonl/parquet file or folder")
+    need(bool(d.tokenizer) or bool(m.init_from),
+         "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")
+    need(r.checkpoint.every >= 0, f"checkpoint.every={r.checkpoint.every} must be >= 0")
+    need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
+    need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
+    need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
+    need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
+    if p.dp is not None:
+        need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")
+    problems += _not_implemented(r)
+    if world_size is not None:
+        problems += validate_layout(r, world_size)
+    return problems
+
+
+# Values whose feature has not landed yet; each entry goes when its issue lands.
+_PENDING = {
+    ("parallel", "tp"): (lambda v: v == 1, "tensor parallelism"),
+    ("parallel", "pp"): (lambda v: v == 1, "pipeline parallelism"),
+    ("parallel", "zero"): (lambda v: v == 0, "ZeRO sharding"),
+    ("parallel", "recompute"): (lambda v: v == "none", "activation recomputation"),
+    ("parallel", "sequence_parallel"): (lambda v: not v, "sequence parallelism"),
+    ("parallel", "virtual_stages"): (lambda v: v == 1, "interleaved pipeline stages"),
+}
+
+
+def _not_implemented(r: Recipe) -> list[str]:
+    out = []
+    for (section, key), (ok, what) in _PENDING.items():
+        value = getattr(getattr(r, section), key)
+        if not ok(value):
+            out.append(f"{section}.{key}={value}: {what} is not implemented yet; remove the key or use the default")
+    return out
+
+
+def _sec(obj) -> str:
+    return {v: k for k, v in _SECTION_CLASSES.items()}[type(obj)]
+
+
+def resolve_dp(r: Recipe, world_size: int) -> int:
+    tp_pp = r.parallel.tp * r.parallel.pp
+    return r.parallel.dp if r.parallel.dp is not None else max(1, world_size // tp_pp)
+
+
+def validate_layout(r: Recipe, world_size: int) -> list[str]:
+    """Rules that need the world size: the mesh must cover it and every degree must divide its dimension."""
+    m, p, t = r.model, r.parallel, r.train
+    problems = []
+    tp_pp = p.tp * p.pp
+    if world_size % tp_pp:
+        problems.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp_pp}; "
+                        f"launch a multiple of {tp_pp} processes")
+        return problems
+    dp = resolve_dp(r, world_size)
+    if dp * tp_pp != world_size:
+        problems.append(f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * tp_pp} does not equal the world size "
+                        f"{world_size}; launch {dp * tp_pp} processes or drop parallel.dp")
+    if t.global_batch % (dp * p.microbatches):
+        problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
+                        f"{dp}*{p.microbatches}={dp * p.microbatches}")
+    return problems
+
+
+def dump_recipe(r: Recipe, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(r.to_dict(), f, sort_keys=False)

@@ -1,0 +1,191 @@
+"""One decoder-only transformer that covers the llama, qwen2, mistral and gpt2 families by config.
+
+The model is blind to parallelism: tensor parallelism swaps its Linear/Embedding modules from outside,
+pipeline parallelism deletes layers (kept in a ModuleDict so global names survive) and sets embed,
+norm or head to None, which forward() skips. Head counts are read from tensor shapes, so a layer
+holding a shard of the heads needs no change here.
+
+Shapes: B batch, T time, D model, H heads (Hq query, Hkv key/value), K head dim, F ffn, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipetrain.config import ModelConfig
+from pipetrain.kernels import rms_norm, rope, swiglu
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm computed in fp32, returned in the input dtype."""
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps).to(x.dtype)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.family == "gpt2" else RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype):
+    """cos, sin of shape (T, K), halves duplicated as Hugging Face's rotary embedding lays them out."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, K/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(K)) v, causal (optionally within a sliding window). No parameters, so
+    selective recomputation can wrap exactly this module."""
+
+    def __init__(self, sliding_window: int | None):
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def forward(self, q, k, v):  # q (B, T, Hq, K), k/v (B, T, Hkv, K) -> (B, T, Hq*K)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        T = q.shape[2]
+        gqa = q.shape[1] != k.shape[1]
+        if self.sliding_window and self.sliding_window < T:
+            i = torch.arange(T, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.sliding_window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2).flatten(2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        K, D = cfg.head_dim, cfg.d_model
+        self.head_dim = K
+        self.use_rope = cfg.family != "gpt2"
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(D, cfg.n_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wk = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wv = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wo = nn.Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
+        self.core = AttentionCore(cfg.sliding_window)
+
+    def forward(self, x):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
+        q = self.wq(x)  # (B, T, Hq/tp * K): read T and heads from the output, not the input
+        q = q.view(*q.shape[:2], -1, self.head_dim)
+        k = self.wk(x)
+        k = k.view(*k.shape[:2], -1, self.head_dim)
+        v = self.wv(x)
+        v = v.view(*v.shape[:2], -1, self.head_dim)
+        if self.use_rope:
+            cos, sin = rope_tables(q.shape[1], self.head_dim, self.rope_theta, q.device, q.dtype)
+            q, k = rope(q, k, cos, sin)
+        return self.wo(self.core(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, Fh = cfg.d_model, cfg.ffn
+        self.gated = cfg.family != "gpt2"
+        bias = cfg.family == "gpt2"
+        if self.gated:
+            self.gate = nn.Linear(D, Fh, bias=False)
+        self.up = nn.Linear(D, Fh, bias=bias)
+        self.down = nn.Linear(Fh, D, bias=bias)
+
+    def forward(self, x):
+        if self.gated:
+            return self.down(swiglu(self.gate(x), self.up(x)))  # (B, T, F/tp) inside
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class PositionEmbedding(nn.Embedding):
+    """Learned absolute positions (gpt2). forward(T) returns the (T, D) table rows for 0..T-1."""
+
+    def forward(self, seq_len: int):
+        return super().forward(torch.arange(seq_len, device=self.weight.device))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = PositionEmbedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = build_norm(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); a pipeline stage without embed takes and/or returns (B, T, D)."""
+        if self.embed is not None:
+            h = self.embed(x)  # (B, T, D), or (B, T/tp, D) under sequence parallelism
+            if self.pos_embed is not None:
+                h = h + self.pos_embed(x.shape[1])
+        else:
+            h = x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.head is not None:
+            h = self.head(h)  # (B, T, V/tp)
+        return h
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    total = 0
+    for name, p in model.named_parameters():
+        if exclude_embeddings and name.split(".")[0] in ("embed", "pos_embed"):
+            continue
+        total += p.numel()
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training matmul FLOPs per token (forward + backward = 3x forward), see docs/mfu.md.
+
+    Counts every matmul once with 2 FLOPs per multiply-add: q/k/v/o projections (GQA-aware), the
+    MLP (3 matrices for SwiGLU, 2 for GELU), the LM head, and attention scores and values with the
+    causal mask halving the useful work (T/2 keys per query on average). Norms, activations and
+    softmax are left out, as in Megatron-LM and PaLM; recomputation is not counted (that is HFU).
+    """
+    D, K, L = cfg.d_model, cfg.head_dim, cfg.n_layers
+    Hq, Hkv = cfg.n_heads, cfg.kv_heads
+    proj = 2 * D * K * (2 * Hq + 2 * Hkv)
+    mlp = 2 * D * cfg.ffn * (3 if cfg.family != "gpt2" else 2)
+    window = min(seq_len, cfg.sliding_window or seq_len)
+    attn = 2 * 2 * Hq * K * (window / 2 if window == seq_len else window)
+    head = 2 * D * cfg.vocab_size
+    return 3.0 * (L * (proj + mlp + attn) + head)
+
+
+__all__ = ["Decoder", "Block", "Attention", "MLP", "RMSNorm", "LayerNorm", "count_params", "flops_per_token",
+           "rope_tables"]

@@ -1,0 +1,68 @@
+"""Layout-independent initialisation.
+
+Every parameter is drawn in full from a generator seeded by (seed, global name) and then sliced to
+the local shard, so any tensor/pipeline layout starts from exactly the single-process weights.
+Modules that hold a shard say so in `param_shards = {"weight": (dim, index, count)}`: the local
+tensor is chunk `index` of `count` equal chunks of the global tensor along `dim`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+
+from pipetrain.config import ModelConfig
+
+# When the embedding is tied, a pipeline's last stage holds its own copy of it under this name.
+TIED_ALIASES = {"head.weight": "embed.weight"}
+
+
+def name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """{global name: (global shape, local slices)} for every parameter the module holds."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        shards = getattr(module, "param_shards", {})
+        for p_name, p in module.named_parameters(recurse=False):
+            shape = list(p.shape)
+            slices = [slice(None)] * p.dim()
+            if p_name in shards:
+                dim, index, count = shards[p_name]
+                shape[dim] = p.shape[dim] * count
+                slices[dim] = slice(index * p.shape[dim], (index + 1) * p.shape[dim])
+            full_name = f"{mod_name}.{p_name}" if mod_name else p_name
+            out.setdefault(full_name, (tuple(shape), tuple(slices)))
+    return out
+
+
+def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full fp32 tensor for a global parameter name (a deterministic function of seed and name)."""
+    name = TIED_ALIASES.get(name, name) if cfg.tied else name
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if "norm" in owner:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if owner in ("wo", "down"):
+        std = std / math.sqrt(2 * cfg.n_layers)  # GPT-2 scaling of residual-branch outputs
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-built model on device and initialise every (possibly sharded) parameter."""
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    for name, (shape, slices) in param_layout(model).items():
+        full = init_tensor(cfg, name, shape, seed)
+        params[name].copy_(full[slices])
+    return model
