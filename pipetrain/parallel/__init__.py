@@ -1,0 +1,1 @@
+"""Parallelism applied to the plain model from outside: dims, comm, tensor, pipeline, schedules, zero."""
