@@ -1,0 +1,60 @@
+"""Supervised fine-tuning records: which tokens are trained.
+
+Two record shapes besides plain text:
+- {"prompt": ..., "completion": ...}: prompt tokens are context only; the completion and the EOS
+  that ends it are trained.
+- {"messages": [{"role": ..., "content": ...}, ...]}: rendered with the tokenizer's chat template;
+  only the tokens each assistant turn adds are trained.
+encode_record returns (token ids, mask) with mask[i] True when token i is a training target.
+"""
+from __future__ import annotations
+
+from pipetrain.config import ConfigError
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return _ids(tokenizer, text)
+
+
+def encode_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
+    """Render a conversation and mark the tokens of assistant turns (rendering prefixes to find them)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data: records have 'messages' but the tokenizer has no chat_template; "
+                          "use a tokenizer with one or prompt/completion records")
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ConfigError(f"data: message {i} must be an object with 'role' and 'content', got {message!r}")
+        assistant = message["role"] == "assistant"
+        if assistant:  # the prompt that opens an assistant turn is context, not a target
+            prefix = _chat_ids(tokenizer, messages[:i], generation_prompt=True)
+            if prefix[:len(ids)] == ids:
+                mask += [False] * (len(prefix) - len(ids))
+                ids = prefix
+        full = _chat_ids(tokenizer, messages[:i + 1], generation_prompt=False)
+        if full[:len(ids)] != ids:
+            raise ConfigError("data: the tokenizer's chat template does not render conversations "
+                              "incrementally, so assistant tokens cannot be located; use prompt/completion")
+        mask += [assistant] * (len(full) - len(ids))
+        ids = full
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+        mask.append(bool(messages) and messages[-1].get("role") == "assistant")
+    return ids, mask
+
+
+def encode_record(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
+    """(ids, mask) for one prompt/completion or messages record; EOS closes each record."""
+    if "messages" in record and record["messages"] is not None:
+        return encode_chat(record["messages"], tokenizer)
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise ConfigError(f"data: a prompt/completion record needs two strings, got {record!r:.120}")
+    p, c = _ids(tokenizer, prompt), _ids(tokenizer, completion)
+    return p + c + [tokenizer.eos_token_id], [False] * len(p) + [True] * (len(c) + 1)
