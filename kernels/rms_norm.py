@@ -1,11 +1,131 @@
-"""RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * w. fp32 math, output in x.dtype."""
+"""RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * w. fp32 math, output in x.dtype.
+
+Shapes: x (..., D) flattened to (N, D), w (D,), rstd (N,) fp32, dw partials (P, D) fp32 with P programs.
+The forward saves rstd so the backward does not recompute the reduction. The weight gradient is a sum
+over rows; instead of atomics (non-deterministic order), each of P programs sums a strided set of
+rows into its own fp32 row of a (P, D) buffer, and torch sums the P rows afterwards.
+"""
+from __future__ import annotations
+
 import torch
+
+from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+
+# A row must fit in one program. 64 KB per row is the limit the Triton layer-norm tutorial uses
+# (beyond it registers spill); that is D <= 16384 in fp32 and D <= 32768 in bf16.
+_MAX_ROW_BYTES = 65536
+# Programs for the dw partial sums on CUDA: one per SM keeps every SM busy and P small. The
+# interpreter runs programs one after another, so on CPU the count only sets the partial-sum width.
+_CPU_PROGRAMS = 4
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    """The spec: CPU path and test oracle (float64 stays float64 for gradcheck)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    w = weight.to(xf.dtype)
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+def _num_warps(block: int) -> int:
+    # The Triton tutorials' rule for row kernels: one warp per 256 elements, between 1 and 8 warps.
+    return min(max(block // 256, 1), 8)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # one program per row; rows are contiguous, stride D
+        base = row.to(tl.int64) * D  # int64: N * D may pass 2**31 elements
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(rstd_ptr + row, rstd)
+        tl.store(y_ptr + base + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, N, D,
+                             BLOCK: tl.constexpr):
+        # dx = rstd * (dy*w - xhat * mean(dy*w*xhat)), xhat = x*rstd; dw = sum_rows dy*xhat.
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for row in range(pid, N, num_programs):
+            base = tl.cast(row, tl.int64) * D
+            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            xhat = x * rstd
+            dyw = dy * w
+            c = tl.sum(dyw * xhat, axis=0) / D
+            tl.store(dx_ptr + base + cols, (rstd * (dyw - xhat * c)).to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+        tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
+
+
+def _block(where: str, x: torch.Tensor) -> int:
+    D = x.shape[-1]
+    block = triton.next_power_of_2(D)
+    if block * x.element_size() > _MAX_ROW_BYTES:
+        raise ValueError(f"{where}: D={D} does not fit one program ({_MAX_ROW_BYTES} bytes per row in "
+                         f"{x.dtype}); use PIPETRAIN_KERNELS=torch for such rows")
+    return block
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Launcher: x (..., D), weight (D,) -> y like x, rstd (N,) fp32."""
+    check_dtype("rms_norm", x)
+    check_dtype("rms_norm weight", weight)
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({D},) to match x's last dim")
+    if x.numel() == 0:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} is empty")
+    block = _block("rms_norm", x)
+    x2 = x.contiguous().view(-1, D)  # (N, D)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
+                                         num_warps=_num_warps(block))
+    return y.view(x.shape), rstd
+
+
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """Launcher: dy, x (..., D), weight (D,), rstd (N,) -> dx like x, dw like weight."""
+    D = x.shape[-1]
+    x2 = x.contiguous().view(-1, D)
+    dy2 = dy.contiguous().view(-1, D)
+    N = x2.shape[0]
+    block = _block("rms_norm backward", x)
+    if x.is_cuda:
+        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    else:
+        programs = _CPU_PROGRAMS
+    programs = min(N, programs)
+    dx = torch.empty_like(x2)
+    dw_part = torch.empty(programs, D, device=x.device, dtype=torch.float32)  # (P, D)
+    _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_part, N, D, BLOCK=block,
+                                      num_warps=_num_warps(block))
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
+
+
+class RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = rms_norm_bwd(dy, *ctx.saved_tensors)
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_ref(x, weight, eps)
+    """RMSNorm of x over its last dim, scaled by weight; Triton or reference per dispatch.use_triton."""
+    return RMSNormFn.apply(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)

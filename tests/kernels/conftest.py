@@ -31,3 +31,5 @@ def _reload_compiled_kernel_modules() -> None:
 
 
 _reload_compiled_kernel_modules()
+
+from tests.kernels.common import force_triton, poisoned  # noqa: E402,F401  (fixtures for every kernel test)

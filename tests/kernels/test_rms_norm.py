@@ -1,0 +1,74 @@
+"""rms_norm: the Triton kernels (interpreted) against the reference, forward and backward."""
+import pytest
+import torch
+
+from pipetrain.kernels import rms_norm
+from pipetrain.kernels.rms_norm import RMSNormFn, rms_norm_fwd, rms_norm_ref
+from tests.kernels.common import fresh_seed, randn, tol
+
+SHAPES = [(1, 7), (5, 48), (3, 4, 100)]  # one row; D not a power of two; 3-D input
+
+
+def _grads(fn, x, w, dy):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    y = fn(x, w)
+    y.backward(dy)
+    return y, x.grad, w.grad
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_triton_matches_reference(poisoned, shape, dtype):
+    seed = fresh_seed()
+    x = randn(seed, *shape, dtype=dtype, scale=2.0)
+    w = randn(seed + 1, shape[-1], dtype=dtype) + 1
+    dy = randn(seed + 2, *shape, dtype=dtype)
+    got = _grads(lambda a, b: RMSNormFn.apply(a, b, 1e-6), x, w, dy)
+    want = _grads(lambda a, b: rms_norm_ref(a, b, 1e-6), x, w, dy)
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape, f"{name}: {g.dtype}{g.shape} vs {r.dtype}{r.shape}"
+        torch.testing.assert_close(g, r, **tol(dtype), msg=lambda m: f"seed={seed} {name}: {m}")
+
+
+def test_rms_norm_triton_saves_fp32_rstd_and_handles_fp32_weight_with_bf16_x(poisoned):
+    seed = fresh_seed()
+    x = randn(seed, 6, 33, dtype=torch.bfloat16)
+    w = randn(seed + 1, 33)  # fp32 master weight with bf16 activations
+    y, rstd = rms_norm_fwd(x, w, 1e-5)
+    want_rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-5)
+    torch.testing.assert_close(rstd, want_rstd, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-5), **tol(torch.bfloat16))
+
+
+def test_rms_norm_triton_accepts_non_contiguous_input(poisoned):
+    seed = fresh_seed()
+    x = randn(seed, 40, 6).t()  # (6, 40), stride (1, 6)
+    w = randn(seed + 1, 40)
+    torch.testing.assert_close(RMSNormFn.apply(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_dispatch_takes_triton_path_when_forced(force_triton):
+    x = torch.randn(2, 8, requires_grad=True)
+    y = rms_norm(x, torch.ones(8), 1e-6)
+    assert "RMSNormFn" in y.grad_fn.name(), y.grad_fn.name()
+
+
+def test_rms_norm_dispatch_takes_reference_on_cpu_by_default(monkeypatch):
+    monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)
+    y = rms_norm(torch.randn(2, 8, requires_grad=True), torch.ones(8), 1e-6)
+    assert "RMSNormFn" not in y.grad_fn.name(), y.grad_fn.name()
+
+
+def test_rms_norm_launcher_rejects_bad_weight_and_dtype():
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_norm_fwd(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        rms_norm_fwd(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+
+
+def test_rms_norm_ref_passes_gradcheck_in_float64():
+    seed = fresh_seed()
+    x = randn(seed, 3, 11, dtype=torch.float64).requires_grad_()
+    w = randn(seed + 1, 11, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm_ref(a, b, 1e-6), (x, w)), f"seed={seed}"
