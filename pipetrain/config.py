@@ -165,6 +165,12 @@ def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        # PyYAML reads "2e-3" (no dot) as a string: accept any text that is a float literal.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is list:
         if not isinstance(value, list):
             problems.append(f"{where}={value!r} must be a list")

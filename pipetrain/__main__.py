@@ -1,0 +1,5 @@
+import sys
+
+from pipetrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""Command line: `train.py --recipe R [--set k=v ...] [--resume auto|DIR] [--eval-only]`.
+
+Assembles one run in the order DESIGN.md gives (recipe -> mesh -> model on meta -> tensor parallel
+-> pipeline stage -> materialise -> recompute -> optimizer -> Trainer). Exit codes: 0 success,
+2 bad input (one `error: ...` line on stderr, no traceback), 1 any other failure, 130 on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe, validate_layout
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
+    parser.add_argument("--recipe", required=True, help="path to a YAML recipe, e.g. recipes/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set parallel.tp=2 (repeatable)")
+    parser.add_argument("--resume", default=None, metavar="auto|DIR",
+                        help="continue from the newest checkpoint in run.output_dir (auto) or from DIR")
+    parser.add_argument("--eval-only", action="store_true", help="evaluate once, write one eval line, exit")
+    return parser.parse_args(argv)
+
+
+def _init_distributed(world_size: int) -> None:
+    if world_size == 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10))))
+
+
+def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
+    problems = validate_layout(recipe, world_size)
+    from pipetrain.parallel.tensor import validate_tensor_parallel
+    problems += validate_tensor_parallel(recipe.model, recipe.parallel.tp)
+    return problems
+
+
+def build_run(recipe: Recipe, resume: str | None):
+    """Everything a run needs: (dims, model, optimizer, loader, tokenizer, checkpointer, start_step)."""
+    from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
+    from pipetrain.models import build, materialize
+    from pipetrain.optim import build_optimizer
+    from pipetrain.parallel.dims import ParallelDims
+
+    dims = ParallelDims.init(recipe.parallel)
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    if len(tokenizer) > recipe.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; raise model.vocab_size to at least {len(tokenizer)}")
+    # Local rank 0 tokenises (and caches) first so the other ranks on the machine read the cache.
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
+    if dims.world_size > 1:
+        dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
+    data = PackedData(tokens, mask, recipe.train.seq_len, recipe.data.val_fraction, recipe.data.seed)
+    loader = Loader(data, recipe.train.global_batch, dims.dp_rank, dims.dp)
+
+    model = build(recipe.model, device="meta")
+    if dims.tp > 1:
+        from pipetrain.parallel.tensor import apply_tensor_parallel
+        apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
+    materialize(model, recipe.model, recipe.train.seed, dims.device)
+    optimizer = build_optimizer(model, recipe.train)
+    return dims, model, optimizer, loader, tokenizer, None, 0
+
+
+def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> str:
+    out = recipe.run.output_dir
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        if resume is None and os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(
+                os.path.join(out, "checkpoints")):
+            raise ConfigError(f"run.output_dir={out} already holds checkpoints; pass --resume auto to continue "
+                              "that run or set run.output_dir to a new folder")
+        if resume is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
+            os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
+        dump_recipe(recipe, os.path.join(out, "recipe.yaml"))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipetrain.trainer import Trainer
+
+    recipe = load_recipe(args.recipe, args.set)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    problems = layout_problems(recipe, world_size)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    _init_distributed(world_size)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(recipe.train.seed)
+    out = _prepare_output_dir(recipe, rank, args.resume)
+    dims, model, optimizer, loader, tokenizer, checkpointer, start = build_run(recipe, args.resume)
+    trainer = Trainer(recipe, dims, model, optimizer, loader, out, checkpointer=checkpointer, start_step=start)
+    if args.eval_only:
+        trainer.evaluate()
+        trainer.logger.close()
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+    trainer.fit()
+    if rank == 0 and recipe.run.sample_tokens and dims.world_size == 1:
+        from pipetrain.generate import sample_text
+        text = sample_text(model, tokenizer, recipe.run.sample_tokens, seed=recipe.train.seed, device=dims.device)
+        print(f"\n--- sample after {trainer.step} steps ---\n{text}\n---", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        return run(args)
+    except ConfigError as exc:
+        # Every rank usually raises the same error; rank-specific ones carry "[rank N | ...]".
+        if rank == 0 or "[rank" in str(exc):
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted: stopped before finishing (no partial checkpoint was written)", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 -- report, then exit 1 as DESIGN.md specifies
+        from pipetrain.trainer import TrainingDiverged
+        if isinstance(exc, TrainingDiverged):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The training loop: per step, forward/backward over microbatches, gradient sync and clipping,
+optimizer step, metrics, evaluation and checkpoints.
+
+The loss of a step is the mean cross-entropy per target token over the whole global batch: each
+microbatch contributes sum(CE) / (target tokens in the global batch), so summing gradients over
+microbatches and dp ranks gives exactly the single-process gradient whatever the layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pipetrain.config import Recipe
+from pipetrain.data import IGNORE_INDEX, Batch, Loader
+from pipetrain.kernels import cross_entropy
+from pipetrain.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
+from pipetrain.models import flops_per_token
+from pipetrain.optim import lr_at, set_lr
+from pipetrain.parallel.grads import clip_grad_norm, sync_grads
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN or inf; raised before the optimizer step touches weights."""
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Sum of per-token cross-entropy over non-ignored targets (0 with a gradient path when none are)."""
+    count = int((targets != IGNORE_INDEX).sum())
+    if count == 0:
+        return logits.sum() * 0.0
+    return cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, dims, model: nn.Module, optimizer, loader: Loader, output_dir: str,
+                 checkpointer=None, start_step: int = 0):
+        self.recipe, self.dims, self.model, self.optimizer = recipe, dims, model, optimizer
+        self.loader, self.output_dir, self.checkpointer = loader, output_dir, checkpointer
+        self.step = start_step
+        self.tokens_seen = start_step * recipe.train.global_batch * recipe.train.seq_len
+        self.device = dims.device
+        self.stop_requested = False  # set by a SIGTERM handler: save and exit cleanly
+        self.logger = MetricsLogger(output_dir, enabled=dims.rank == 0, total_steps=recipe.train.steps,
+                                    progress=recipe.run.progress, start_step=start_step)
+        self.peak = peak_tflops(self.device, recipe.run.peak_tflops)
+        self.flops_per_token = flops_per_token(recipe.model, recipe.train.seq_len)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.recipe.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batch: Batch, num_targets: int) -> torch.Tensor:
+        """Run every microbatch forward and backward; return this rank's summed loss (not yet averaged)."""
+        total = torch.zeros((), device=self.device)
+        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
+        for mb in batch.split(self.recipe.parallel.microbatches):
+            with self._autocast():
+                logits = self.model(mb.inputs.to(self.device))
+            loss = loss_sum(logits, mb.targets.to(self.device), tp_group)
+            (loss / num_targets).backward()
+            total += loss.detach()
+        return total
+
+    def _global_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
+        """Every rank gets the step's loss: summed over dp ranks; tp ranks hold the same value."""
+        if self.dims.world_size > 1:
+            local_sum = local_sum.clone()
+            if self.dims.tp_rank != 0:
+                local_sum.zero_()
+            dist.all_reduce(local_sum)
+        return float(local_sum) / num_targets
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        cfg = self.recipe.train
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        batch, num_targets = self.loader.next()
+        local = self.forward_backward(batch, num_targets)
+        sync_grads(self.model, self.dims)
+        loss = self._global_loss(local, num_targets)
+        grad_norm = clip_grad_norm(self.model, self.dims, cfg.grad_clip)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(f"loss is {loss} and grad norm {grad_norm} at step {self.step + 1}; "
+                                   "weights were not updated and no checkpoint was written; lower train.lr "
+                                   "or raise train.warmup_steps, then resume from the last checkpoint")
+        lr = lr_at(self.step + 1, cfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        step_tokens = cfg.global_batch * cfg.seq_len
+        self.tokens_seen += step_tokens
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens_seen,
+                  "tokens_per_sec": step_tokens / dt, "step_time_s": dt,
+                  "peak_mem_bytes": peak_memory_bytes(self.device)}
+        if self.peak:
+            record["mfu"] = self.flops_per_token * step_tokens / dt / (self.peak * 1e12 * self.dims.world_size)
+        return record
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
+        total = torch.zeros((), device=self.device)
+        count = 0
+        for batch in self.loader.val_batches(self.recipe.run.eval_batches):
+            for mb in batch.split(self.recipe.parallel.microbatches):
+                with self._autocast():
+                    logits = self.model(mb.inputs.to(self.device))
+                total += loss_sum(logits, mb.targets.to(self.device), tp_group).float()
+                count += int((mb.targets != IGNORE_INDEX).sum())
+        stats = torch.tensor([float(total), float(count)], dtype=torch.float64, device=self.device)
+        if self.dims.world_size > 1:
+            if self.dims.tp_rank != 0:
+                stats.zero_()
+            dist.all_reduce(stats)
+        loss_total, tokens = float(stats[0]), int(stats[1])
+        record = {"step": self.step, "eval_loss": loss_total / max(tokens, 1), "eval_tokens": tokens}
+        self.logger.log(record)
+        return record
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        run, steps = self.recipe.run, self.recipe.train.steps
+        every = self.recipe.checkpoint.every
+        history = []
+        try:
+            while self.step < steps:
+                record = self.train_step()
+                history.append(record)
+                if self.step % run.log_every == 0 or self.step == steps:
+                    self.logger.log(record)
+                if run.eval_every and self.step % run.eval_every == 0 and self.step < steps:
+                    self.evaluate()
+                if self.checkpointer and every and self.step % every == 0 and self.step < steps:
+                    self.checkpointer.save(self)
+                if self.stop_requested:
+                    self.logger.write(f"stop requested: saving at step {self.step} and exiting")
+                    break
+            if self.checkpointer:
+                self.checkpointer.save(self)
+            if not self.stop_requested:
+                self.evaluate()
+        finally:
+            self.logger.close()
+        return history

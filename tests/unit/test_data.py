@@ -1,0 +1,125 @@
+"""Data: deterministic order, layout-independent global batches, exact resume, caching, masking."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipetrain.config import ConfigError, DataConfig
+from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+def _stream(n=5000, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, 1000, n).astype(np.uint16)
+    return tokens, np.ones(n, dtype=bool)
+
+
+def test_same_seed_gives_same_batches_and_other_seed_differs():
+    a = Loader(PackedData(*_stream(), 16, 0.1, seed=3), 8, 0, 1)
+    b = Loader(PackedData(*_stream(), 16, 0.1, seed=3), 8, 0, 1)
+    c = Loader(PackedData(*_stream(), 16, 0.1, seed=4), 8, 0, 1)
+    for _ in range(3):
+        (ba, _), (bb, _), (bc, _) = a.next(), b.next(), c.next()
+        assert torch.equal(ba.inputs, bb.inputs)
+    assert not torch.equal(ba.inputs, bc.inputs)
+
+
+def test_targets_are_inputs_shifted_by_one():
+    data = PackedData(*_stream(), 16, 0.0, seed=0)
+    batch = data.train_batch(0, 4)
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+
+
+def test_global_batch_is_layout_independent():
+    data = PackedData(*_stream(), 16, 0.1, seed=1)
+    single = Loader(data, 8, 0, 1)
+    ranks = [Loader(data, 8, r, 4) for r in range(4)]
+    for _ in range(5):
+        whole, n_whole = single.next()
+        parts = [loader.next() for loader in ranks]
+        assert torch.equal(whole.inputs, torch.cat([p.inputs for p, _ in parts]))
+        assert all(n == n_whole == 8 * 16 for _, n in parts)
+
+
+def test_state_dict_resumes_at_the_exact_next_sample():
+    data = PackedData(*_stream(), 16, 0.1, seed=1)
+    a = Loader(data, 4, 0, 1)
+    for _ in range(7):  # crosses an epoch boundary: 5000 tokens / 16 = 312 windows, ~281 train
+        a.next()
+    state = json.loads(json.dumps(a.state_dict()))  # must survive JSON (checkpoint manifest)
+    expected, _ = a.next()
+    b = Loader(data, 4, 0, 1)
+    b.load_state_dict(state)
+    got, _ = b.next()
+    assert torch.equal(expected.inputs, got.inputs)
+
+
+def test_epochs_visit_every_train_window_once():
+    data = PackedData(*_stream(2000), 16, 0.1, seed=2)
+    n = len(data.train_ids)
+    seen = [data.train_window(i) for i in range(n)]
+    assert sorted(seen) == sorted(data.train_ids.tolist())
+    assert set(seen).isdisjoint(set(data.val_ids.tolist()))
+    second = [data.train_window(n + i) for i in range(n)]
+    assert sorted(second) == sorted(seen) and second != seen
+
+
+def test_resume_with_other_data_is_refused():
+    a = Loader(PackedData(*_stream(), 16, 0.1, seed=1), 4, 0, 1)
+    b = Loader(PackedData(*_stream(), 32, 0.1, seed=1), 4, 0, 1)
+    with pytest.raises(ConfigError, match="resume with the same data"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_masked_targets_are_ignored_and_counted_globally():
+    tokens, mask = _stream(400)
+    mask[::3] = False
+    data = PackedData(tokens, mask, 16, 0.0, seed=0)
+    loader = Loader(data, 4, 1, 2)
+    batch, total = loader.next()
+    whole = data.train_batch(0, 4)
+    assert total == int((whole.targets != IGNORE_INDEX).sum()) < 4 * 16
+    assert (batch.targets == IGNORE_INDEX).any()
+
+
+def test_text_folder_is_tokenised_once_and_cached(tmp_path, tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("To be, or not to be.\nThat is the question.\n")
+    (corpus / "b.txt").write_text("Friends, Romans, countrymen.\n")
+    cfg = DataConfig(path=str(corpus), tokenizer=TOKENIZER, cache_dir=str(tmp_path / "cache"))
+    tokens, mask = tokenize_corpus(cfg, tokenizer)
+    assert (tokens == tokenizer.eos_token_id).sum() == 2 and mask.all()
+    assert tokenizer.decode(tokens[:6].tolist()).startswith("To be, or not")
+    cached = [f for f in os.listdir(tmp_path / "cache") if f.endswith(".npz")]
+    assert len(cached) == 1
+    again, _ = tokenize_corpus(cfg, tokenizer)
+    assert np.array_equal(tokens, again)
+
+
+def test_jsonl_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
+    path = tmp_path / "sft.jsonl"
+    rows = [{"prompt": "Q: who is Hamlet?\nA:", "completion": " a prince"}] * 3
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(path=str(path), tokenizer=TOKENIZER, cache_dir=str(tmp_path / "cache"))
+    tokens, mask = tokenize_corpus(cfg, tokenizer)
+    n_prompt = len(tokenizer("Q: who is Hamlet?\nA:", add_special_tokens=False)["input_ids"])
+    trained = tokenizer.decode(tokens[:len(tokens) // 3][mask[:len(tokens) // 3]].tolist())
+    assert trained == " a prince<|endoftext|>"
+    assert not mask[:n_prompt].any()
+
+
+def test_missing_path_and_tokenizer_are_config_errors(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match="not found"):
+        tokenize_corpus(DataConfig(path=str(tmp_path / "missing"), tokenizer="x"), tokenizer)
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        load_tokenizer(str(tmp_path / "no-tokenizer"))
