@@ -1,0 +1,206 @@
+"""ParallelDims: the dp x pp x tp mesh of global ranks and its process groups.
+
+Global ranks form a row-major mesh of shape (dp, pp, tp): tp varies fastest, then pp, then dp,
+
+    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank,
+
+so the ranks of one tp group are neighbours (one node, the fastest links) and a pp stage's peers are
+tp ranks apart. This module is the ONLY caller of dist.new_group: everything else receives `dims` and
+reads its groups. Every rank creates every group in the same order (tp, pp, dp, embed), as
+torch.distributed requires even of the ranks that are not members.
+
+Group convention: a group attribute is None when its degree is 1 (or torch.distributed is not
+initialised) and a real ProcessGroup otherwise. The collectives in pipetrain.parallel.comm treat None
+as "a group of one: no communication", never as the default world group.
+
+The mesh is described by named axes (`mesh_shape`), and groups are built by `mesh_rank_lists` over one
+or more axes, so splitting dp into replica x shard later (HSDP) is a new axis name plus two groups,
+not new arithmetic.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.config import ConfigError, ParallelConfig
+
+
+def mesh_rank_lists(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """Global ranks of every group spanning `axes` of a row-major mesh whose last axis varies fastest.
+
+    mesh_rank_lists({"dp": 2, "pp": 1, "tp": 2}, ("tp",)) == [[0, 1], [2, 3]]; groups come out in
+    ascending order of their smallest rank, ranks ascending within a group.
+    """
+    names = list(mesh_shape)
+    unknown = [a for a in axes if a not in mesh_shape]
+    assert not unknown, f"unknown mesh axes {unknown}; mesh has {names}"
+    grid = torch.arange(_prod(mesh_shape.values())).reshape(*mesh_shape.values())
+    moved = grid.movedim([names.index(a) for a in axes], list(range(-len(axes), 0)))
+    group_size = _prod(mesh_shape[a] for a in axes)
+    return moved.reshape(-1, group_size).tolist()
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees, this rank's coordinates, and the process groups of the dp x pp x tp mesh.
+
+    Construct it directly for rank arithmetic (no groups), or with `init` / `from_degrees`, which also
+    create the groups when torch.distributed is initialised.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # First and last pp stage of this (dp, tp) coordinate: all-reduces the tied embedding's gradient.
+    embed_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name}={value!r} must be an integer >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}="
+                              f"{self.world_size}; launch exactly {self.world_size} processes")
+
+    # ---- rank arithmetic (no communication) ----
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis sizes, slowest-varying first."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return (self.rank // self.tp) % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
+
+    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """The global rank at mesh coordinate (dp_rank, pp_rank, tp_rank)."""
+        assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp and 0 <= tp_rank < self.tp, \
+            f"coordinate ({dp_rank}, {pp_rank}, {tp_rank}) is outside the mesh {self.mesh_shape}"
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_prev_rank(self) -> int:
+        """Global rank of the previous pp stage (same dp, tp); wraps from the first stage to the last,
+        the ring interleaved schedules send around. Equals `rank` when pp == 1."""
+        return self.global_rank(self.dp_rank, (self.pp_rank - 1) % self.pp, self.tp_rank)
+
+    @property
+    def pp_next_rank(self) -> int:
+        """Global rank of the next pp stage (same dp, tp); wraps from the last stage to the first."""
+        return self.global_rank(self.dp_rank, (self.pp_rank + 1) % self.pp, self.tp_rank)
+
+    @property
+    def embed_ranks(self) -> tuple[int, int]:
+        """Global ranks of the first and last pp stage at this rank's (dp, tp) coordinate."""
+        return (self.global_rank(self.dp_rank, 0, self.tp_rank),
+                self.global_rank(self.dp_rank, self.pp - 1, self.tp_rank))
+
+    @property
+    def coords(self) -> str:
+        """Prefix for rank messages, e.g. "[rank 3 | dp 0 tp 1 pp 1]"."""
+        return f"[rank {self.rank} | dp {self.dp_rank} tp {self.tp_rank} pp {self.pp_rank}]"
+
+    def group_rank_lists(self) -> dict[str, list[list[int]]]:
+        """Every group of the mesh by kind, in creation order: {"tp": [[0, 1], ...], "pp": ..., ...}.
+        A kind whose degree is 1 has no groups (its attribute stays None)."""
+        shape = self.mesh_shape
+        out = {}
+        for kind in ("tp", "pp", "dp"):
+            out[kind] = mesh_rank_lists(shape, (kind,)) if shape[kind] > 1 else []
+        out["embed"] = ([[lists[0], lists[-1]] for lists in mesh_rank_lists(shape, ("pp",))]
+                        if self.pp > 1 else [])
+        return out
+
+    # ---- construction with process groups ----
+    @classmethod
+    def init(cls, parallel_cfg: ParallelConfig, world_size: int | None = None) -> "ParallelDims":
+        """Dims for a recipe's parallel section; dp defaults to world_size / (tp * pp).
+
+        The world size and rank come from torch.distributed when it is initialised (a `world_size`
+        argument must then agree); otherwise this is a single process and the world size is 1.
+        """
+        return cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp,
+                                world_size=world_size)
+
+    @classmethod
+    def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1,
+                     world_size: int | None = None) -> "ParallelDims":
+        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), creating every process group."""
+        initialised = dist.is_available() and dist.is_initialized()
+        actual = dist.get_world_size() if initialised else 1
+        if world_size is not None and world_size != actual:
+            how = "launched" if initialised else "running in one process (torch.distributed not initialised)"
+            raise ConfigError(f"world size {world_size} was requested but {actual} processes are {how}; "
+                              f"launch {world_size} processes with torchrun")
+        rank = dist.get_rank() if initialised else 0
+        for name, value in (("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name}={value!r} must be an integer >= 1")
+        if actual % (tp * pp):
+            raise ConfigError(f"world size {actual} is not divisible by parallel.tp*parallel.pp={tp}*{pp}="
+                              f"{tp * pp}; launch a multiple of {tp * pp} processes")
+        dp = actual // (tp * pp) if dp is None else dp
+        if dp * tp * pp != actual:
+            raise ConfigError(f"parallel.dp*tp*pp={dp}*{tp}*{pp}={dp * tp * pp} does not equal the world size "
+                              f"{actual}; launch {dp * tp * pp} processes or drop parallel.dp")
+        dims = cls(dp=dp, tp=tp, pp=pp, rank=rank, device=default_device())
+        if dims.device.type == "cuda":
+            torch.cuda.set_device(dims.device)
+        if initialised:
+            dims._create_groups()
+        return dims
+
+    def _create_groups(self) -> None:
+        """Call dist.new_group for every group of every kind, in the same order on every rank, and keep
+        the ones this rank belongs to. The backend is the default group's (nccl or gloo)."""
+        for kind, rank_lists in self.group_rank_lists().items():
+            for ranks in rank_lists:
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    setattr(self, f"{kind}_group", pg)
+            if rank_lists:
+                assert getattr(self, f"{kind}_group") is not None, f"{self.coords} is in no {kind} group"

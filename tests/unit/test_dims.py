@@ -1,0 +1,90 @@
+"""ParallelDims rank arithmetic and group layout, without processes."""
+import pytest
+
+from pipetrain.config import ConfigError, ParallelConfig
+from pipetrain.parallel.dims import ParallelDims, mesh_rank_lists
+from pipetrain.parallel.tensor import validate_tensor_parallel
+from pipetrain.config import ModelConfig
+
+
+def test_global_rank_is_dp_major_then_pp_then_tp():
+    for rank in range(8):
+        d = ParallelDims(dp=2, tp=2, pp=2, rank=rank)
+        assert rank == d.dp_rank * 4 + d.pp_rank * 2 + d.tp_rank
+        assert d.global_rank(d.dp_rank, d.pp_rank, d.tp_rank) == rank
+    d = ParallelDims(dp=2, tp=2, pp=2, rank=3)
+    assert (d.dp_rank, d.pp_rank, d.tp_rank) == (0, 1, 1)
+    assert d.coords == "[rank 3 | dp 0 tp 1 pp 1]"
+
+
+def test_group_rank_lists_partition_the_world_along_each_axis():
+    d = ParallelDims(dp=2, tp=2, pp=2)
+    lists = d.group_rank_lists()
+    assert lists["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lists["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lists["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lists["embed"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for kind in ("tp", "pp", "dp"):
+        assert sorted(r for g in lists[kind] for r in g) == list(range(8))
+
+
+def test_degree_one_kinds_have_no_groups():
+    lists = ParallelDims(dp=4, tp=1, pp=1).group_rank_lists()
+    assert lists == {"tp": [], "pp": [], "dp": [[0, 1, 2, 3]], "embed": []}
+
+
+def test_embed_group_joins_first_and_last_stage_of_the_same_dp_tp():
+    d = ParallelDims(dp=1, tp=2, pp=3, rank=5)  # dp 0, pp 2, tp 1
+    assert d.is_last_stage and not d.is_first_stage
+    assert d.embed_ranks == (1, 5)
+    assert [1, 5] in d.group_rank_lists()["embed"]
+
+
+def test_pp_neighbours_wrap_around_the_ring():
+    d = ParallelDims(dp=2, tp=2, pp=3, rank=7)  # dp 1, pp 0, tp 1
+    assert (d.dp_rank, d.pp_rank, d.tp_rank) == (1, 0, 1)
+    assert d.pp_next_rank == 9 and d.pp_prev_rank == 11
+    assert ParallelDims(dp=2, tp=2, pp=1, rank=3).pp_next_rank == 3
+
+
+def test_mesh_rank_lists_spans_several_axes_for_a_future_dp_split():
+    shape = {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "tp": 2}
+    assert mesh_rank_lists(shape, ("dp_shard",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh_rank_lists(shape, ("dp_replicate", "dp_shard")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_single_process_init_has_no_groups():
+    d = ParallelDims.init(ParallelConfig())
+    assert (d.dp, d.tp, d.pp, d.rank, d.world_size) == (1, 1, 1, 0, 1)
+    assert d.tp_group is None and d.dp_group is None and d.pp_group is None and d.embed_group is None
+
+
+@pytest.mark.parametrize("cfg, world_size, fragment", [
+    (ParallelConfig(tp=2), 1, "world size 1 is not divisible by parallel.tp*parallel.pp=2*1=2"),
+    (ParallelConfig(dp=2), 1, "parallel.dp*tp*pp=2*1*1=2 does not equal the world size 1"),
+    (ParallelConfig(tp=0), 1, "parallel.tp=0 must be an integer >= 1"),
+])
+def test_layout_that_does_not_fit_the_world_raises_config_error(cfg, world_size, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
+        ParallelDims.init(cfg, world_size=world_size)
+
+
+def test_requested_world_size_must_match_the_launched_processes():
+    with pytest.raises(ConfigError, match="world size 4 was requested but 1 processes"):
+        ParallelDims.init(ParallelConfig(tp=2), world_size=4)
+
+
+def test_rank_outside_the_mesh_raises():
+    with pytest.raises(ConfigError, match="rank 4 is outside the mesh"):
+        ParallelDims(dp=2, tp=2, rank=4)
+
+
+def test_validate_tensor_parallel_reports_every_problem_at_once():
+    cfg = ModelConfig(vocab_size=102, d_model=48, n_heads=6, n_kv_heads=3, ffn_hidden=90)
+    problems = validate_tensor_parallel(cfg, 4)
+    text = "\n".join(problems)
+    assert len(problems) == 4, problems
+    assert "model.n_heads=6" in text and "model.n_kv_heads=3" in text
+    assert "model.ffn_hidden=90" in text and "model.vocab_size=102" in text
+    assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 4) == []
+    assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 8) == []
