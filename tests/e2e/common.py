@@ -1,0 +1,44 @@
+"""Run train.py (one process or torchrun) on a small recipe and read its metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
+
+# The tiny recipe cut down to seconds: same corpus and tokenizer, a 2-layer d=64 model.
+SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+         "model.max_seq_len=32", "train.seq_len=32", "train.global_batch=8", "train.steps=20",
+         "train.warmup_steps=2", "train.lr=3e-3", "run.eval_every=10", "run.eval_batches=2", "run.log_every=1",
+         "run.sample_tokens=0", "run.progress=false"]
+
+
+def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: str = TINY, extra_args=(),
+              cache_dir: str | None = None, timeout: int = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    sets = list(SMALL) + [f"run.output_dir={out_dir}"] + list(overrides)
+    if cache_dir:
+        sets.append(f"data.cache_dir={cache_dir}")
+    args = ["--recipe", recipe] + [a for s in sets for a in ("--set", s)] + list(extra_args)
+    if nproc == 1:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py")] + args
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               os.path.join(ROOT, "train.py")] + args
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return proc, read_metrics(out_dir)
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_losses(metrics: list[dict]) -> list[float]:
+    return [m["loss"] for m in metrics if "loss" in m]

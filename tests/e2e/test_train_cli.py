@@ -1,0 +1,69 @@
+"""train.py end to end: metrics contract, learning, eval-only, and bad input exiting 2."""
+import os
+
+import yaml
+
+from tests.e2e.common import TINY, read_metrics, run_train, step_losses
+
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s", "peak_mem_bytes"}
+
+
+def test_single_process_run_writes_metrics_and_learns(single_process_run):
+    steps = [m for m in single_process_run if "loss" in m]
+    evals = [m for m in single_process_run if "eval_loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    for m in steps:
+        assert STEP_KEYS <= set(m), set(m) ^ STEP_KEYS
+        assert m["tokens"] == m["step"] * 8 * 32 and m["peak_mem_bytes"] > 0
+    losses = step_losses(single_process_run)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+    assert [e["step"] for e in evals] == [10, 20] and all(e["eval_tokens"] > 0 for e in evals)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+
+
+def test_output_dir_holds_resolved_recipe(tmp_path, token_cache):
+    proc, _ = run_train(str(tmp_path), ["train.steps=2", "run.eval_every=0"], cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = yaml.safe_load(open(tmp_path / "recipe.yaml"))
+    assert saved["train"]["steps"] == 2 and os.path.isabs(saved["data"]["path"])
+
+
+def test_eval_only_writes_one_eval_line(tmp_path, token_cache):
+    proc, metrics = run_train(str(tmp_path), extra_args=["--eval-only"], cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(metrics) == 1 and metrics[0]["step"] == 0 and metrics[0]["eval_loss"] > 8.0
+
+
+def test_sample_is_printed_at_the_end(tmp_path, token_cache):
+    proc, _ = run_train(str(tmp_path), ["train.steps=2", "run.sample_tokens=8"], cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--- sample after 2 steps ---" in proc.stdout
+
+
+def _bad(tmp_path, overrides, recipe=TINY):
+    proc, _ = run_train(str(tmp_path), overrides, recipe=recipe)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    assert "unknown key 'train.stepz'" in _bad(tmp_path, ["train.stepz=3"])
+    assert "did you mean 'steps'" in _bad(tmp_path, ["train.stepz=3"])
+    assert "train.steps='many' must be int" in _bad(tmp_path, ["train.steps=many"])
+    assert "model.d_model=66 must be divisible by model.n_heads=4" in _bad(tmp_path, ["model.d_model=66"])
+    assert "data.path" in _bad(tmp_path, [f"data.path={tmp_path}/missing"])
+    assert "data.tokenizer" in _bad(tmp_path, [f"data.tokenizer={tmp_path}/missing"])
+    assert "vocab_size" in _bad(tmp_path, ["model.vocab_size=100"])
+    assert "not found" in _bad(tmp_path, [], recipe=str(tmp_path / "nope.yaml"))
+
+
+def test_existing_checkpoints_are_never_overwritten_by_a_fresh_run(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "step-00000005"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text("{}")
+    message = _bad(tmp_path, [])
+    assert "already holds checkpoints" in message and "--resume auto" in message
+    assert (ckpt / "manifest.json").read_text() == "{}"
+    assert read_metrics(str(tmp_path)) == []
