@@ -153,7 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     v = args.virtual_stages or (2 if args.schedule == "interleaved-1f1b" else 1)
     try:
-        schedules = build_all_schedules(args.schedule, args.pp, args.microbatches, v)
+        if not (args.cost_f > 0 and args.cost_b > 0 and args.cost_comm >= 0):
+            raise ValueError(f"--cost-f and --cost-b must be > 0 and --cost-comm >= 0, got "
+                             f"{args.cost_f:g}, {args.cost_b:g}, {args.cost_comm:g}")
+        # Place receives for the B/F ratio being simulated (see build_all_schedules).
+        schedules = build_all_schedules(args.schedule, args.pp, args.microbatches, v,
+                                        backward_cost=args.cost_b / args.cost_f)
         validate_schedule(schedules, args.pp, args.microbatches, v)
         result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v)
     except ValueError as e:

@@ -27,11 +27,11 @@ Messages on each directed rank pair are received in the order they are sent (NCC
 order, not by tag); validate_schedule checks exactly that.
 
 How communication is placed (_place_comms): a builder fixes each rank's compute order, then runs it once
-with reference costs (F=1, B=2, free transfers), every compute starting as soon as its rank is free and
-its input exists. A send goes right after the compute that produces it; a receive goes right before the
+with reference costs (F=1, B=backward_cost, default 2; free transfers), every compute starting as soon as
+its rank is free and its input exists. A send goes right after the compute that produces it; a receive goes right before the
 first compute of the receiving rank that starts no earlier than the message was produced. Under async
 timing with those costs no receive ever delays a compute, so the simulated bubble is the compute order's
-own. Under rendezvous no deadlock is possible, for any compute costs: time each batch by the reference
+own (GPipe and 1F1B keep it at any cost ratio; interleaved 1F1B loses some when the real ratio differs). Under rendezvous no deadlock is possible, for any compute costs: time each batch by the reference
 start of the compute after it (the last compute's end for a final batch). If rank A is stuck at batch X
 waiting for rank B to reach batch Y while B is stuck at an earlier batch Z, then time(Z) < time(X): if X
 sends, Y is B's first batch timed at or after the production, which ends before time(X), so Z is timed
@@ -146,16 +146,11 @@ def _interleaved_order(pp_rank: int, pp_size: int, num_microbatches: int, virtua
     return order + [unit(k, B) for k in range(total - num_warmup, total)]
 
 
-# Reference costs for placing receives: a backward costs about twice a forward (two matmuls per forward
-# matmul). The deadlock-freedom argument below holds for any positive costs; these only decide how early
-# a receive is posted, so the simulated bubble is optimal when real costs have this ratio.
-_REF_COST = {F: 1.0, B: 2.0}
-
-
-def _place_comms(orders: list[list[Compute]], virtual_stages: int) -> list[list[Action]]:
+def _place_comms(orders: list[list[Compute]], virtual_stages: int, backward_cost: float) -> list[list[Action]]:
     """Add SEND/RECV actions to every rank's compute order (the rule and its proof: module docstring)."""
     p = len(orders)
     last = p * virtual_stages - 1
+    cost = {F: 1.0, B: backward_cost}
 
     def source(r: int, kind: str, mb: int, c: int) -> tuple[int, Compute] | None:
         """(rank, compute) whose output this compute consumes; None for the first F and the last B."""
@@ -181,7 +176,7 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int) -> list[list[
                     break
                 start = max(clock[r], finished[src]) if src is not None else clock[r]
                 starts[r].append(start)
-                clock[r] = finished[(r, x)] = start + _REF_COST[x[0]]
+                clock[r] = finished[(r, x)] = start + cost[x[0]]
                 progress = True
     assert all(len(starts[r]) == len(orders[r]) for r in range(p)), "_place_comms: compute orders deadlock"
 
@@ -211,10 +206,16 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int) -> list[list[
     return out
 
 
-def build_all_schedules(name: str, pp_size: int, num_microbatches: int,
-                        virtual_stages: int = 1) -> list[list[Action]]:
-    """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator)."""
+def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
+                        backward_cost: float = 2.0) -> list[list[Action]]:
+    """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator).
+
+    backward_cost is B's time relative to F's, used only to place receives (module docstring): about 2
+    normally, 3 with full activation recomputation. Any positive value gives a deadlock-free schedule.
+    """
     _check_args(0, pp_size, num_microbatches, virtual_stages)
+    if not backward_cost > 0:
+        raise ValueError(f"schedule: backward_cost must be > 0, got {backward_cost}")
     p, m, v = pp_size, num_microbatches, virtual_stages
     if name not in SCHEDULES:
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
@@ -224,20 +225,20 @@ def build_all_schedules(name: str, pp_size: int, num_microbatches: int,
         raise ValueError(f"schedule: virtual_stages={v} needs schedule interleaved-1f1b, got {name!r}; "
                          f"set virtual_stages=1 or use interleaved-1f1b")
     if name == "gpipe":
-        return _place_comms([_gpipe_order(m)] * p, 1)
+        return _place_comms([_gpipe_order(m)] * p, 1, backward_cost)
     if v == 1:  # 1f1b, and interleaved-1f1b with one chunk per rank, which is the same thing
         if m < p:
             warnings.warn(f"1f1b: num_microbatches={m} < pp_size={p}; the pipeline never reaches steady state "
                           f"and idles {(p - 1) / (m + p - 1):.0%} of the step; use num_microbatches >= pp_size "
                           f"(4*pp_size or more keeps the bubble small)")
-        return _place_comms([_one_f_one_b_order(r, p, m) for r in range(p)], 1)
+        return _place_comms([_one_f_one_b_order(r, p, m) for r in range(p)], 1, backward_cost)
     if p == 1:
         raise ValueError(f"interleaved-1f1b: virtual_stages={v} needs pp_size >= 2, got 1; one rank has no "
                          f"bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
     if m % p:
         raise ValueError(f"interleaved-1f1b: num_microbatches={m} must be a multiple of pp_size={p} "
                          f"(microbatches pass through the chunks in groups of pp_size); use {m + p - m % p}")
-    return _place_comms([_interleaved_order(r, p, m, v) for r in range(p)], v)
+    return _place_comms([_interleaved_order(r, p, m, v) for r in range(p)], v, backward_cost)
 
 
 def gpipe(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
@@ -257,24 +258,27 @@ def one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Actio
     return build_all_schedules("1f1b", pp_size, num_microbatches)[pp_rank]
 
 
-def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int,
-                            virtual_stages: int) -> list[Action]:
+def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int, *,
+                            backward_cost: float = 2.0) -> list[Action]:
     """Interleaved 1F1B: v model chunks per rank shrink the bubble to about (p-1)/(v*m + p-1).
 
     Needs num_microbatches % pp_size == 0 (microbatches move through the chunks in groups of pp_size) and
     pp_size >= 2 when virtual_stages >= 2; virtual_stages == 1 is plain 1F1B. Holds at most
     min(2*(p - r - 1) + (v-1)*p + 1, m*v) (microbatch, chunk) units in flight, each 1/v of a rank's layers.
-    Proven: async, rendezvous.
+    Unlike GPipe and 1F1B its bubble depends on backward_cost matching the real B/F ratio (see
+    build_all_schedules). Proven: async, rendezvous.
     """
     _check_args(pp_rank, pp_size, num_microbatches, virtual_stages)
-    return build_all_schedules("interleaved-1f1b", pp_size, num_microbatches, virtual_stages)[pp_rank]
+    return build_all_schedules("interleaved-1f1b", pp_size, num_microbatches, virtual_stages,
+                               backward_cost=backward_cost)[pp_rank]
 
 
-def build_schedule(name: str, pp_rank: int, pp_size: int, num_microbatches: int,
-                   virtual_stages: int = 1) -> list[Action]:
-    """Action list of `pp_rank` for schedule `name` (one of SCHEDULES)."""
+def build_schedule(name: str, pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
+                   backward_cost: float = 2.0) -> list[Action]:
+    """Action list of `pp_rank` for schedule `name` (one of SCHEDULES); backward_cost: build_all_schedules."""
     _check_args(pp_rank, pp_size, num_microbatches, virtual_stages)
-    return build_all_schedules(name, pp_size, num_microbatches, virtual_stages)[pp_rank]
+    return build_all_schedules(name, pp_size, num_microbatches, virtual_stages,
+                               backward_cost=backward_cost)[pp_rank]
 
 
 # ----------------------------------------------------------------------------------------------------------
