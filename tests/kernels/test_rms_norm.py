@@ -17,6 +17,7 @@ def _grads(fn, x, w, dy):
     return y, x.grad, w.grad
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_triton_matches_reference(poisoned, shape, dtype):
@@ -31,6 +32,7 @@ def test_rms_norm_triton_matches_reference(poisoned, shape, dtype):
         torch.testing.assert_close(g, r, **tol(dtype), msg=lambda m: f"seed={seed} {name}: {m}")
 
 
+@pytest.mark.triton
 def test_rms_norm_triton_saves_fp32_rstd_and_handles_fp32_weight_with_bf16_x(poisoned):
     seed = fresh_seed()
     x = randn(seed, 6, 33, dtype=torch.bfloat16)
@@ -41,6 +43,7 @@ def test_rms_norm_triton_saves_fp32_rstd_and_handles_fp32_weight_with_bf16_x(poi
     torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-5), **tol(torch.bfloat16))
 
 
+@pytest.mark.triton
 def test_rms_norm_triton_accepts_non_contiguous_input(poisoned):
     seed = fresh_seed()
     x = randn(seed, 40, 6).t()  # (6, 40), stride (1, 6)
@@ -48,6 +51,7 @@ def test_rms_norm_triton_accepts_non_contiguous_input(poisoned):
     torch.testing.assert_close(RMSNormFn.apply(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.triton
 def test_rms_norm_dispatch_takes_triton_path_when_forced(force_triton):
     x = torch.randn(2, 8, requires_grad=True)
     y = rms_norm(x, torch.ones(8), 1e-6)
@@ -60,6 +64,7 @@ def test_rms_norm_dispatch_takes_reference_on_cpu_by_default(monkeypatch):
     assert "RMSNormFn" not in y.grad_fn.name(), y.grad_fn.name()
 
 
+@pytest.mark.triton
 def test_rms_norm_launcher_rejects_bad_weight_and_dtype():
     with pytest.raises(ValueError, match="weight shape"):
         rms_norm_fwd(torch.randn(2, 8), torch.ones(7), 1e-6)
