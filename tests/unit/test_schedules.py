@@ -1,0 +1,343 @@
+"""Pipeline schedules as data: built schedules pass the validator, broken ones fail it, simulated bubbles
+match the textbook formulas, in-flight activations stay bounded, and the CLI runs. No processes."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from pipetrain.parallel.schedule_sim import ideal_bubble, render_timeline, simulate
+from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
+                                          build_all_schedules, build_schedule, gpipe, interleaved_one_f_one_b,
+                                          one_f_one_b, peak_in_flight, validate_schedule)
+
+PP_SIZES = range(1, 9)
+MICROBATCHES = range(1, 17)
+# The simulator model has no approximation: the bubble is exact up to float round-off of sums of a few
+# hundred costs such as 1/3, i.e. ~1e-15; 1e-9 leaves room without hiding a one-slot (>= 1e-3) error.
+EXACT = 1e-9
+
+
+def build(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, **kw) -> list[list[Action]]:
+    with warnings.catch_warnings():  # 1f1b warns when microbatches < pp; covered by its own test
+        warnings.simplefilter("ignore")
+        return build_all_schedules(name, pp_size, num_microbatches, virtual_stages, **kw)
+
+
+def interleaved_cases() -> list[tuple[int, int, int]]:
+    return [(p, m, v) for v in (2, 3) for p in range(2, 9) for m in range(p, 17, p)]
+
+
+def interleaved_bound(pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int) -> int:
+    return min(2 * (pp_size - pp_rank - 1) + (virtual_stages - 1) * pp_size + 1, num_microbatches * virtual_stages)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The validator accepts everything the builders produce.
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp_size", PP_SIZES)
+def test_validator_accepts_every_gpipe_and_1f1b_schedule(name, pp_size):
+    for m in MICROBATCHES:
+        validate_schedule(build(name, pp_size, m), pp_size, m)
+
+
+def test_validator_accepts_every_interleaved_schedule():
+    for p, m, v in interleaved_cases():
+        validate_schedule(build("interleaved-1f1b", p, m, v), p, m, v)
+
+
+@pytest.mark.parametrize("backward_cost", [0.5, 1.0, 3.0])
+def test_schedules_placed_for_any_cost_ratio_are_deadlock_free(backward_cost):
+    for name, p, m, v in [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("1f1b", 4, 2, 1),
+                          ("interleaved-1f1b", 2, 8, 3), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 3, 3, 2)]:
+        validate_schedule(build(name, p, m, v, backward_cost=backward_cost), p, m, v)
+
+
+def test_per_rank_builders_agree_with_build_all_schedules():
+    for r in range(4):
+        assert gpipe(r, 4, 6) == build_schedule("gpipe", r, 4, 6) == build("gpipe", 4, 6)[r]
+        assert one_f_one_b(r, 4, 6) == build_schedule("1f1b", r, 4, 6) == build("1f1b", 4, 6)[r]
+        assert (interleaved_one_f_one_b(r, 4, 8, 2) == build_schedule("interleaved-1f1b", r, 4, 8, 2)
+                == build("interleaved-1f1b", 4, 8, 2)[r])
+
+
+def test_single_rank_schedules_are_only_compute():
+    for name in ("gpipe", "1f1b"):
+        (actions,) = build(name, 1, 3)
+        assert [a.kind for a in actions if a.kind in COMM_KINDS] == []
+        assert sorted((a.kind, a.microbatch) for a in actions) == [(k, i) for k in (B, F) for i in range(3)]
+
+
+def test_interleaved_with_one_virtual_stage_is_plain_1f1b():
+    assert build("interleaved-1f1b", 4, 6, 1) == build("1f1b", 4, 6)
+
+
+def test_1f1b_steady_state_batches_send_act_with_recv_grad():
+    # Megatron's send_forward_recv_backward: without it, rendezvous sends deadlock in steady state.
+    p, m = 4, 8
+    for r, actions in enumerate(build("1f1b", p, m)[:-1]):
+        for i, a in enumerate(actions):
+            if a.kind == RECV_GRAD and a.microbatch < m - (p - r - 1):  # a steady-state backward
+                run = actions[i - 1::-1]
+                run = run[:next(k for k, x in enumerate(run) if x.kind not in COMM_KINDS)]
+                assert any(x.kind == SEND_ACT for x in run), f"rank {r} action {i}: {a} not batched with a send"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The validator rejects broken schedules, naming rank, index and problem.
+
+def two_rank_1f1b() -> list[list[Action]]:
+    return [list(s) for s in build("1f1b", 2, 2)]
+
+
+def test_validator_rejects_backward_before_forward():
+    with pytest.raises(ValueError, match=r"rank 0, action 0 B\(mb 0\): comes before its forward"):
+        validate_schedule([[Action(B, 0), Action(F, 0)]], 1, 1)
+
+
+def test_validator_rejects_a_missing_recv():
+    s = two_rank_1f1b()
+    s[1].remove(Action(RECV_ACT, 1, peer=0))
+    i = s[1].index(Action(F, 1))
+    with pytest.raises(ValueError, match=rf"rank 1, action {i} F\(mb 1\): comes before its input activation"):
+        validate_schedule(s, 2, 2)
+
+
+def test_validator_rejects_a_missing_backward():
+    with pytest.raises(ValueError, match=r"rank 0, action 1: missing B\(mb 0\)"):
+        validate_schedule([[Action(F, 0)]], 1, 1)
+
+
+def test_validator_rejects_a_duplicate_forward():
+    with pytest.raises(ValueError, match=r"rank 0, action 1 F\(mb 0\): duplicate of action 0"):
+        validate_schedule([[Action(F, 0), Action(F, 0), Action(B, 0)]], 1, 1)
+
+
+def test_validator_rejects_sends_in_a_different_order_than_receives():
+    s = [list(a) for a in build("gpipe", 2, 2)]
+    assert s[0][:4] == [Action(F, 0), Action(SEND_ACT, 0, peer=1), Action(F, 1), Action(SEND_ACT, 1, peer=1)]
+    s[0][:4] = [Action(F, 0), Action(F, 1), Action(SEND_ACT, 1, peer=1), Action(SEND_ACT, 0, peer=1)]
+    with pytest.raises(ValueError, match=r"rank 1, action \d+ RECV_ACT\(mb 0\) <- 0: receive #0 from rank 0 is "
+                                         r"paired by order with SEND_ACT\(mb 1\)"):
+        validate_schedule(s, 2, 2)
+
+
+def test_validator_rejects_a_wrong_peer_and_talking_past_the_last_stage():
+    with pytest.raises(ValueError, match=r"rank 1, action \d+ SEND_ACT\(mb 0\) -> 1: peer must be rank 0"):
+        s = two_rank_1f1b()
+        s[1].insert(2, Action(SEND_ACT, 0, peer=1))
+        validate_schedule(s, 2, 2)
+    with pytest.raises(ValueError, match=r"the last stage has no next stage"):
+        s = two_rank_1f1b()
+        s[1].insert(2, Action(SEND_ACT, 0, peer=0))
+        validate_schedule(s, 2, 2)
+
+
+def test_validator_rejects_a_missing_send():
+    s = two_rank_1f1b()
+    s[1].remove(Action(SEND_GRAD, 1, peer=0))
+    with pytest.raises(ValueError, match=r"rank 1, action \d+: missing SEND_GRAD\(mb 1\) \(stage 1\)"):
+        validate_schedule(s, 2, 2)
+
+
+def test_validator_rejects_an_order_that_deadlocks_under_any_semantics():
+    # Each rank waits for the other: rank 0 for a gradient before sending the activation it needs.
+    s = [[Action(F, 0), Action(RECV_GRAD, 0, peer=1), Action(SEND_ACT, 0, peer=1), Action(B, 0)],
+         [Action(RECV_ACT, 0, peer=0), Action(F, 0), Action(B, 0), Action(SEND_GRAD, 0, peer=0)]]
+    with pytest.raises(ValueError, match=r"deadlock under async semantics: rank 0 at action 1 RECV_GRAD\(mb 0\) "
+                                         r"<- 1 waits for rank 1 to reach action 3"):
+        validate_schedule(s, 2, 1)
+
+
+def test_validator_rejects_an_order_that_deadlocks_only_under_rendezvous():
+    # Rank 0's send of activation 2 and rank 1's send of gradient 0 each sit in their own batch, and each
+    # matching receive comes after a compute: fine with eager sends, a cycle when sends wait for receivers.
+    a, g = (lambda i: Action(SEND_ACT, i, peer=1)), (lambda i: Action(RECV_GRAD, i, peer=1))
+    r0 = [Action(F, 0), a(0), Action(F, 1), a(1), Action(F, 2), a(2), Action(F, 3), g(0), Action(B, 0), a(3),
+          g(1), Action(B, 1), g(2), Action(B, 2), g(3), Action(B, 3)]
+    ra, sg = (lambda i: Action(RECV_ACT, i, peer=0)), (lambda i: Action(SEND_GRAD, i, peer=0))
+    r1 = [ra(0), Action(F, 0), ra(1), Action(B, 0), sg(0), Action(F, 1), ra(2), Action(F, 2), Action(B, 1), sg(1),
+          ra(3), Action(F, 3), Action(B, 2), sg(2), Action(B, 3), sg(3)]
+    validate_schedule([r0, r1], 2, 4, semantics=("async",))
+    with pytest.raises(ValueError, match=r"deadlock under rendezvous semantics: rank 0 at action 5 "
+                                         r"SEND_ACT\(mb 2\) -> 1 waits for rank 1 to reach action 6"):
+        validate_schedule([r0, r1], 2, 4)
+
+
+def test_validator_rejects_exceeding_an_in_flight_bound():
+    p, m = 4, 8
+    with pytest.raises(ValueError, match=r"rank 0 holds 8 microbatches in flight, above its bound 4; "
+                                         r"peaks per rank: \[8, 8, 8, 8\]"):
+        validate_schedule(build("gpipe", p, m), p, m, max_in_flight=[p - r for r in range(p)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Builder arguments.
+
+def test_interleaved_refuses_microbatches_not_divisible_by_pp():
+    with pytest.raises(ValueError, match=r"num_microbatches=6 must be a multiple of pp_size=4.*use 8"):
+        build_schedule("interleaved-1f1b", 0, 4, 6, 2)
+
+
+def test_interleaved_refuses_a_single_pipeline_rank():
+    with pytest.raises(ValueError, match=r"needs pp_size >= 2"):
+        build_schedule("interleaved-1f1b", 0, 1, 4, 2)
+
+
+def test_unknown_schedule_name_suggests_the_closest():
+    with pytest.raises(ValueError, match=r"unknown schedule '1f1f'.*did you mean '1f1b'"):
+        build_schedule("1f1f", 0, 2, 4)
+
+
+def test_virtual_stages_need_the_interleaved_schedule():
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule interleaved-1f1b"):
+        build_schedule("1f1b", 0, 2, 4, 2)
+
+
+def test_bad_ranks_and_counts_are_refused():
+    for args in [(2, 2, 4), (-1, 2, 4), (0, 0, 4), (0, 2, 0)]:
+        with pytest.raises(ValueError, match=r"schedule: "):
+            build_schedule("gpipe", *args)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_warns_but_stays_valid():
+    with pytest.warns(UserWarning, match=r"num_microbatches=2 < pp_size=4; the pipeline never reaches steady"):
+        s = build_all_schedules("1f1b", 4, 2)
+    validate_schedule(s, 4, 2, max_in_flight=[2, 2, 2, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-flight activations.
+
+def test_1f1b_keeps_at_most_pp_minus_rank_microbatches_in_flight():
+    for p in PP_SIZES:
+        for m in MICROBATCHES:
+            s = build("1f1b", p, m)
+            validate_schedule(s, p, m, max_in_flight=[p - r for r in range(p)])
+            assert [peak_in_flight(a) for a in s] == [min(p - r, m) for r in range(p)]
+
+
+def test_gpipe_keeps_every_microbatch_in_flight():
+    for p in PP_SIZES:
+        for m in MICROBATCHES:
+            assert [peak_in_flight(a) for a in build("gpipe", p, m)] == [m] * p
+
+
+def test_interleaved_in_flight_matches_its_warmup_bound():
+    for p, m, v in interleaved_cases():
+        peaks = [peak_in_flight(a) for a in build("interleaved-1f1b", p, m, v)]
+        assert peaks == [interleaved_bound(r, p, m, v) for r in range(p)], (p, m, v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Simulated bubbles against the formulas.
+
+@pytest.mark.parametrize("cost_b", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, cost_b):
+    # Receives are placed for B=2F; these schedules reach the formula at any real ratio anyway.
+    for p in PP_SIZES:
+        for m in MICROBATCHES:
+            result = simulate(build(name, p, m), cost_f=1.0, cost_b=cost_b)
+            assert result.bubble == pytest.approx(ideal_bubble(p, m), abs=EXACT), (p, m)
+            assert result.makespan == pytest.approx((m + p - 1) * (1.0 + cost_b), abs=EXACT)
+
+
+@pytest.mark.parametrize("cost_b", [1.0, 2.0, 3.0])
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1_when_placed_for_the_real_costs(cost_b):
+    for p, m, v in interleaved_cases():
+        result = simulate(build("interleaved-1f1b", p, m, v, backward_cost=cost_b), cost_f=1.0, cost_b=cost_b)
+        assert result.bubble == pytest.approx(ideal_bubble(p, m, v), abs=EXACT), (p, m, v)
+        assert result.bubble_per_rank == pytest.approx([ideal_bubble(p, m, v)] * p, abs=EXACT)
+
+
+def test_interleaving_shrinks_the_bubble_about_v_fold():
+    p, m = 4, 16
+    plain = simulate(build("1f1b", p, m)).bubble
+    for v in (2, 3):
+        ratio = plain / simulate(build("interleaved-1f1b", p, m, v)).bubble
+        assert ratio == pytest.approx((v * m + p - 1) / (m + p - 1), abs=EXACT)
+        assert 0.8 * v < ratio < v  # "about v times smaller": the (p-1) terms keep it just under v
+
+
+def test_interleaved_placed_for_other_costs_is_slower_but_still_beats_gpipe():
+    # Receives placed for B=2F block early when B=F really: correct, with a bubble between the formulas.
+    p, m, v = 4, 8, 2
+    result = simulate(build("interleaved-1f1b", p, m, v), cost_f=1.0, cost_b=1.0)
+    assert ideal_bubble(p, m, v) + 0.01 < result.bubble < ideal_bubble(p, m)
+
+
+def test_comm_latency_lengthens_the_critical_path():
+    p, m, c = 4, 8, 0.25
+    base, slow = simulate(build("1f1b", p, m)), simulate(build("1f1b", p, m), cost_comm=c)
+    assert slow.makespan >= base.makespan + 2 * (p - 1) * c - EXACT  # one hop down and one up per rank pair
+    assert slow.bubble > base.bubble
+
+
+def test_simulator_reports_peak_in_flight_and_rejects_deadlocks():
+    assert simulate(build("1f1b", 4, 8)).peak_in_flight == [4, 3, 2, 1]
+    stuck = [[Action(F, 0), Action(RECV_GRAD, 0, peer=1), Action(SEND_ACT, 0, peer=1), Action(B, 0)],
+             [Action(RECV_ACT, 0, peer=0), Action(F, 0), Action(B, 0), Action(SEND_GRAD, 0, peer=0)]]
+    with pytest.raises(ValueError, match=r"simulate: deadlock: rank 0 at action 1"):
+        simulate(stuck)
+
+
+def test_timeline_has_one_row_per_rank_with_labels_and_idle_share():
+    text = render_timeline(simulate(build("interleaved-1f1b", 2, 4, 2)))
+    rows = text.splitlines()
+    assert [r.split("|")[0] for r in rows[:2]] == ["rank 0 ", "rank 1 "]
+    assert "F0c0" in rows[0] and "B3c0" in rows[1] and "idle" in rows[0]
+    assert len({len(r) for r in rows[:2]}) == 1  # rows are aligned
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI.
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipetrain.parallel.schedules", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_timeline_and_bubble():
+    out = run_cli("--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
+    assert out.returncode == 0, out.stderr
+    assert "rank 3 |" in out.stdout and "bubble 27.3%" in out.stdout
+    out = run_cli("--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2")
+    assert out.returncode == 0, out.stderr
+    assert "F7c1" in out.stdout and "bubble 15.8%" in out.stdout
+
+
+def test_cli_reports_bad_input_in_one_line_with_exit_2():
+    out = run_cli("--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "6")
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: interleaved-1f1b: num_microbatches=6") and "Traceback" not in out.stderr
+
+
+def test_cli_png_needs_matplotlib_or_writes_the_file(tmp_path):
+    png = tmp_path / "t.png"
+    out = run_cli("--pp", "2", "--microbatches", "2", "--png", str(png))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert out.returncode == 2 and "needs matplotlib" in out.stderr and "rank 1 |" in out.stdout
+    else:
+        assert out.returncode == 0, out.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_exhaustive_sweep_validates_and_matches_the_formulas():
+    # Wider than the default run: more microbatches, v up to 4, several placement/cost ratios.
+    for cost_b in (1.0, 2.0, 3.0):
+        for p in range(1, 9):
+            for m in range(1, 33):
+                for name, v in [("gpipe", 1), ("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 3, 4)]:
+                    if v > 1 and (p == 1 or m % p):
+                        continue
+                    s = build(name, p, m, v, backward_cost=cost_b)
+                    validate_schedule(s, p, m, v, max_in_flight=[m * v] * p if name != "1f1b" else
+                                      [p - r for r in range(p)])
+                    bubble = simulate(s, cost_f=1.0, cost_b=cost_b).bubble
+                    assert bubble == pytest.approx(ideal_bubble(p, m, v), abs=EXACT), (name, p, m, v, cost_b)
