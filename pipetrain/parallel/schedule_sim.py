@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -157,8 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--cost-f and --cost-b must be > 0 and --cost-comm >= 0, got "
                              f"{args.cost_f:g}, {args.cost_b:g}, {args.cost_comm:g}")
         # Place receives for the B/F ratio being simulated (see build_all_schedules).
-        schedules = build_all_schedules(args.schedule, args.pp, args.microbatches, v,
-                                        backward_cost=args.cost_b / args.cost_f)
+        with warnings.catch_warnings(record=True) as caught:  # printed as one line, not with source
+            warnings.simplefilter("always")
+            schedules = build_all_schedules(args.schedule, args.pp, args.microbatches, v,
+                                            backward_cost=args.cost_b / args.cost_f)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
         validate_schedule(schedules, args.pp, args.microbatches, v)
         result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v)
     except ValueError as e:
