@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .triton_helpers import MAX_FUSED_BYTES, num_warps_for
 
-# A row must fit in one program. 64 KB per row is the limit the Triton layer-norm tutorial uses
-# (beyond it registers spill); that is D <= 16384 in fp32 and D <= 32768 in bf16.
-_MAX_ROW_BYTES = 65536
+if HAS_TRITON:
+    from .triton_helpers import round_to  # a triton.jit function: defined only with triton
+
+# A row must fit in one program: D <= 16384 in fp32 and D <= 32768 in bf16 (MAX_FUSED_BYTES).
 # Programs for the dw partial sums on CUDA: one per SM keeps every SM busy and P small. The
 # interpreter runs programs one after another, so on CPU the count only sets the partial-sum width.
 _CPU_PROGRAMS = 4
@@ -24,11 +26,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     w = weight.to(xf.dtype)
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w).to(x.dtype)
-
-
-def _num_warps(block: int) -> int:
-    # The Triton tutorials' rule for row kernels: one warp per 256 elements, between 1 and 8 warps.
-    return min(max(block // 256, 1), 8)
 
 
 if HAS_TRITON:
@@ -42,7 +39,8 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         tl.store(rstd_ptr + row, rstd)
-        tl.store(y_ptr + base + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+        dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + base + cols, round_to(x * rstd * w, dt).to(dt), mask=mask)
 
     @triton.jit
     def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, N, D,
@@ -50,6 +48,7 @@ if HAS_TRITON:
         # dx = rstd * (dy*w - xhat * mean(dy*w*xhat)), xhat = x*rstd; dw = sum_rows dy*xhat.
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
+        dt = dx_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -62,7 +61,7 @@ if HAS_TRITON:
             xhat = x * rstd
             dyw = dy * w
             c = tl.sum(dyw * xhat, axis=0) / D
-            tl.store(dx_ptr + base + cols, (rstd * (dyw - xhat * c)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + base + cols, round_to(rstd * (dyw - xhat * c), dt).to(dt), mask=mask)
             dw += dy * xhat
         tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
 
@@ -70,8 +69,8 @@ if HAS_TRITON:
 def _block(where: str, x: torch.Tensor) -> int:
     D = x.shape[-1]
     block = triton.next_power_of_2(D)
-    if block * x.element_size() > _MAX_ROW_BYTES:
-        raise ValueError(f"{where}: D={D} does not fit one program ({_MAX_ROW_BYTES} bytes per row in "
+    if block * x.element_size() > MAX_FUSED_BYTES:
+        raise ValueError(f"{where}: D={D} does not fit one program ({MAX_FUSED_BYTES} bytes per row in "
                          f"{x.dtype}); use PIPETRAIN_KERNELS=torch for such rows")
     return block
 
@@ -90,7 +89,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
-                                         num_warps=_num_warps(block))
+                                         num_warps=num_warps_for(block))
     return y.view(x.shape), rstd
 
 
@@ -109,7 +108,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     dx = torch.empty_like(x2)
     dw_part = torch.empty(programs, D, device=x.device, dtype=torch.float32)  # (P, D)
     _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_part, N, D, BLOCK=block,
-                                      num_warps=_num_warps(block))
+                                      num_warps=num_warps_for(block))
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .triton_helpers import MAX_FUSED_BYTES
 
 if HAS_TRITON:
-    from .rounding import round_to
+    from .triton_helpers import round_to  # a triton.jit function: defined only with triton
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,9 +83,6 @@ if HAS_TRITON:
         _rotate_tile(dk_ptr, dko_ptr, tok64 * Hkv * K, Hkv, K, c1, c2, -s2, -s1, BLOCK_HKV, BLOCK_HALF)
 
 
-# The kernel holds all heads of one token; 64 KB of q tile is the same per-program budget as
-# rms_norm's rows (the Triton tutorials' limit before registers spill).
-_MAX_TILE_BYTES = 65536
 
 
 def _launch(kernel, q, k, cos, sin):
@@ -105,8 +103,8 @@ def _launch(kernel, q, k, cos, sin):
     Hkv = k.shape[2]
     block_half = triton.next_power_of_2(K // 2)
     block_hq, block_hkv = triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv)
-    if 2 * block_hq * block_half * q.element_size() > _MAX_TILE_BYTES:
-        raise ValueError(f"rope: Hq*K={Hq * K} per token exceeds one program's {_MAX_TILE_BYTES} bytes; "
+    if 2 * block_hq * block_half * q.element_size() > MAX_FUSED_BYTES:
+        raise ValueError(f"rope: Hq*K={Hq * K} per token exceeds one program's {MAX_FUSED_BYTES} bytes; "
                          "use PIPETRAIN_KERNELS=torch")
     q, k, cos, sin = (t.contiguous() for t in (q, k, cos, sin))
     qo, ko = torch.empty_like(q), torch.empty_like(k)
