@@ -1,0 +1,308 @@
+"""Hugging Face export: full tensors by our global names -> config.json + safetensors + tokenizer.
+
+    python -m pipetrain.hf export CKPT_DIR OUT_DIR [--max-shard-size 2GB] [--dtype fp32|bf16|fp16]
+                                                   [--tokenizer DIR]
+
+writes a directory that transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with the
+same logits as pipetrain. The name mapping is the inverse of pipetrain.hf.hf_sources (GPT-2's
+q/k/v are fused into c_attn and Linear weights transposed into Conv1D's (in, out) layout).
+
+Streaming: every output tensor's name, shape and dtype follow from the ModelConfig alone, so the
+safetensors headers (and the shard each tensor goes to) are written before any data arrives; each
+incoming tensor is then converted and written at its offset and dropped. Peak memory is about one
+tensor (plus its dtype-converted/transposed copy); GPT-2's c_attn holds q, k and v until all three
+have arrived. Output files above max_shard_bytes are split as transformers does:
+model-0000i-of-0000n.safetensors plus model.safetensors.index.json. config.json is written last, so
+an interrupted export never looks loadable.
+
+Architecture chosen for the structure (an exact equivalent when the family's own class lacks it):
+gpt2 -> GPT2LMHeadModel; q/k/v biases -> Qwen2ForCausalLM; a sliding window -> MistralForCausalLM;
+otherwise llama -> LlamaForCausalLM, mistral -> MistralForCausalLM, qwen2 (no bias) -> LlamaForCausalLM.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+from typing import Iterable, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources
+from pipetrain.models.init import param_layout
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 10**9  # transformers' own default for save_pretrained ("2GB", decimal)
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+CLI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2e9, '500MiB' -> 500*2**20, '1000' -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m:
+        raise ConfigError(f"--max-shard-size: expected a size such as 2GB or 500MB, got {text!r}")
+    unit = m.group(2).rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+# ---- config.json ----
+
+def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """The transformers config object for cfg (see the module docstring for the architecture rule)."""
+    import transformers
+
+    special = {k: getattr(tokenizer, k, None) if tokenizer is not None else None
+               for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied, **special)
+    if cfg.family == "gpt2":
+        if cfg.kv_heads != cfg.n_heads:
+            raise ConfigError(f"export: gpt2 has no grouped-query attention, got model.n_kv_heads={cfg.kv_heads} "
+                              f"with n_heads={cfg.n_heads}; GPT2LMHeadModel cannot hold this model")
+        out = transformers.GPT2Config(n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+                                      n_positions=cfg.max_seq_len, n_inner=cfg.ffn, activation_function="gelu_new",
+                                      layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, **common)
+        out.architectures = ["GPT2LMHeadModel"]
+    else:
+        attrs = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                    num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn, max_position_embeddings=cfg.max_seq_len,
+                    rms_norm_eps=cfg.norm_eps, hidden_act="silu", rope_theta=cfg.rope_theta, **common)
+        window = cfg.sliding_window
+        if cfg.has_qkv_bias:  # Qwen2 is llama plus q/k/v biases; max_window_layers=0: every layer slides
+            out = transformers.Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
+                                           max_window_layers=0, **attrs)
+            out.architectures = ["Qwen2ForCausalLM"]
+        elif window is not None or cfg.family == "mistral":
+            out = transformers.MistralConfig(sliding_window=window, head_dim=cfg.head_dim, **attrs)
+            out.architectures = ["MistralForCausalLM"]
+        else:
+            out = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim, **attrs)
+            out.architectures = ["LlamaForCausalLM"]
+    out.dtype = str(dtype).removeprefix("torch.")
+    return out
+
+
+# ---- streaming safetensors writer ----
+
+class ShardedSafetensorsWriter:
+    """Writes tensors known in advance (name -> shape) into size-capped safetensors files, in any order.
+
+    Headers are written first (their offsets follow from the shapes); write() puts one tensor's bytes
+    at its offset. close() checks every tensor arrived and writes the index when there are shards."""
+
+    def __init__(self, out_dir: str, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, max_shard_bytes: int):
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ConfigError(f"export: dtype must be one of {', '.join(map(str, SAFETENSORS_DTYPES))}, got {dtype}")
+        self.out_dir, self.dtype, self.shapes = out_dir, dtype, dict(shapes)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shards: list[list[str]] = [[]]
+        sizes = [0]
+        for name, shape in self.shapes.items():
+            nbytes = itemsize * _numel(shape)
+            if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:  # a tensor above the cap gets its own file
+                shards.append([])
+                sizes.append(0)
+            shards[-1].append(name)
+            sizes[-1] += nbytes
+        n = len(shards)
+        self.filenames = [WEIGHTS_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.total_bytes = sum(sizes)
+        self.where: dict[str, tuple[int, int, int]] = {}  # name -> (file index, absolute offset, nbytes)
+        self.files = []
+        for i, names in enumerate(shards):
+            header: dict = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name in names:
+                nbytes = itemsize * _numel(self.shapes[name])
+                header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(self.shapes[name]),
+                                "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+            start = 8 + len(blob)
+            for name in names:
+                lo = header[name]["data_offsets"][0]
+                self.where[name] = (i, start + lo, header[name]["data_offsets"][1] - lo)
+            f = open(os.path.join(out_dir, self.filenames[i]), "wb")
+            f.write(len(blob).to_bytes(8, "little") + blob)
+            f.truncate(start + offset)
+            self.files.append(f)
+        self.written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        assert name in self.where and name not in self.written, f"export: unexpected or repeated tensor {name}"
+        assert tuple(tensor.shape) == self.shapes[name], f"export: {name} shape {tuple(tensor.shape)}"
+        index, offset, nbytes = self.where[name]
+        data = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == nbytes, f"export: {name} has {data.numel()} bytes, header says {nbytes}"
+        self.files[index].seek(offset)
+        self.files[index].write(memoryview(data.numpy()))
+        self.written.add(name)
+
+    def abort(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def close(self) -> None:
+        self.abort()
+        missing = [n for n in self.shapes if n not in self.written]
+        if missing:
+            raise ConfigError(f"export: {len(missing)} tensors never arrived, got none for {missing[:3]}; "
+                              "the state is missing model weights")
+        if len(self.filenames) > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {name: self.filenames[i] for name, (i, _, _) in self.where.items()}}
+            with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
+                json.dump(index, f, indent=2)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---- export ----
+
+def _prepare_out_dir(out_dir: str) -> None:
+    if os.path.isdir(out_dir) and any(f == CONFIG_FILE or f.endswith(".safetensors") for f in os.listdir(out_dir)):
+        raise ConfigError(f"export: {out_dir} already holds a model, got {sorted(os.listdir(out_dir))[:5]}; "
+                          "export into a new directory")
+    os.makedirs(out_dir, exist_ok=True)
+
+
+def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files transformers reads; ConfigError when tokenizer_dir holds none."""
+    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_dir, f))]
+    if not present:
+        raise ConfigError(f"export: tokenizer directory {tokenizer_dir} has no tokenizer files, got "
+                          f"{sorted(os.listdir(tokenizer_dir)) if os.path.isdir(tokenizer_dir) else 'no directory'}; "
+                          "pass --tokenizer with a folder holding tokenizer.json")
+    for f in present:
+        shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(out_dir, f))
+    return present
+
+
+def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig,
+                 out_dir: str, tokenizer_dir: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write an HF model directory from full (unsharded) tensors keyed by our global names.
+
+    full_state is a dict or an iterator of (name, tensor) in any order; tensors are consumed one at a
+    time. head.weight is skipped when the embedding is tied. Returns the files written."""
+    tokenizer = None
+    if tokenizer_dir:
+        from pipetrain.hf import load_hf_tokenizer
+        tokenizer = load_hf_tokenizer(tokenizer_dir, model_cfg)
+    config = hf_config(model_cfg, tokenizer, dtype)  # fails before any file is written
+    sources, shapes = hf_sources(model_cfg), hf_shapes(model_cfg)
+    ours = {name: shape for name, (shape, _) in param_layout(_meta_model(model_cfg)).items()}
+    parts = {}  # hf name -> number of our tensors fused into it
+    for src in sources.values():
+        parts[src.hf_name] = parts.get(src.hf_name, 0) + 1
+    if model_cfg.tied:
+        parts[sources["embed.weight"].hf_name] -= 1  # head.weight aliases the embedding
+    _prepare_out_dir(out_dir)
+    writer = ShardedSafetensorsWriter(out_dir, shapes, dtype, max_shard_bytes)
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    try:
+        items = full_state.items() if isinstance(full_state, Mapping) else full_state
+        for name, tensor in items:
+            if model_cfg.tied and name == "head.weight":
+                continue
+            if name not in sources:
+                raise ConfigError(f"export: tensor {name} is not a parameter of this {model_cfg.family} model, got "
+                                  f"shape {tuple(tensor.shape)}; pass only model weights by global name")
+            if tuple(tensor.shape) != ours[name]:
+                raise ConfigError(f"export: tensor {name} must have shape {ours[name]} for this model config, "
+                                  f"got {tuple(tensor.shape)}; pass full (unsharded) tensors")
+            src = sources[name]
+            if parts[src.hf_name] > 1:  # a fused tensor: wait for all its parts
+                pending.setdefault(src.hf_name, {})[src.offset] = tensor.detach()
+                if len(pending[src.hf_name]) < parts[src.hf_name]:
+                    continue
+                got = pending.pop(src.hf_name)
+                tensor = torch.cat([got[k] for k in sorted(got)], dim=0)
+            writer.write(src.hf_name, tensor.t() if src.transpose else tensor)
+            del tensor
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    written = list(writer.filenames) + ([INDEX_FILE] if len(writer.filenames) > 1 else [])
+    if tokenizer_dir:
+        written += copy_tokenizer(tokenizer_dir, out_dir)
+    config.to_json_file(os.path.join(out_dir, CONFIG_FILE))
+    return written + [CONFIG_FILE]
+
+
+def _meta_model(cfg: ModelConfig) -> nn.Module:
+    from pipetrain.models import build
+
+    return build(cfg, device="meta")
+
+
+def export_model(model: nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Export a whole single-process model (not tensor-parallel, not pipeline-pruned) held in memory."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layout = param_layout(model)
+    for name, (shape, _) in layout.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"export_model: {name} is a tensor-parallel shard {tuple(params[name].shape)} of "
+                             f"{shape}; export from a checkpoint (python -m pipetrain.hf export) instead")
+    return export_state(((n, params[n]) for n in layout), cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
+
+
+def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Export a pipetrain checkpoint (any layout) through pipetrain.checkpoint's full-tensor reader."""
+    try:
+        from pipetrain.checkpoint import iter_full_tensors, read_manifest
+    except ImportError as exc:
+        raise ConfigError(f"export: checkpoint export needs pipetrain.checkpoint (read_manifest and "
+                          f"iter_full_tensors), got ImportError: {exc}; use a pipetrain version with checkpoints, "
+                          "or pipetrain.hf_export.export_model for a model in memory") from None
+    manifest = read_manifest(ckpt_dir)
+    recipe = manifest["recipe"]
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
+    if tokenizer_dir is None:
+        tokenizer_dir = recipe.get("data", {}).get("tokenizer") or model_cfg.init_from
+    if tokenizer_dir and not os.path.isdir(tokenizer_dir):
+        raise ConfigError(f"export: the tokenizer directory recorded in {ckpt_dir}'s recipe was not found, got "
+                          f"{tokenizer_dir!r}; pass --tokenizer DIR")
+    names = set(hf_sources(model_cfg))
+    stream: Iterator = ((n, t) for n, t in iter_full_tensors(ckpt_dir) if n in names)
+    return export_state(stream, model_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipetrain.hf", description="Hugging Face export.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write a transformers model directory from a pipetrain checkpoint")
+    exp.add_argument("ckpt_dir", help="a checkpoint directory (manifest.json + *.safetensors)")
+    exp.add_argument("out_dir", help="a new directory for config.json, weights and tokenizer")
+    exp.add_argument("--max-shard-size", default="2GB", help="split weight files above this size (default 2GB)")
+    exp.add_argument("--dtype", choices=sorted(CLI_DTYPES), default="fp32", help="weight dtype (default fp32)")
+    exp.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one in the recipe)")
+    args = parser.parse_args(argv)
+    try:
+        files = export_checkpoint(args.ckpt_dir, args.out_dir, args.tokenizer, parse_size(args.max_shard_size),
+                                  CLI_DTYPES[args.dtype])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir}: {', '.join(files)}")
+    return 0
