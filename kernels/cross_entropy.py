@@ -1,9 +1,17 @@
 """Cross-entropy over the last dim, mean over targets != ignore_index, returned as an fp32 scalar.
 
-Vocab-parallel mode (tp_group given): each tp rank holds the logits of vocabulary rows
-[tp_rank * V/tp, (tp_rank + 1) * V/tp); the row max, the sum of exponentials and the target logit are
+Vocab-parallel mode (tp_group given): each tp rank holds the logits of the vocabulary ids
+[tp_rank * V/tp, (tp_rank + 1) * V/tp) (the head's weight rows it owns); the row max, the sum of exponentials and the target logit are
 all-reduced over tp_group, so the loss and the gradient of each shard equal the unsharded ones without
 ever gathering the logits. All-ignored input gives NaN (0/0), as F.cross_entropy does.
+
+Triton path: a forward kernel makes one pass over each row (online max and sum-exp) and writes three
+fp32 numbers per row; torch combines them (all-reducing over tp_group when given) into the row's
+log-sum-exp. The backward kernel recomputes softmax(x) - onehot from the saved logits and that
+log-sum-exp, so nothing of size (N, V) but the logits themselves is kept between forward and backward.
+The gradient goes into a fresh buffer in the logits dtype rather than over the logits: the kernels
+write through raw pointers, invisible to autograd's version counter, so overwriting a tensor that
+another op saved (a soft-capping tanh, a user's copy of the logits) would corrupt it silently.
 
 Shapes: logits (..., V) or (..., V/tp) flattened to (N, V/tp), targets (...,) -> (N,), loss ().
 """
@@ -11,6 +19,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .triton_helpers import num_warps_for
+
+if HAS_TRITON:
+    from .triton_helpers import round_to  # a triton.jit function: defined only with triton
+
+# Vocabulary columns per loop iteration. 4096 fp32 values (16 KB) is a quarter of the 64 KB
+# per-program budget (triton_helpers.MAX_FUSED_BYTES), leaving registers for the exp temporaries;
+# not tuned on a GPU (none here). Any V works: the kernels loop over blocks.
+_MAX_BLOCK = 4096
 
 
 class _AllReduceSumFn(torch.autograd.Function):
@@ -61,6 +80,121 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     return _vocab_parallel_ref(x, t, ignore_index, tp_group)
 
 
+if HAS_TRITON:
+    @triton.jit
+    def _cross_entropy_fwd_kernel(x_ptr, t_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, V, vocab_start,
+                                  ignore_index, BLOCK: tl.constexpr):
+        # One program per row: online max and sum of exp(x - max) over blocks of V, plus the target's
+        # logit when the target falls in this shard [vocab_start, vocab_start + V) (else 0).
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * V  # int64: N * V passes 2**31 for real vocabularies
+        row_max = tl.full((), float("-inf"), tl.float32)
+        sum_exp = tl.full((), 0.0, tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            row_max = new_max
+        t = tl.load(t_ptr + row)
+        local_t = t - vocab_start
+        hit = (t != ignore_index) & (local_t >= 0) & (local_t < V)
+        target_logit = tl.load(x_ptr + base + local_t, mask=hit, other=0.0).to(tl.float32)
+        tl.store(max_ptr + row, row_max)
+        tl.store(sum_exp_ptr + row, sum_exp)
+        tl.store(target_logit_ptr + row, target_logit)
+
+    @triton.jit
+    def _cross_entropy_bwd_kernel(x_ptr, t_ptr, lse_ptr, scale_ptr, dx_ptr, V, vocab_start, ignore_index,
+                                  BLOCK: tl.constexpr):
+        # dx = (softmax(x) - onehot(t)) * scale, scale = dloss / n_valid (0 for ignored rows). dx_ptr
+        # may be x_ptr: each element is read before it is written, by the same program.
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * V
+        dt = dx_ptr.dtype.element_ty
+        t = tl.load(t_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        scale = tl.where(t == ignore_index, 0.0, tl.load(scale_ptr))
+        local_t = t - vocab_start
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = (tl.exp(x - lse) - tl.where(cols == local_t, 1.0, 0.0)) * scale
+            tl.store(dx_ptr + base + cols, round_to(g, dt).to(dt), mask=mask)
+
+
+def _block(V: int) -> int:
+    return min(triton.next_power_of_2(V), _MAX_BLOCK)
+
+
+def _flatten(logits: torch.Tensor, targets: torch.Tensor):
+    check_dtype("cross_entropy logits", logits)
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cross_entropy: targets dtype {targets.dtype} must be int64 or int32")
+    V = logits.shape[-1]
+    if V == 0:
+        raise ValueError("cross_entropy: logits have an empty last dim")
+    return logits.reshape(-1, V).contiguous(), targets.reshape(-1).contiguous()  # (N, V/tp), (N,)
+
+
+def cross_entropy_fwd(x2: torch.Tensor, t: torch.Tensor, ignore_index: int, vocab_start: int = 0):
+    """Launcher: x2 (N, V) contiguous, t (N,) -> per-row fp32 (max, sum of exp(x - max), target logit)."""
+    N, V = x2.shape
+    row_max, sum_exp, target_logit = (torch.empty(N, device=x2.device, dtype=torch.float32) for _ in range(3))
+    if N:
+        block = _block(V)
+        _cross_entropy_fwd_kernel[(N,)](x2, t, row_max, sum_exp, target_logit, V, vocab_start, ignore_index,
+                                        BLOCK=block, num_warps=num_warps_for(block))
+    return row_max, sum_exp, target_logit
+
+
+def cross_entropy_bwd(x2: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                      ignore_index: int, vocab_start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher: (softmax(x2) - onehot(t)) * scale into out (a new buffer, or x2 itself for in place)."""
+    N, V = x2.shape
+    out = torch.empty_like(x2) if out is None else out
+    if N:
+        block = _block(V)
+        _cross_entropy_bwd_kernel[(N,)](x2, t, lse, scale, out, V, vocab_start, ignore_index, BLOCK=block,
+                                        num_warps=num_warps_for(block))
+    return out
+
+
+class CrossEntropyFn(torch.autograd.Function):
+    """Mean cross-entropy on the Triton kernels; vocab-parallel when tp_group is given (the loss is the
+    same on every tp rank and each rank's backward yields its shard's gradient: no communication)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, tp_group):
+        x2, t = _flatten(logits, targets)
+        vocab_start = 0
+        if tp_group is not None:
+            import torch.distributed as dist  # lazy: see cross_entropy()
+            vocab_start = dist.get_rank(tp_group) * x2.shape[1]
+        row_max, sum_exp, target_logit = cross_entropy_fwd(x2, t, ignore_index, vocab_start)
+        if tp_group is not None:
+            global_max = row_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+            sums = torch.stack((sum_exp * torch.exp(row_max - global_max), target_logit))  # (2, N): one call
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+            row_max, (sum_exp, target_logit) = global_max, sums
+        lse = row_max + torch.log(sum_exp)  # (N,)
+        valid = t != ignore_index
+        n_valid = valid.sum()
+        loss = torch.where(valid, lse - target_logit, 0.0).sum() / n_valid
+        ctx.save_for_backward(x2, t, lse, n_valid)
+        ctx.ignore_index, ctx.vocab_start, ctx.shape = ignore_index, vocab_start, logits.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x2, t, lse, n_valid = ctx.saved_tensors
+        scale = (dloss.float() / n_valid).reshape(1)  # a device tensor: no host sync for the scale
+        dx = cross_entropy_bwd(x2, t, lse, scale, ctx.ignore_index, ctx.vocab_start)
+        return dx.view(ctx.shape), None, None, None
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                   tp_group=None) -> torch.Tensor:
     """Mean cross-entropy of logits (..., V) against targets (...); vocab-parallel when tp_group is given.
@@ -71,4 +205,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          "must agree on all but the last dim")
+    if use_triton(logits):
+        return CrossEntropyFn.apply(logits, targets, ignore_index, tp_group)
     return cross_entropy_ref(logits, targets, ignore_index, tp_group)
