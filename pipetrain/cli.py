@@ -42,17 +42,21 @@ def _init_distributed(world_size: int) -> None:
 
 def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
     problems = validate_layout(recipe, world_size)
+    from pipetrain.parallel.pipeline import validate_pipeline
     from pipetrain.parallel.tensor import validate_tensor_parallel
-    problems += validate_tensor_parallel(recipe.model, recipe.parallel.tp)
+    problems += validate_tensor_parallel(recipe.model, recipe.parallel.tp, recipe.train.seq_len,
+                                         recipe.parallel.sequence_parallel)
+    problems += validate_pipeline(recipe.model, recipe.parallel)
     return problems
 
 
 def build_run(recipe: Recipe, resume: str | None):
-    """Everything a run needs: (dims, model, optimizer, loader, tokenizer, checkpointer, start_step)."""
+    """Everything a run needs: (dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start)."""
     from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
     from pipetrain.models import build, materialize
     from pipetrain.optim import build_optimizer
     from pipetrain.parallel.dims import ParallelDims
+    from pipetrain.parallel.pipeline import build_stage
 
     dims = ParallelDims.init(recipe.parallel)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
@@ -73,9 +77,10 @@ def build_run(recipe: Recipe, resume: str | None):
     if dims.tp > 1:
         from pipetrain.parallel.tensor import apply_tensor_parallel
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
+    model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
     materialize(model, recipe.model, recipe.train.seed, dims.device)
-    optimizer = build_optimizer(model, recipe.train)
-    return dims, model, optimizer, loader, tokenizer, None, 0
+    optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
+    return dims, model, chunks, specs, optimizer, loader, tokenizer, None, 0
 
 
 def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> str:
@@ -104,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(recipe.train.seed)
     out = _prepare_output_dir(recipe, rank, args.resume)
-    dims, model, optimizer, loader, tokenizer, checkpointer, start = build_run(recipe, args.resume)
-    trainer = Trainer(recipe, dims, model, optimizer, loader, out, checkpointer=checkpointer, start_step=start)
+    dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start = build_run(recipe, args.resume)
+    trainer = Trainer(recipe, dims, model, optimizer, loader, out, chunks=chunks, specs=specs,
+                      checkpointer=checkpointer, start_step=start)
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()

@@ -320,12 +320,8 @@ def validate(r: Recipe, world_size: int | None = None) -> list[str]:
 
 # Values whose feature has not landed yet; each entry goes when its issue lands.
 _PENDING = {
-    ("parallel", "tp"): (lambda v: v == 1, "tensor parallelism"),
-    ("parallel", "pp"): (lambda v: v == 1, "pipeline parallelism"),
     ("parallel", "zero"): (lambda v: v == 0, "ZeRO sharding"),
     ("parallel", "recompute"): (lambda v: v == "none", "activation recomputation"),
-    ("parallel", "sequence_parallel"): (lambda v: not v, "sequence parallelism"),
-    ("parallel", "virtual_stages"): (lambda v: v == 1, "interleaved pipeline stages"),
 }
 
 

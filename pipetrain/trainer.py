@@ -20,8 +20,9 @@ from pipetrain.data import IGNORE_INDEX, Batch, Loader
 from pipetrain.kernels import cross_entropy
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
 from pipetrain.models import flops_per_token
-from pipetrain.optim import lr_at, set_lr
-from pipetrain.parallel.grads import clip_grad_norm, sync_grads
+from pipetrain.optim import lr_at
+from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.schedules import build_schedule, gpipe
 
 
 class TrainingDiverged(RuntimeError):
@@ -38,7 +39,8 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
 
 class Trainer:
     def __init__(self, recipe: Recipe, dims, model: nn.Module, optimizer, loader: Loader, output_dir: str,
-                 checkpointer=None, start_step: int = 0):
+                 chunks=None, specs=None, checkpointer=None, start_step: int = 0):
+        """model: this rank's (pruned, sharded) module; chunks/specs: its pipeline chunks (build_stage)."""
         self.recipe, self.dims, self.model, self.optimizer = recipe, dims, model, optimizer
         self.loader, self.output_dir, self.checkpointer = loader, output_dir, checkpointer
         self.step = start_step
@@ -49,6 +51,23 @@ class Trainer:
                                     progress=recipe.run.progress, start_step=start_step)
         self.peak = peak_tflops(self.device, recipe.run.peak_tflops)
         self.flops_per_token = flops_per_token(recipe.model, recipe.train.seq_len)
+        if chunks is None:
+            from pipetrain.parallel.pipeline import ChunkSpec
+            chunks, specs = [model], [ChunkSpec(0, tuple(range(recipe.model.n_layers)), True, True)]
+        p = recipe.parallel
+        tp_group = dims.tp_group if dims.tp > 1 else None
+        micro = recipe.train.global_batch // dims.dp // p.microbatches
+        seq = recipe.train.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
+        act_dtype = next(model.parameters()).dtype
+        self.executor = Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
+                                 loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
+                                 autocast=self._autocast)
+        # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
+        backward_cost = 3.0 if p.recompute == "full" else 2.0
+        self.actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,
+                                      backward_cost=backward_cost)
+        self.eval_actions = gpipe(dims.pp_rank, dims.pp, p.microbatches) if p.virtual_stages == 1 else \
+            [a for a in self.actions if a.kind in ("F", "SEND_ACT", "RECV_ACT")]
 
     # -- one step ------------------------------------------------------------------------------
     def _autocast(self):
@@ -57,19 +76,12 @@ class Trainer:
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: Batch, num_targets: int) -> torch.Tensor:
-        """Run every microbatch forward and backward; return this rank's summed loss (not yet averaged)."""
-        total = torch.zeros((), device=self.device)
-        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
-        for mb in batch.split(self.recipe.parallel.microbatches):
-            with self._autocast():
-                logits = self.model(mb.inputs.to(self.device))
-            loss = loss_sum(logits, mb.targets.to(self.device), tp_group)
-            (loss / num_targets).backward()
-            total += loss.detach()
-        return total
+        """Run the step's schedule over every microbatch; return this rank's summed loss (not averaged)."""
+        return self.executor.run(self.actions, batch.split(self.recipe.parallel.microbatches), num_targets)
 
     def _global_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
-        """Every rank gets the step's loss: summed over dp ranks; tp ranks hold the same value."""
+        """Every rank gets the step's loss: summed over dp ranks and stages (only the last stage holds
+        a loss); tp ranks hold the same value, so only tp rank 0 contributes."""
         if self.dims.world_size > 1:
             local_sum = local_sum.clone()
             if self.dims.tp_rank != 0:
@@ -81,19 +93,18 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.recipe.train
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         batch, num_targets = self.loader.next()
         local = self.forward_backward(batch, num_targets)
-        sync_grads(self.model, self.dims)
+        self.optimizer.reduce_grads()
         loss = self._global_loss(local, num_targets)
-        grad_norm = clip_grad_norm(self.model, self.dims, cfg.grad_clip)
+        grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingDiverged(f"loss is {loss} and grad norm {grad_norm} at step {self.step + 1}; "
                                    "weights were not updated and no checkpoint was written; lower train.lr "
                                    "or raise train.warmup_steps, then resume from the last checkpoint")
         lr = lr_at(self.step + 1, cfg)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        self.optimizer.step(lr)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -111,15 +122,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         total = torch.zeros((), device=self.device)
         count = 0
         for batch in self.loader.val_batches(self.recipe.run.eval_batches):
-            for mb in batch.split(self.recipe.parallel.microbatches):
-                with self._autocast():
-                    logits = self.model(mb.inputs.to(self.device))
-                total += loss_sum(logits, mb.targets.to(self.device), tp_group).float()
-                count += int((mb.targets != IGNORE_INDEX).sum())
+            total += self.executor.run(self.eval_actions, batch.split(self.recipe.parallel.microbatches), 1,
+                                       forward_only=True)
+            count += int((batch.targets != IGNORE_INDEX).sum())
+        if not self.dims.is_last_stage:
+            total.zero_()  # the token count is known everywhere; the loss only on the last stage
+            count = 0
         stats = torch.tensor([float(total), float(count)], dtype=torch.float64, device=self.device)
         if self.dims.world_size > 1:
             if self.dims.tp_rank != 0:

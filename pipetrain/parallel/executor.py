@@ -1,0 +1,119 @@
+"""run_schedule: execute one rank's pipeline action list (pipetrain.parallel.schedules).
+
+The executor knows nothing of any particular schedule: it walks the list, runs F and B on the
+chunk modules, and posts point-to-point transfers. Each maximal run of consecutive communication
+actions is posted together with batch_isend_irecv (the "rendezvous" semantics the schedules are
+proven deadlock-free under); receives are waited for at once, sends at the end of the step.
+
+Every transferred tensor has the shape and dtype agreed up front from the recipe
+(microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
+anything is sent, instead of hanging the peer.
+
+Loss scaling: the last stage's F computes sum(CE) over the microbatch's targets divided by the
+target tokens of the whole global batch, so accumulated gradients equal the single-process
+gradient of the global mean loss.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action)
+
+
+class Executor:
+    """Runs schedules for one rank's chunks; holds no state between steps."""
+
+    def __init__(self, chunks: Sequence[nn.Module], specs, dims, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 loss_fn: Callable, autocast=contextlib.nullcontext):
+        self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
+        self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
+        self.loss_fn, self.autocast = loss_fn, autocast
+
+    def _peer(self, pp_rank: int) -> int:
+        d = self.dims
+        return d.global_rank(d.dp_rank, pp_rank, d.tp_rank)
+
+    def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(t.shape) != self.act_shape or t.dtype != self.act_dtype:
+            raise RuntimeError(f"{self.dims.coords} pipeline {what}: tensor {tuple(t.shape)} {t.dtype} does not match "
+                               f"the agreed {self.act_shape} {self.act_dtype}; stages disagree on the layout")
+        return t.contiguous()
+
+    def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
+        """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
+        device = self.dims.device
+        inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
+        total = torch.zeros((), device=device)
+        pending_sends = []
+        comm_batch: list[Action] = []
+
+        def flush():
+            if not comm_batch:
+                return
+            ops, recvs = [], []
+            for a in comm_batch:
+                key, peer = (a.microbatch, a.chunk), self._peer(a.peer)
+                if a.kind == SEND_ACT:
+                    out = outputs.pop(key) if forward_only else outputs[key]  # training keeps it for B
+                    ops.append(dist.P2POp(dist.isend, self._check(out.detach(), "send activation"), peer))
+                elif a.kind == SEND_GRAD:
+                    ops.append(dist.P2POp(dist.isend, self._check(grads_in.pop(key), "send gradient"), peer))
+                else:
+                    buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
+                    ops.append(dist.P2POp(dist.irecv, buf, peer))
+                    recvs.append((a, buf))
+            works = dist.batch_isend_irecv(ops)
+            if recvs:
+                for w in works:
+                    w.wait()
+            else:
+                pending_sends.extend(works)
+            for a, buf in recvs:
+                key = (a.microbatch, a.chunk)
+                if a.kind == RECV_ACT:
+                    inputs[key] = buf.requires_grad_(not forward_only)
+                else:
+                    grads_out[key] = buf
+            comm_batch.clear()
+
+        for a in actions:
+            if a.kind in (SEND_GRAD, RECV_GRAD) and forward_only:
+                continue
+            if a.is_comm:
+                comm_batch.append(a)
+                continue
+            flush()
+            key = (a.microbatch, a.chunk)
+            spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
+            mb = microbatches[a.microbatch]
+            if a.kind == F:
+                x = mb.inputs.to(device) if spec.is_first else inputs[key]
+                with self.autocast():
+                    out = chunk(x)
+                if spec.is_last:
+                    loss = self.loss_fn(out, mb.targets.to(device))
+                    total += loss.detach().float()
+                    if not forward_only:
+                        losses[key] = loss / num_targets
+                else:
+                    outputs[key] = out
+                if forward_only:
+                    inputs.pop(key, None)
+            elif a.kind == B and not forward_only:
+                if spec.is_last:
+                    losses.pop(key).backward()
+                else:
+                    torch.autograd.backward(outputs.pop(key), grads_out.pop(key))
+                if not spec.is_first:
+                    grads_in[key] = inputs.pop(key).grad
+        flush()
+        for w in pending_sends:
+            w.wait()
+        assert not losses and not grads_out and not grads_in, \
+            f"{self.dims.coords} schedule left work undone: {list(losses)} {list(grads_out)} {list(grads_in)}"
+        return total

@@ -1,0 +1,168 @@
+"""Pipeline stages: partition the decoder's layers and keep this rank's part.
+
+A pipeline of pp ranks with v virtual stages per rank has S = pp * v stages; chunk c of pp rank r is
+stage s = c * pp + r (Megatron's interleaving). Stage 0 also holds the embedding, stage S-1 the final
+norm, the LM head and the loss. Layers go to stages by a cost model (per-layer training FLOPs, the
+embedding's parameter memory and the head's FLOPs; docs/pipeline.md) or an explicit
+parallel.stage_layers list.
+
+build_stage prunes the (meta) model in place to the union of this rank's chunks, so parameter names
+stay global (layers.17.mlp.up.weight); each chunk is a shallow view of that module that runs only its
+own layers. When embeddings are tied and the first and last stage live on different ranks, the last
+stage gets its own copy of the weight (initialised from the same global name, "embed.weight") and
+the two gradients are summed over dims.embed_group every step.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from pipetrain.config import ConfigError, ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    stage: int                 # global stage index
+    layers: tuple[int, ...]    # global layer indices, in order
+    is_first: bool             # holds the embedding
+    is_last: bool              # holds the final norm, head and loss
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """(one transformer block, the embedding, the head + loss) in forward FLOPs per token.
+
+    The embedding does no matmul; it is charged as one block's worth when its table is larger than
+    a block (it dominates a stage's memory and its optimizer step), else nothing."""
+    D, K = cfg.d_model, cfg.head_dim
+    block = 2 * D * K * (2 * cfg.n_heads + 2 * cfg.kv_heads) + 2 * D * cfg.ffn * (3 if cfg.family != "gpt2" else 2)
+    block += 2 * cfg.n_heads * K * seq_len  # causal attention: 4*Hq*K*T/2
+    embed = block if cfg.vocab_size * D > 12 * D * D else 0.0
+    head = 2 * D * cfg.vocab_size
+    return float(block), float(embed), float(head)
+
+
+def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int) -> list[int]:
+    """Layers per stage (each >= 1) minimising the most expensive stage; ties favour earlier stages."""
+    L = cfg.n_layers
+    if num_stages > L:
+        raise ConfigError(f"parallel.pp*virtual_stages={num_stages} exceeds model.n_layers={L}; "
+                          "each stage needs at least one layer")
+    block, embed, head = layer_costs(cfg, seq_len)
+
+    def cost(stage: int, n: int) -> float:
+        return n * block + (embed if stage == 0 else 0.0) + (head if stage == num_stages - 1 else 0.0)
+
+    # best[s][l]: minimal max-cost of placing the first l layers on the first s stages
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (L + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for l in range(s, L - (num_stages - s) + 1):
+            for n in range(1, l - (s - 1) + 1):
+                value = max(best[s - 1][l - n], cost(s - 1, n))
+                if value < best[s][l] - 1e-9:
+                    best[s][l], choice[s][l] = value, n
+    counts, l = [], L
+    for s in range(num_stages, 0, -1):
+        counts.append(choice[s][l])
+        l -= choice[s][l]
+    return counts[::-1]
+
+
+def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[list[int]]:
+    """Global layer indices of every stage."""
+    num_stages = pcfg.pp * pcfg.virtual_stages
+    if pcfg.stage_layers is not None:
+        counts = list(pcfg.stage_layers)
+        if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts):
+            raise ConfigError(f"parallel.stage_layers={counts} must list {num_stages} positive layer counts "
+                              f"(one per stage: pp*virtual_stages={pcfg.pp}*{pcfg.virtual_stages})")
+        if sum(counts) != cfg.n_layers:
+            raise ConfigError(f"parallel.stage_layers={counts} sums to {sum(counts)} but model.n_layers="
+                              f"{cfg.n_layers}; make the counts add up to the number of layers")
+    else:
+        counts = partition_layers(cfg, num_stages, seq_len)
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def validate_pipeline(cfg: ModelConfig, pcfg: ParallelConfig) -> list[str]:
+    """Recipe-level pipeline problems, reported with the other recipe errors."""
+    problems = []
+    num_stages = pcfg.pp * pcfg.virtual_stages
+    if num_stages > cfg.n_layers:
+        problems.append(f"parallel.pp*virtual_stages={pcfg.pp}*{pcfg.virtual_stages}={num_stages} exceeds "
+                        f"model.n_layers={cfg.n_layers}; each stage needs at least one layer")
+    if pcfg.virtual_stages > 1:
+        if pcfg.schedule != "interleaved-1f1b":
+            problems.append(f"parallel.virtual_stages={pcfg.virtual_stages} needs parallel.schedule="
+                            f"interleaved-1f1b, got {pcfg.schedule}")
+        if pcfg.pp < 2:
+            problems.append(f"parallel.virtual_stages={pcfg.virtual_stages} needs parallel.pp >= 2")
+        if pcfg.microbatches % pcfg.pp:
+            problems.append(f"parallel.microbatches={pcfg.microbatches} must be a multiple of parallel.pp="
+                            f"{pcfg.pp} for interleaved-1f1b")
+        if pcfg.stage_layers is None and cfg.n_layers % num_stages:
+            problems.append(f"model.n_layers={cfg.n_layers} is not divisible by pp*virtual_stages={num_stages} "
+                            "for interleaved-1f1b; change the layer count or give parallel.stage_layers")
+    if pcfg.stage_layers is not None:
+        counts = list(pcfg.stage_layers)
+        if len(counts) != num_stages or sum(counts) != cfg.n_layers or min(counts, default=0) < 1:
+            problems.append(f"parallel.stage_layers={counts} must list {num_stages} positive counts summing to "
+                            f"model.n_layers={cfg.n_layers}")
+    return problems
+
+
+def _chunk_view(model: nn.Module, spec: ChunkSpec) -> nn.Module:
+    """A shallow copy of the rank's module that runs only spec's layers (parameters shared)."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in spec.layers})
+    if not spec.is_first:
+        view.embed = None
+        if getattr(view, "pos_embed", None) is not None:
+            view.pos_embed = None
+    if not spec.is_last:
+        view.norm = None
+        view.head = None
+    return view
+
+
+def build_stage(model: nn.Module, dims, pcfg: ParallelConfig, seq_len: int) -> tuple[nn.Module, list[nn.Module],
+                                                                                        list[ChunkSpec]]:
+    """Prune model in place to this pp rank's chunks; returns (model, chunk modules, chunk specs).
+
+    With pp == 1 the model is unchanged and is its own single chunk."""
+    cfg: ModelConfig = model.cfg
+    layout = stage_layout(cfg, pcfg, seq_len)
+    num_stages = len(layout)
+    specs = [ChunkSpec(stage=c * dims.pp + dims.pp_rank, layers=tuple(layout[c * dims.pp + dims.pp_rank]),
+                       is_first=c * dims.pp + dims.pp_rank == 0,
+                       is_last=c * dims.pp + dims.pp_rank == num_stages - 1)
+             for c in range(pcfg.virtual_stages)]
+    if num_stages == 1:
+        return model, [model], specs
+    keep = {i for spec in specs for i in spec.layers}
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    has_first = any(s.is_first for s in specs)
+    has_last = any(s.is_last for s in specs)
+    tied = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
+    if not has_first:
+        model.embed = None
+        if getattr(model, "pos_embed", None) is not None:
+            model.pos_embed = None
+    if not has_last:
+        model.norm = None
+        model.head = None
+    elif tied and not has_first:  # the last stage's own copy of the tied embedding
+        model.head.weight = nn.Parameter(torch.empty_like(model.head.weight))
+    return model, [_chunk_view(model, s) for s in specs], specs
