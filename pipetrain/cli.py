@@ -57,6 +57,7 @@ def build_run(recipe: Recipe, resume: str | None):
     from pipetrain.optim import build_optimizer
     from pipetrain.parallel.dims import ParallelDims
     from pipetrain.parallel.pipeline import build_stage
+    from pipetrain.parallel.recompute import apply_recompute
 
     dims = ParallelDims.init(recipe.parallel)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
@@ -79,6 +80,7 @@ def build_run(recipe: Recipe, resume: str | None):
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
     materialize(model, recipe.model, recipe.train.seed, dims.device)
+    apply_recompute(model, recipe.parallel)
     optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
     return dims, model, chunks, specs, optimizer, loader, tokenizer, None, 0
 

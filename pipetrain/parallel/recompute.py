@@ -1,0 +1,51 @@
+"""Activation recomputation: trade compute for activation memory.
+
+- full: each transformer block keeps only its input; its forward runs again during backward.
+  parallel.recompute_layers = N limits this to the first N blocks of each stage (Megatron's
+  "block" granularity), the rest keep their activations.
+- selective: only the attention core (softmax(q k^T) v, the part whose activations grow with T^2
+  and cost few FLOPs to redo) is recomputed, as in Korthikanti et al. 2022.
+
+Non-reentrant torch.utils.checkpoint with the RNG state preserved, so the recomputed forward is
+bitwise the original one and losses and gradients do not change. The model has no dropout, so RNG
+preservation is belt and braces; it keeps the guarantee if dropout is ever added.
+The module's own forward is replaced on the instance (not wrapped in a new module), so parameter
+names, and with them checkpoints and initialisation, do not change.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from pipetrain.config import ParallelConfig
+
+
+def _checkpointed_forward(module: nn.Module, *args, **kwargs):
+    forward = type(module).forward
+    return checkpoint(forward, module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _recompute(module: nn.Module) -> None:
+    module.forward = functools.partial(_checkpointed_forward, module)
+    module.recomputed = True
+
+
+def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
+    """Mark this stage's blocks (full) or attention cores (selective) for recomputation, in place.
+    Returns the names of the recomputed modules."""
+    if pcfg.recompute == "none":
+        return []
+    names = []
+    blocks = list(model.layers.items())
+    if pcfg.recompute == "full":
+        limit = len(blocks) if pcfg.recompute_layers is None else pcfg.recompute_layers
+        for name, block in blocks[:limit]:
+            _recompute(block)
+            names.append(f"layers.{name}")
+    elif pcfg.recompute == "selective":
+        for name, block in blocks:
+            _recompute(block.attn.core)
+            names.append(f"layers.{name}.attn.core")
+    return names
