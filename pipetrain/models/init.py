@@ -60,7 +60,17 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
 @torch.no_grad()
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str) -> nn.Module:
     """Allocate a meta-built model on device and initialise every (possibly sharded) parameter."""
+    # to_empty() gives every module its own new tensor, which would silently untie shared
+    # parameters (the tied embedding): remember who shares what and tie them again afterwards.
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, p_name))
     model.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        for module, p_name in places[1:]:
+            setattr(module, p_name, getattr(first_module, first_name))
     params = dict(model.named_parameters())
     for name, (shape, slices) in param_layout(model).items():
         full = init_tensor(cfg, name, shape, seed)

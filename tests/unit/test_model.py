@@ -99,3 +99,10 @@ def test_flops_per_token_counts_gqa_and_swiglu():
     # 6N (norm weights are a rounding error) + causal attention: 3 passes x L x 4*Hq*K*(T/2)
     approx = dense_matmul + 3 * 2 * 4 * 4 * 16 * (32 / 2)
     assert abs(flops_per_token(cfg, 32) - approx) / approx < 0.005
+
+
+def test_materialize_keeps_tied_embeddings_tied():
+    cfg = tiny("gpt2")
+    model = materialize(build(cfg), cfg, seed=0, device="cpu")
+    assert model.head.weight is model.embed.weight
+    assert "head.weight" not in dict(model.named_parameters())
