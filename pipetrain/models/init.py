@@ -26,10 +26,13 @@ def name_seed(seed: int, name: str) -> int:
 
 def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[slice, ...]]]:
     """{global name: (global shape, local slices)} for every parameter the module holds."""
-    out = {}
+    out, seen = {}, set()
     for mod_name, module in model.named_modules():
         shards = getattr(module, "param_shards", {})
         for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # a tied parameter is listed once, under its first name
+                continue
+            seen.add(id(p))
             shape = list(p.shape)
             slices = [slice(None)] * p.dim()
             if p_name in shards:
@@ -37,7 +40,7 @@ def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[sli
                 shape[dim] = p.shape[dim] * count
                 slices[dim] = slice(index * p.shape[dim], (index + 1) * p.shape[dim])
             full_name = f"{mod_name}.{p_name}" if mod_name else p_name
-            out.setdefault(full_name, (tuple(shape), tuple(slices)))
+            out[full_name] = (tuple(shape), tuple(slices))
     return out
 
 
