@@ -202,5 +202,6 @@ class ParallelDims:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:
                     setattr(self, f"{kind}_group", pg)
-            if rank_lists:
+            # every rank is in one group of each mesh axis; middle pipeline stages are in no embed group
+            if rank_lists and kind != "embed":
                 assert getattr(self, f"{kind}_group") is not None, f"{self.coords} is in no {kind} group"
