@@ -1,10 +1,9 @@
-"""ParallelDims rank arithmetic and group layout, without processes."""
+"""ParallelDims rank arithmetic and group layout, and tensor-parallel config validation, without processes."""
 import pytest
 
-from pipetrain.config import ConfigError, ParallelConfig
+from pipetrain.config import ConfigError, ModelConfig, ParallelConfig
 from pipetrain.parallel.dims import ParallelDims, mesh_rank_lists
 from pipetrain.parallel.tensor import validate_tensor_parallel
-from pipetrain.config import ModelConfig
 
 
 def test_global_rank_is_dp_major_then_pp_then_tp():
@@ -88,3 +87,10 @@ def test_validate_tensor_parallel_reports_every_problem_at_once():
     assert "model.ffn_hidden=90" in text and "model.vocab_size=102" in text
     assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 4) == []
     assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 8) == []
+
+
+def test_sequence_parallel_needs_a_sequence_length_divisible_by_tp():
+    cfg = ModelConfig(n_heads=8, vocab_size=64)
+    (problem,) = validate_tensor_parallel(cfg, 4, seq_len=30, sequence_parallel=True)
+    assert problem.startswith("train.seq_len: must be divisible by parallel.tp=4") and "got 30" in problem
+    assert validate_tensor_parallel(cfg, 4, seq_len=30, sequence_parallel=False) == []
