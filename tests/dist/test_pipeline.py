@@ -1,0 +1,124 @@
+"""Pipeline parallelism on gloo CPU processes: every schedule reproduces single-process gradient
+accumulation over the same microbatches, in loss and in every gradient (fp32 round-off only)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipetrain.config import ConfigError, ModelConfig, ParallelConfig
+from pipetrain.data import Batch
+from pipetrain.models import build, materialize
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.grads import clip_grad_norm, sync_grads
+from pipetrain.parallel.pipeline import build_stage, partition_layers, stage_layout, validate_pipeline
+from pipetrain.parallel.schedules import build_schedule
+from pipetrain.parallel.tensor import apply_tensor_parallel
+from pipetrain.trainer import loss_sum
+from tests.harness import EXACT_FP32, TP_FP32, run_ranks
+
+SEED, MB, T = 99, 2, 16
+LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=64, max_seq_len=32)
+GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=32)  # tied
+
+
+def _microbatches(cfg, num):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (num * MB, T + 1), generator=gen)
+    targets = tokens[:, 1:].clone()
+    targets[0, :5] = -100  # masked targets must not tilt the mean
+    return Batch(tokens[:, :-1], targets).split(num), int((targets != -100).sum())
+
+
+def _reference(cfg, num):
+    """Single process: gradient accumulation over the same microbatches, loss / global token count."""
+    model = materialize(build(cfg), cfg, SEED, "cpu")
+    mbs, count = _microbatches(cfg, num)
+    total = 0.0
+    for mb in mbs:
+        loss = loss_sum(model(mb.inputs), mb.targets)
+        (loss / count).backward()
+        total += float(loss)
+    norm = clip_grad_norm(model, ParallelDims(), 0.0)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return total / count, grads, norm
+
+
+def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num):
+    dims = ParallelDims.from_degrees(tp=tp, pp=pp)
+    pcfg = ParallelConfig(pp=pp, tp=tp, schedule=schedule, virtual_stages=virtual_stages, microbatches=num)
+    model = build(cfg)
+    apply_tensor_parallel(model, dims)
+    model, chunks, specs = build_stage(model, dims, pcfg, T)
+    materialize(model, cfg, SEED, "cpu")
+    tp_group = dims.tp_group if tp > 1 else None
+    executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
+                        loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
+    actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages)
+    mbs, count = _microbatches(cfg, num)
+    local = executor.run(actions, mbs, count)
+    sync_grads(model, dims)
+    norm = clip_grad_norm(model, dims, 0.0)
+    dist.all_reduce(local)  # only the last stage holds a loss; tp ranks hold copies
+    loss = float(local) / count / tp
+
+    ref_loss, ref_grads, ref_norm = _reference(cfg, num)
+    tol = TP_FP32 if tp > 1 else EXACT_FP32
+    torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{dims.coords} loss: {m}")
+    torch.testing.assert_close(norm, ref_norm, **tol, msg=lambda m: f"{dims.coords} grad norm: {m}")
+    from pipetrain.models import param_layout
+    params = dict(model.named_parameters())
+    for name, (shape, slices) in param_layout(model).items():
+        ref_name = "embed.weight" if name == "head.weight" and cfg.tied else name
+        torch.testing.assert_close(params[name].grad, ref_grads[ref_name][slices], **tol,
+                                   msg=lambda m: f"{dims.coords} grad of {name}: {m}")
+    # the stage holds only its own layers, under their global names
+    held = {int(n.split(".")[1]) for n in params if n.startswith("layers.")}
+    assert held == {i for s in specs for i in s.layers}, f"{dims.coords} holds layers {held}"
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_pp2_schedules_match_single_process_grads_with_tied_embeddings(schedule, v):
+    run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4)
+
+
+def test_pp4_1f1b_matches_single_process_grads():
+    run_ranks(4, _pipeline_worker, LLAMA, 4, 1, "1f1b", 1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("pp,schedule,v,num", [(4, "gpipe", 1, 6), (4, "1f1b", 1, 3), (2, "1f1b", 1, 7),
+                                               (2, "interleaved-1f1b", 2, 6), (4, "interleaved-1f1b", 1, 8)])
+def test_pipeline_matrix_matches_single_process_grads(cfg, pp, schedule, v, num):
+    run_ranks(pp, _pipeline_worker, cfg, pp, 1, schedule, v, num)
+
+
+def test_pp2_with_tp2_matches_single_process_grads():
+    run_ranks(4, _pipeline_worker, GPT2, 2, 2, "1f1b", 1, 2)
+
+
+# ---- partitioning and recipe validation: no processes ----
+
+def test_partition_balances_head_cost_and_respects_explicit_layers():
+    big_vocab = ModelConfig(family="llama", vocab_size=32000, d_model=64, n_layers=8, n_heads=4)
+    counts = partition_layers(big_vocab, 2, 128)
+    assert sum(counts) == 8 and counts[0] > counts[1]  # the last stage carries the expensive head
+    assert partition_layers(LLAMA, 4, T) == [1, 1, 1, 1]
+    explicit = stage_layout(LLAMA, ParallelConfig(pp=2, stage_layers=[3, 1]), T)
+    assert explicit == [[0, 1, 2], [3]]
+
+
+def test_bad_pipeline_layouts_are_reported():
+    assert "exceeds model.n_layers=4" in " ".join(validate_pipeline(LLAMA, ParallelConfig(pp=8)))
+    msg = " ".join(validate_pipeline(LLAMA, ParallelConfig(pp=2, stage_layers=[1, 1])))
+    assert "stage_layers=[1, 1]" in msg and "summing to model.n_layers=4" in msg
+    msg = " ".join(validate_pipeline(LLAMA, ParallelConfig(pp=2, virtual_stages=2, microbatches=3,
+                                                           schedule="interleaved-1f1b")))
+    assert "multiple of parallel.pp=2" in msg
+    msg = " ".join(validate_pipeline(ModelConfig(family="llama", n_layers=6, d_model=32, n_heads=4),
+                                     ParallelConfig(pp=2, virtual_stages=2, microbatches=2,
+                                                    schedule="interleaved-1f1b")))
+    assert "not divisible by pp*virtual_stages=4" in msg
+    with pytest.raises(ConfigError, match="stage_layers"):
+        stage_layout(LLAMA, ParallelConfig(pp=2, stage_layers=[2, 3]), T)
