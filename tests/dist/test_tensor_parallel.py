@@ -44,8 +44,6 @@ def _build(cfg, dims=None, sequence_parallel=False):
     if dims is not None:
         apply_tensor_parallel(model, dims, sequence_parallel=sequence_parallel)
     materialize(model, cfg, SEED, "cpu")
-    if cfg.tied:  # materialize's to_empty() unties shared parameters; tie them again (see report)
-        model.head.weight = model.embed.weight
     return model
 
 
@@ -61,7 +59,8 @@ def _reference_grads(cfg, tokens, targets):
     model = _build(cfg)
     loss = cross_entropy(model(tokens), targets)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    return loss.detach(), grads, set(param_layout(model))
 
 
 def _compare_grads(model, ref_grads, dims, tol=TP_FP32):
@@ -161,9 +160,9 @@ def _model_worker(rank, world_size, case, sequence_parallel):
     cfg = CASES[case]
     dims = ParallelDims.from_degrees(tp=world_size)
     tokens, targets = _batch(cfg)
-    ref_loss, ref_grads = _reference_grads(cfg, tokens, targets)
+    ref_loss, ref_grads, ref_names = _reference_grads(cfg, tokens, targets)
     model = _build(cfg, dims, sequence_parallel)
-    assert set(param_layout(model)) == set(ref_grads), f"{dims.coords} parameter names changed"
+    assert set(param_layout(model)) == ref_names, f"{dims.coords} parameter names changed"
     if cfg.tied:
         assert model.head.weight is model.embed.weight, f"{dims.coords} tied embedding came apart"
     kv_replicated = cfg.kv_heads % world_size != 0
@@ -175,6 +174,40 @@ def _model_worker(rank, world_size, case, sequence_parallel):
     sync_tp_partial_grads(model, dims)
     _check(loss.detach(), ref_loss, "loss", dims)
     _compare_grads(model, ref_grads, dims)
+    _pruned_stage_check(cfg, dims, sequence_parallel)
+
+
+def _prune_to_last_stage(model):
+    """What a pipeline's last stage keeps: no embedding, only the last layer, the norm and the head."""
+    model.embed = None
+    if model.pos_embed is not None:
+        model.pos_embed = None
+    del model.layers["0"]
+    return model
+
+
+def _pruned_stage_check(cfg, dims, sequence_parallel):
+    """apply_tensor_parallel works on a stage a pipeline pruned (hidden states in, logits out)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(B, T, cfg.d_model)
+    _, targets = _batch(cfg)
+    ref = _prune_to_last_stage(build(cfg))
+    materialize(ref, cfg, SEED, "cpu")
+    ref_h = hidden.clone().requires_grad_()
+    ref_loss = cross_entropy(ref(ref_h), targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    stage = _prune_to_last_stage(build(cfg))
+    apply_tensor_parallel(stage, dims, sequence_parallel=sequence_parallel)
+    materialize(stage, cfg, SEED, "cpu")
+    t_rows = slice(dims.tp_rank * T // dims.tp, (dims.tp_rank + 1) * T // dims.tp)
+    h = (hidden[:, t_rows] if sequence_parallel else hidden).clone().requires_grad_()
+    loss = cross_entropy(stage(h), targets, tp_group=dims.tp_group)
+    loss.backward()
+    sync_tp_partial_grads(stage, dims)
+    _check(loss.detach(), ref_loss.detach(), "pruned stage loss", dims)
+    _check(h.grad, ref_h.grad[:, t_rows] if sequence_parallel else ref_h.grad, "pruned stage input grad", dims)
+    _compare_grads(stage, ref_grads, dims)
 
 
 def test_llama_with_split_kv_heads_matches_single_process_at_tp2():
@@ -204,7 +237,7 @@ def _dp_worker(rank, world_size, case, tp, sequence_parallel):
     dims = ParallelDims.from_degrees(tp=tp)
     global_batch = 2 * dims.dp
     tokens, targets = _batch(cfg, global_batch)
-    ref_loss, ref_grads = _reference_grads(cfg, tokens, targets)
+    ref_loss, ref_grads, _ = _reference_grads(cfg, tokens, targets)
     model = _build(cfg, dims if tp > 1 else None, sequence_parallel)
     rows = slice(dims.dp_rank * 2, (dims.dp_rank + 1) * 2)  # contiguous slice of the global batch
     local_targets = targets[rows]
@@ -231,6 +264,25 @@ def test_dp2_x_tp2_with_sequence_parallel_matches_single_process():
 @pytest.mark.slow
 def test_dp2_x_tp2_llama_matches_single_process():
     run_ranks(4, _dp_worker, "llama_gqa", 2, False)
+
+
+# ---- process groups ----
+
+def _groups_worker(rank, world_size):
+    dims = ParallelDims.from_degrees(pp=world_size)
+    assert dims.tp_group is None and dims.dp_group is None, f"{dims.coords} degree-1 groups must be None"
+    assert comm.group_size(dims.pp_group) == world_size and comm.group_rank(dims.pp_group) == dims.pp_rank
+    in_embed = dims.is_first_stage or dims.is_last_stage
+    assert (dims.embed_group is not None) == in_embed, f"{dims.coords} embed group membership"
+    total = comm.all_reduce_(torch.tensor([float(rank)]), dims.pp_group)
+    assert total.item() == sum(range(world_size)), f"{dims.coords} pp all-reduce gave {total.item()}"
+    if in_embed:
+        pair = comm.all_reduce_(torch.tensor([float(rank)]), dims.embed_group)
+        assert pair.item() == float(sum(dims.embed_ranks)), f"{dims.coords} embed all-reduce gave {pair.item()}"
+
+
+def test_every_rank_builds_its_groups_and_middle_stages_have_no_embed_group():
+    run_ranks(3, _groups_worker)
 
 
 # ---- no processes ----
