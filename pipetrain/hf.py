@@ -278,6 +278,8 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     transposed = {src.hf_name for src in sources.values() if src.transpose}
     fused: dict[str, list] = {}
     for name, src in sources.items():
+        if name not in layout:  # head.weight of a tied model: param_layout lists the shared tensor once
+            continue
         shape = list(layout[name][0])
         if src.rows is not None:  # one part of a fused tensor: sum the parts along our dim 0
             acc = fused.setdefault(src.hf_name, [0] + shape[1:])

@@ -222,8 +222,6 @@ EXPORT_CASES = {
 def random_model(cfg: ModelConfig):
     """A pipetrain model with large random weights (norms and biases included)."""
     model = materialize(build(cfg), cfg, 7, "cpu")
-    if cfg.tied:  # materialize's to_empty() unties the shared parameter
-        model.head.weight = model.embed.weight
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():
