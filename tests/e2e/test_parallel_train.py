@@ -1,0 +1,56 @@
+"""train.py under torchrun: every layout reproduces the single-process run's loss at every step."""
+import pytest
+
+from tests.e2e.common import run_train, step_losses
+from tests.harness import TP_FP32
+
+# Losses are the mean over 256 tokens: fp32 round-off from tp's split reductions stays far below this.
+LOSS_TOL = TP_FP32["rtol"]
+
+
+def _assert_matches_single(single_process_run, out, overrides, nproc, token_cache):
+    proc, metrics = run_train(str(out), overrides + ["parallel.microbatches=2"], nproc=nproc, cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = step_losses(single_process_run)
+    got = step_losses(metrics)
+    assert len(got) == len(ref) == 20
+    for step, (a, b) in enumerate(zip(got, ref), start=1):
+        assert abs(a - b) <= LOSS_TOL * abs(b), f"step {step}: {a} vs single-process {b}"
+    evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+    ref_evals = [m["eval_loss"] for m in single_process_run if "eval_loss" in m]
+    assert len(evals) == len(ref_evals) and all(abs(a - b) <= LOSS_TOL * b for a, b in zip(evals, ref_evals))
+
+
+def test_dp2_tp2_sequence_parallel_matches_single_process(single_process_run, tmp_path, token_cache):
+    _assert_matches_single(single_process_run, tmp_path, ["parallel.tp=2", "parallel.sequence_parallel=true"], 4,
+                           token_cache)
+
+
+def test_pp2_tp2_1f1b_matches_single_process(single_process_run, tmp_path, token_cache):
+    _assert_matches_single(single_process_run, tmp_path, ["parallel.tp=2", "parallel.pp=2"], 4, token_cache)
+
+
+def test_dp2_pp2_interleaved_matches_single_process(single_process_run, tmp_path, token_cache):
+    _assert_matches_single(single_process_run, tmp_path, ["parallel.pp=2", "parallel.schedule=interleaved-1f1b",
+                                                           "parallel.virtual_stages=2"], 4, token_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,nproc", [
+    (["parallel.tp=2"], 2),
+    (["parallel.pp=2", "parallel.schedule=gpipe"], 2),
+    (["parallel.dp=2", "parallel.tp=2"], 4),
+    (["parallel.dp=2", "parallel.pp=2"], 4),
+    (["parallel.tp=2", "parallel.pp=2", "parallel.recompute=full"], 4),
+])
+def test_more_layouts_match_single_process(single_process_run, tmp_path, token_cache, overrides, nproc):
+    _assert_matches_single(single_process_run, tmp_path, overrides, nproc, token_cache)
+
+
+def test_layout_that_does_not_divide_the_world_exits_2(tmp_path, token_cache):
+    proc, _ = run_train(str(tmp_path), ["parallel.tp=2"], nproc=3, cache_dir=token_cache)
+    # torchrun itself reports a failed child with its own traceback; ours is the one error line,
+    # printed once (rank 0), and every rank exits 2
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: world size 3 is not divisible by parallel.tp*parallel.pp=2") == 1
+    assert "exitcode  : 2" in proc.stderr and "pipetrain/" not in proc.stderr
