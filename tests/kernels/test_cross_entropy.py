@@ -16,7 +16,7 @@ from tests.kernels.common import fresh_seed, tol
 # from the unsharded one by summation-order round-off only.
 TP_FP32 = dict(rtol=1e-5, atol=1e-6)
 # (N, V): one row; V not a power of two; V above the kernels' 4096-column block, so they loop.
-SHAPES = [(1, 10), (7, 37), (3, 5000)]
+SHAPES = [(1, 10), (7, 37), (3, 5000), pytest.param((6, 32000), marks=pytest.mark.slow, id="llama-vocab")]
 
 
 def _problem(seed, n, vocab, dtype, ignore_index=-100):

@@ -16,7 +16,8 @@ CHUNKED_BF16 = dict(rtol=2**-5, atol=2**-9)
 
 # (N, D, V, ignore_index): one token; sizes not powers of two giving several chunks with a short last
 # one (chunk_rows(37, 12, 50) = 9 -> 5 chunks); an ignore_index that is also a real class id.
-CASES = [(1, 8, 11, -100), (37, 12, 50, -100), (20, 6, 33, 5)]
+CASES = [(1, 8, 11, -100), (37, 12, 50, -100), (20, 6, 33, 5),
+         pytest.param((300, 64, 5000, -100), marks=pytest.mark.slow, id="several-vocab-blocks")]
 
 
 def _problem(seed, N, D, V, ignore_index, dtype):

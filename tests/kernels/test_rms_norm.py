@@ -77,3 +77,16 @@ def test_rms_norm_ref_passes_gradcheck_in_float64():
     x = randn(seed, 3, 11, dtype=torch.float64).requires_grad_()
     w = randn(seed + 1, 11, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: rms_norm_ref(a, b, 1e-6), (x, w)), f"seed={seed}"
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_triton_matches_reference_at_llama_width(poisoned, dtype):
+    seed = fresh_seed()
+    x, dy = randn(seed, 2, 9, 4096, dtype=dtype), randn(seed + 1, 2, 9, 4096, dtype=dtype)
+    w = randn(seed + 2, 4096, dtype=dtype)
+    got = _grads(lambda a, b: RMSNormFn.apply(a, b, 1e-5), x, w, dy)
+    want = _grads(lambda a, b: rms_norm_ref(a, b, 1e-5), x, w, dy)
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        torch.testing.assert_close(g, r, **tol(dtype), msg=lambda m: f"seed={seed} {name}: {m}")

@@ -10,6 +10,8 @@ from tests.kernels.common import fresh_seed, randn
 
 # (B, T, Hq, Hkv, K): one token; heads not powers of two with GQA; K/2 odd.
 SHAPES = [(1, 1, 2, 1, 8), (2, 5, 6, 2, 12), (1, 7, 3, 3, 10)]
+# llama-8B-like heads (32 q, 8 kv, K=128), a few tokens: slow under the interpreter
+LARGE = pytest.param((1, 6, 32, 8, 128), marks=pytest.mark.slow, id="llama-heads")
 
 
 def _hf(q, k, cos, sin):
@@ -26,7 +28,7 @@ def _run(fn, q, k, cos, sin, dq, dk):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", [*SHAPES, LARGE], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rope_triton_equals_hf_apply_rotary_pos_emb_exactly(poisoned, shape, dtype):
     B, T, Hq, Hkv, K = shape

@@ -7,7 +7,7 @@ from pipetrain.kernels.swiglu import SwiGLUFn, swiglu_fwd, swiglu_ref
 from tests.kernels.common import fresh_seed, randn, tol
 
 # one element; one row of a width that is not a power of two; more than one 1024-element block
-SHAPES = [(1, 1), (1, 45), (3, 7, 53)]
+SHAPES = [(1, 1), (1, 45), (3, 7, 53), pytest.param((2, 16, 1376), marks=pytest.mark.slow, id="llama-ffn")]
 
 
 def _run(fn, g, u, dy):
