@@ -6,10 +6,11 @@ gradient (softmax - onehot) / n_valid, then dh_c = g_c @ W into an (N, D) buffer
 The backward only multiplies the stored dh and dW by the incoming scalar gradient. The idea is
 Liger-Kernel's fused linear cross-entropy; this is an independent implementation.
 
-Chunk size: C = ceil(N * D / V) rows, so a chunk's logits hold about as many elements as the hidden
-states (N, D) themselves; peak extra memory is then ~ (N, D) logits + (N, D) dh + (V, D) dW instead of
-(N, V) logits plus their fp32 softmax. bf16 dW accumulates in fp32 (rounded to bf16 at the end) so
-summing N/C chunk products does not lose bits; that costs (V, D) fp32 during the forward.
+Chunk size: C = max(ceil(N * D / V), MIN_CHUNK_ROWS) rows (at most N), so a chunk's logits hold about
+as many elements as the hidden states (N, D) themselves; peak extra memory is then ~ (C, V) logits +
+(N, D) dh + (V, D) dW instead of the (N, V) logits plus their fp32 softmax and gradient. bf16 dW
+accumulates in fp32 (rounded to bf16 at the end) so summing chunk products does not lose bits; that
+costs (V, D) fp32 during the forward.
 
 Both dispatch paths are chunked (so CPU runs get the memory saving); they differ in the per-chunk
 softmax: the Triton path runs cross_entropy's kernels in place on the chunk, the CPU path torch ops.
@@ -35,9 +36,16 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets
                            ignore_index=ignore_index)
 
 
+# Floor on the chunk: every chunk's dW update reads and writes the whole (V, D) accumulator, ~8*V*D
+# bytes for ~6*C*V*D flops of matmul, so with few rows per chunk the loop is bandwidth-bound (C = 4
+# at N=1024, D=512, V=128k made the CPU benchmark several times slower). A few hundred rows keep a GPU
+# compute-bound (flops/byte of an A100/H100 is ~100-300); 256 rows of logits are small next to dW.
+MIN_CHUNK_ROWS = 256
+
+
 def chunk_rows(N: int, D: int, V: int) -> int:
-    """Tokens per chunk: the chunk's (C, V) logits about the size of the (N, D) hidden states."""
-    return max(1, min(N, -(-N * D // V)))
+    """Tokens per chunk: (C, V) logits about the size of the (N, D) hidden states, at least MIN_CHUNK_ROWS."""
+    return max(1, min(N, max(-(-N * D // V), MIN_CHUNK_ROWS)))
 
 
 def _chunk_torch(logits, t, ignore_index, inv_n_valid):

@@ -1,4 +1,6 @@
 """linear_cross_entropy: the chunked paths (torch and Triton-interpreted) against the unfused spec."""
+import importlib
+
 import pytest
 import torch
 
@@ -15,9 +17,16 @@ CHUNKED_FP32 = dict(rtol=1e-5, atol=1e-6)
 CHUNKED_BF16 = dict(rtol=2**-5, atol=2**-9)
 
 # (N, D, V, ignore_index): one token; sizes not powers of two giving several chunks with a short last
-# one (chunk_rows(37, 12, 50) = 9 -> 5 chunks); an ignore_index that is also a real class id.
+# one (chunk_rows(37, 12, 50) = 9 -> 5 chunks, with the floor lowered below); an ignore_index that is
+# also a real class id.
 CASES = [(1, 8, 11, -100), (37, 12, 50, -100), (20, 6, 33, 5),
          pytest.param((300, 64, 5000, -100), marks=pytest.mark.slow, id="several-vocab-blocks")]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Drop the 256-row chunk floor so that test-sized inputs are split into several chunks."""
+    monkeypatch.setattr(importlib.import_module("pipetrain.kernels.linear_cross_entropy"), "MIN_CHUNK_ROWS", 1)
 
 
 def _problem(seed, N, D, V, ignore_index, dtype):
@@ -66,6 +75,13 @@ def test_linear_cross_entropy_triton_chunks_match_unfused(poisoned, force_triton
 
 def test_linear_cross_entropy_uses_several_chunks_in_the_tests():
     assert chunk_rows(37, 12, 50) == 9 and chunk_rows(1, 8, 11) == 1, "the CASES no longer exercise chunking"
+
+
+def test_linear_cross_entropy_chunks_have_at_least_the_floor_of_rows(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("pipetrain.kernels.linear_cross_entropy"), "MIN_CHUNK_ROWS", 256)
+    assert chunk_rows(1024, 512, 131072) == 256  # N*D/V = 4 rows would make dW updates dominate
+    assert chunk_rows(8192, 4096, 32768) == 1024  # N*D/V above the floor
+    assert chunk_rows(100, 4096, 131072) == 100  # never more than N
 
 
 def test_linear_cross_entropy_chunked_path_passes_gradcheck_in_float64(monkeypatch):
