@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipetrain import checkpoint
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe, validate_layout
 
 
@@ -82,7 +83,33 @@ def build_run(recipe: Recipe, resume: str | None):
     materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_recompute(model, recipe.parallel)
     optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
-    return dims, model, chunks, specs, optimizer, loader, tokenizer, None, 0
+    start = 0
+    ckpt_dir = _resume_dir(recipe, dims, resume)
+    if ckpt_dir is not None:
+        manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
+        start = manifest["step"]
+        if dims.rank == 0:
+            print(f"resumed from {ckpt_dir} at step {start}", flush=True)
+    checkpointer = checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    return dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start
+
+
+def _resume_dir(recipe: Recipe, dims, resume: str | None) -> str | None:
+    """The checkpoint to resume from: None (fresh), the newest intact one (auto), or DIR."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        if not os.path.isdir(resume):
+            raise ConfigError(f"--resume {resume}: no such checkpoint directory; pass a checkpoints/step-... "
+                              "folder or --resume auto")
+        return resume
+    # rank 0 verifies and chooses, so every rank resumes from the same checkpoint
+    choice = [checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None]
+    if dims.world_size > 1:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None and dims.rank == 0:
+        print(f"--resume auto: no complete checkpoint in {recipe.run.output_dir}; starting fresh", flush=True)
+    return choice[0]
 
 
 def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> str:
@@ -99,6 +126,18 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> str:
     return out
 
 
+def _truncate_metrics(path: str, step: int) -> None:
+    """A resumed run rewrites history after its checkpoint: drop metric lines past that step."""
+    if not os.path.exists(path):
+        return
+    import json
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
 def run(args: argparse.Namespace) -> int:
     from pipetrain.trainer import Trainer
 
@@ -112,8 +151,10 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(recipe.train.seed)
     out = _prepare_output_dir(recipe, rank, args.resume)
     dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start = build_run(recipe, args.resume)
+    if rank == 0 and args.resume is not None:
+        _truncate_metrics(os.path.join(out, "metrics.jsonl"), start)
     trainer = Trainer(recipe, dims, model, optimizer, loader, out, chunks=chunks, specs=specs,
-                      checkpointer=checkpointer, start_step=start)
+                      checkpointer=None if args.eval_only else checkpointer, start_step=start)
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()

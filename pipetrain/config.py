@@ -320,7 +320,6 @@ def validate(r: Recipe, world_size: int | None = None) -> list[str]:
 
 # Values whose feature has not landed yet; each entry goes when its issue lands.
 _PENDING = {
-    ("parallel", "zero"): (lambda v: v == 0, "ZeRO sharding"),
 }
 
 

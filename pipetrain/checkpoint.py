@@ -1,0 +1,347 @@
+"""Sharded safetensors checkpoints: atomic save, exact resume, load into any layout.
+
+Every tensor is saved as boxes of its global tensor: a piece is (file, offsets along each dim,
+shape). Each rank writes only what it owns: model shards once per (tp, pp) coordinate (dp rank 0;
+tensors replicated over tp only from tp rank 0) and its optimizer state (ZeRO shards from every dp
+rank). Loading assembles, for each tensor a rank holds, the box it needs from whichever pieces
+overlap it, reading only those slices (safetensors slicing), so any layout loads any other.
+
+Directory (DESIGN.md): checkpoints/step-00000100/{manifest.json, rank-00000.safetensors, ...} and
+checkpoints/latest naming the newest complete one. A save writes into checkpoints/.tmp-step-...,
+fsyncs every file, then renames; a crash mid-save leaves the previous checkpoint as latest.
+Nothing is pickled: tensors are safetensors, everything else JSON.
+
+RNG: the model has no dropout, so the only consumer of torch's RNG is end-of-run sampling. Each
+rank's CPU (and CUDA) generator state is saved; a resume with the same layout restores it exactly;
+a resume into another layout cannot map rank streams one to one, so each rank reseeds from
+(train.seed, step, rank) and says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipetrain.config import ConfigError
+from pipetrain.models.init import param_layout
+from pipetrain.parallel.grads import tied_copy_names
+
+FORMAT_VERSION = 1
+_ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+              "tie_embeddings", "qkv_bias")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _box(shape, slices) -> list[int]:
+    return [0 if s.start is None else s.start for s in slices] if slices else [0] * len(shape)
+
+
+def owned_tensors(model, optimizer, dims) -> list[tuple[str, torch.Tensor, tuple, list[int]]]:
+    """(global name, local tensor, global shape, offsets) of everything this rank writes."""
+    out = []
+    params = dict(model.named_parameters())
+    skip = tied_copy_names(model)
+    replicated_over_tp = set()
+    for name, (shape, slices) in param_layout(model).items():
+        if tuple(params[name].shape) == tuple(shape):
+            replicated_over_tp.add(name)
+        if name in skip or dims.dp_rank != 0 or (dims.tp_rank != 0 and name in replicated_over_tp):
+            continue
+        out.append((f"model/{name}", params[name].detach(), tuple(shape), _box(shape, slices)))
+    for name, tensor, shape, offsets in optimizer.state_items():
+        param_name = name.split("/", 1)[-1]
+        if param_name in skip or (dims.tp_rank != 0 and param_name in replicated_over_tp):
+            continue
+        sharded_over_dp = getattr(optimizer, "stage", 0) >= 1  # ZeRO: every dp rank owns a row shard
+        if dims.dp_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
+            continue
+        out.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
+    return out
+
+
+class Checkpointer:
+    """Saves the trainer's state every checkpoint.every steps, at the end and on SIGTERM."""
+
+    def __init__(self, output_dir: str, recipe, dims):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.recipe, self.dims = recipe, dims
+
+    def save(self, trainer) -> str:
+        dims, step = self.dims, trainer.step
+        final = os.path.join(self.root, step_dir_name(step))
+        tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
+        if dims.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+            os.makedirs(tmp)
+        _barrier(dims)
+        items = owned_tensors(trainer.model, trainer.optimizer, dims)
+        file = f"rank-{dims.rank:05d}.safetensors"
+        tensors = {name: t.contiguous().cpu() for name, t, _, _ in items}
+        tensors["rng/cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(dims.device)
+        path = os.path.join(tmp, file)
+        save_file(tensors, path)
+        _fsync(path)
+        entry = {"file": file, "sha256": file_sha256(path), "bytes": os.path.getsize(path), "rank": dims.rank,
+                 "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
+                             "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
+        entries = _gather(entry, dims)
+        if dims.rank == 0:
+            manifest = self._manifest(trainer, entries)
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp)
+            if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync(self.root)
+            _write_latest(self.root, step_dir_name(step))
+            self._rotate()
+        _barrier(dims)
+        return final
+
+    def _manifest(self, trainer, entries: list[dict]) -> dict:
+        tensors: dict[str, dict] = {}
+        for e in entries:
+            for piece in e["pieces"]:
+                t = tensors.setdefault(piece["name"], {"global_shape": piece["global_shape"], "dtype": piece["dtype"],
+                                                       "pieces": []})
+                t["pieces"].append({"file": e["file"], "offsets": piece["offsets"], "shape": piece["shape"]})
+        d = self.dims
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": trainer.step,
+            "tokens": trainer.tokens_seen,
+            "recipe": self.recipe.to_dict(),
+            "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
+                       "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size},
+            "tensors": tensors,
+            "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},
+            "rng": {str(e["rank"]): e["file"] for e in entries},
+            "data": trainer.loader.state_dict(),
+            "lr_schedule": {"step": trainer.step, "name": "warmup-cosine"},
+        }
+
+    def _rotate(self) -> None:
+        done = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
+        for name in done[:-self.recipe.checkpoint.keep]:
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, ".latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, "latest"))
+    _fsync(root)
+
+
+def _barrier(dims) -> None:
+    if dims.world_size > 1:
+        dist.barrier()
+
+
+def _gather(obj, dims) -> list:
+    if dims.world_size == 1:
+        return [obj]
+    out = [None] * dims.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+def read_manifest(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
+                          "resume from another checkpoint")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path}: format version {version!r} is newer than this pipetrain reads "
+                          f"({FORMAT_VERSION}); upgrade pipetrain")
+    return manifest
+
+
+def verify_files(ckpt_dir: str, manifest: dict, files=None) -> None:
+    """Check existence, size and SHA-256 of the given (default: all) files against the manifest."""
+    for name in files if files is not None else manifest["files"]:
+        info = manifest["files"][name]
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise ConfigError(f"checkpoint {ckpt_dir}: file {name} is missing; the checkpoint is incomplete")
+        if os.path.getsize(path) != info["bytes"]:
+            raise ConfigError(f"checkpoint {path}: {os.path.getsize(path)} bytes, manifest says {info['bytes']} "
+                              "(truncated or overwritten); use another checkpoint")
+        if file_sha256(path) != info["sha256"]:
+            raise ConfigError(f"checkpoint {path}: SHA-256 does not match the manifest (corrupt); "
+                              "use another checkpoint")
+
+
+class TensorReader:
+    """Assembles any box of any saved tensor from the pieces that overlap it."""
+
+    def __init__(self, ckpt_dir: str, manifest: dict, device="cpu"):
+        self.dir, self.manifest, self.device = ckpt_dir, manifest, device
+        self.handles = {}
+
+    def _open(self, file: str):
+        if file not in self.handles:
+            path = os.path.join(self.dir, file)
+            try:
+                self.handles[file] = safe_open(path, framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error types for bad headers
+                raise ConfigError(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
+        return self.handles[file]
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["tensors"]
+
+    def read(self, name: str, offsets, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+        info = self.manifest["tensors"].get(name)
+        if info is None:
+            raise ConfigError(f"checkpoint {self.dir}: tensor {name} is not in the manifest; the checkpoint does "
+                              "not match this model or optimizer")
+        out = torch.empty(list(shape), dtype=getattr(torch, info["dtype"]))
+        covered, seen = 0, set()
+        for piece in info["pieces"]:
+            box = (tuple(piece["offsets"]), tuple(piece["shape"]))
+            if box in seen:  # replicated state (e.g. the step count) saved by several pipeline stages
+                continue
+            seen.add(box)
+            lo = [max(a, b) for a, b in zip(offsets, piece["offsets"])]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, piece["offsets"], piece["shape"])]
+            if any(h <= l for l, h in zip(lo, hi)) and len(shape) > 0:
+                continue
+            src = tuple(slice(l - p, h - p) for l, h, p in zip(lo, hi, piece["offsets"]))
+            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
+            try:
+                part = self._open(piece["file"]).get_slice(name)[src] if shape else \
+                    self._open(piece["file"]).get_tensor(name)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"checkpoint {os.path.join(self.dir, piece['file'])}: tensor {name} cannot be "
+                                  f"read ({exc}); the file is truncated or corrupt") from None
+            out[dst] = part
+            covered += part.numel()
+        if covered != out.numel():
+            raise ConfigError(f"checkpoint {self.dir}: tensor {name} box {list(offsets)}+{list(shape)} is only "
+                              f"partly saved ({covered} of {out.numel()} elements); the checkpoint is incomplete")
+        return out.to(self.device, dtype=dtype or out.dtype)
+
+
+def model_tensors(manifest: dict) -> list[tuple[str, list[int], str]]:
+    """(global name, global shape, dtype) of every model tensor, in manifest order."""
+    return [(name[len("model/"):], info["global_shape"], info["dtype"])
+            for name, info in manifest["tensors"].items() if name.startswith("model/")]
+
+
+def iter_full_tensors(ckpt_dir: str, names=None):
+    """Yield (global name, full tensor) for the model weights, one at a time (HF export, consolidate)."""
+    manifest = read_manifest(ckpt_dir)
+    reader = TensorReader(ckpt_dir, manifest)
+    for name, shape, _ in model_tensors(manifest):
+        if names is None or name in names:
+            yield name, reader.read(f"model/{name}", [0] * len(shape), shape)
+
+
+def find_resumable(output_dir: str, rank: int = 0) -> str | None:
+    """Newest checkpoint in output_dir/checkpoints that is complete and intact (newest first; `latest`
+    first when it names one). Reports and skips broken ones. None when there is none."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    names = sorted((n for n in os.listdir(root) if n.startswith("step-")), reverse=True)
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            verify_files(path, read_manifest(path))
+            return path
+        except ConfigError as exc:
+            if rank == 0:
+                print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr)
+    return None
+
+
+def check_compatible(manifest: dict, recipe, ckpt_dir: str) -> None:
+    saved = manifest["recipe"]["model"]
+    now = recipe.to_dict()["model"]
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs recipe {now.get(k)!r}" for k in _ARCH_KEYS
+             if saved.get(k) != now.get(k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {ckpt_dir} does not match the recipe's model ({'; '.join(diffs)}); "
+                          "resume with the recipe it was saved with")
+
+
+def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
+    """Restore model, optimizer, data position and RNG into this rank's objects; returns the manifest.
+    trainer_parts: {"model", "optimizer", "loader"}."""
+    manifest = read_manifest(ckpt_dir)
+    check_compatible(manifest, recipe, ckpt_dir)
+    if recipe.checkpoint.verify:
+        verify_files(ckpt_dir, manifest)  # cost: one full read of every file, see docs/checkpoints.md
+    reader = TensorReader(ckpt_dir, manifest, device=dims.device)
+    model, optimizer, loader = trainer_parts["model"], trainer_parts["optimizer"], trainer_parts["loader"]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (shape, slices) in param_layout(model).items():
+            saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
+            p = params[name]
+            p.copy_(reader.read(saved_name, _box(shape, slices), p.shape, p.dtype))
+    optimizer.load_state_items(lambda name, global_shape, offsets, shape:
+                               reader.read(f"optim/{name}", offsets, shape))
+    loader.load_state_dict(manifest["data"])
+    layout = manifest["layout"]
+    same = (layout["dp"], layout["tp"], layout["pp"]) == (dims.dp, dims.tp, dims.pp)
+    if same:
+        file = manifest["rng"][str(dims.rank)]
+        torch.set_rng_state(reader._open(file).get_tensor("rng/cpu"))
+        if torch.cuda.is_available() and "rng/cuda" in reader._open(file).keys():
+            torch.cuda.set_rng_state(reader._open(file).get_tensor("rng/cuda"), dims.device)
+    else:
+        torch.manual_seed(recipe.train.seed * 1_000_003 + manifest["step"] * 1009 + dims.rank)
+    return manifest
+
+
+if __name__ == "__main__":
+    from pipetrain.checkpoint_tools import main
+
+    sys.exit(main())
