@@ -3,7 +3,9 @@
 loss = mean over targets != ignore_index of cross_entropy(hidden @ weight.T, targets). The forward
 walks the tokens in chunks of C rows: logits_c = h_c @ W.T (C, V), then in place the scaled
 gradient (softmax - onehot) / n_valid, then dh_c = g_c @ W into an (N, D) buffer and dW += g_c.T @ h_c.
-The backward only multiplies the stored dh and dW by the incoming scalar gradient. The idea is
+The backward only multiplies the stored dh and dW by the incoming scalar gradient, out of place: the
+op stays reentrant (retain_graph, gradcheck) and autograd takes the fresh product as .grad without a
+copy, at the price of holding the stored dW and its scaled copy together for that moment. The idea is
 Liger-Kernel's fused linear cross-entropy; this is an independent implementation.
 
 Chunk size: C = max(ceil(N * D / V), MIN_CHUNK_ROWS) rows (at most N), so a chunk's logits hold about
