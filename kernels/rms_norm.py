@@ -82,14 +82,15 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({D},) to match x's last dim")
-    if x.numel() == 0:
-        raise ValueError(f"rms_norm: x {tuple(x.shape)} is empty")
+    if D == 0:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} has an empty last dim; there is nothing to normalise")
     block = _block("rms_norm", x)
     x2 = x.contiguous().view(-1, D)  # (N, D)
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
-    _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
-                                         num_warps=num_warps_for(block))
+    if x2.shape[0]:  # zero rows (an empty micro-batch) launch nothing
+        _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
+                                             num_warps=num_warps_for(block))
     return y.view(x.shape), rstd
 
 
@@ -106,6 +107,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         programs = _CPU_PROGRAMS
     programs = min(N, programs)
     dx = torch.empty_like(x2)
+    if N == 0:
+        return dx.view(x.shape), torch.zeros_like(weight)
     dw_part = torch.empty(programs, D, device=x.device, dtype=torch.float32)  # (P, D)
     _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_part, N, D, BLOCK=block,
                                       num_warps=num_warps_for(block))

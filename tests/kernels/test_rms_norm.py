@@ -52,6 +52,16 @@ def test_rms_norm_triton_accepts_non_contiguous_input(poisoned):
 
 
 @pytest.mark.triton
+def test_rms_norm_triton_handles_zero_rows_like_the_reference():
+    x = torch.randn(0, 3, 10, requires_grad=True)
+    w = torch.randn(10, requires_grad=True)
+    y = RMSNormFn.apply(x, w, 1e-6)
+    assert y.shape == (0, 3, 10)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(10)), w.grad
+
+
+@pytest.mark.triton
 def test_rms_norm_dispatch_takes_triton_path_when_forced(force_triton):
     x = torch.randn(2, 8, requires_grad=True)
     y = rms_norm(x, torch.ones(8), 1e-6)
