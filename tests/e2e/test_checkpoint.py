@@ -1,0 +1,213 @@
+"""Checkpoints end to end: bitwise resume, resharding, rotation, integrity, crash and preemption."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors import safe_open
+
+from pipetrain.checkpoint import find_resumable, read_manifest, verify_files
+from pipetrain.config import ConfigError
+from tests.e2e.common import ROOT, SMALL, TINY, read_metrics, run_train, step_losses
+from tests.harness import TP_FP32
+
+CKPT = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=2", "run.eval_every=0", "parallel.microbatches=2"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, token_cache):
+    """One process, 6 steps, a checkpoint every 2 steps, newest 2 kept."""
+    out = tmp_path_factory.mktemp("ckpt-ref")
+    proc, metrics = run_train(str(out), CKPT, cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, metrics
+
+
+def _resume_copy(src_run, step, dest):
+    """A fresh output dir holding only src_run's checkpoint of `step`, as if the run had stopped there."""
+    os.makedirs(dest / "checkpoints")
+    shutil.copytree(src_run / "checkpoints" / f"step-{step:08d}", dest / "checkpoints" / f"step-{step:08d}")
+    return dest
+
+
+def _tensors(ckpt_dir):
+    out = {}
+    for file in sorted(os.listdir(ckpt_dir)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt_dir, file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith("rng/")})
+    return out
+
+
+def test_keep_k_rotation_and_latest(reference_run):
+    out, _ = reference_run
+    names = sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step-"))
+    assert names == ["step-00000004", "step-00000006"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    manifest = read_manifest(str(out / "checkpoints" / "step-00000006"))
+    assert manifest["step"] == 6 and manifest["layout"]["dp"] == 1 and manifest["data"]["samples"] == 48
+    assert any(n.startswith("optim/exp_avg/") for n in manifest["tensors"])
+
+
+def test_resume_is_bitwise_identical(reference_run, tmp_path, token_cache):
+    out, metrics = reference_run
+    resumed = _resume_copy(out, 4, tmp_path / "resumed")
+    proc, got = run_train(str(resumed), CKPT, cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert step_losses(got) == step_losses(metrics)[4:]  # exact float equality, steps 5 and 6
+    a, b = _tensors(out / "checkpoints" / "step-00000006"), _tensors(resumed / "checkpoints" / "step-00000006")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights/moments differ"
+
+
+@pytest.mark.parametrize("overrides,nproc", [
+    (["parallel.zero=2"], 2),                                                    # one process -> dp2 zero2
+    (["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4),  # -> tp2 x pp2
+])
+def test_checkpoint_reshards_into_another_layout(reference_run, tmp_path, token_cache, overrides, nproc):
+    out, metrics = reference_run
+    resumed = _resume_copy(out, 4, tmp_path / "resharded")
+    proc, got = run_train(str(resumed), CKPT + overrides, nproc=nproc, cache_dir=token_cache,
+                          extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(step_losses(got), step_losses(metrics)[4:], strict=True):
+        assert abs(a - b) <= TP_FP32["rtol"] * b
+    # and back: the resharded run's checkpoint loads into one process, continuing the same curve
+    back = _resume_copy(resumed, 6, tmp_path / "back")
+    proc, more = run_train(str(back), CKPT + ["train.steps=7"], cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in more if "loss" in m] == [7]
+
+
+@pytest.mark.slow
+def test_3d_layout_resume_is_bitwise_identical(tmp_path, token_cache):
+    layout = CKPT + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"]
+    proc, full = run_train(str(tmp_path / "a"), layout, nproc=8, cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = _resume_copy(tmp_path / "a", 4, tmp_path / "b")
+    proc, got = run_train(str(resumed), layout, nproc=8, cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(got) == step_losses(full)[4:]
+
+
+@pytest.mark.slow
+def test_dp2_tp2_checkpoint_loads_into_pp2(tmp_path, token_cache):
+    proc, full = run_train(str(tmp_path / "a"), CKPT + ["parallel.tp=2"], nproc=4, cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = _resume_copy(tmp_path / "a", 4, tmp_path / "b")
+    proc, got = run_train(str(resumed), CKPT + ["parallel.pp=2"], nproc=2, cache_dir=token_cache,
+                          extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(step_losses(got), step_losses(full)[4:], strict=True):
+        assert abs(a - b) <= TP_FP32["rtol"] * b
+
+
+# ---- integrity ------------------------------------------------------------------------------------
+
+def _damaged_copy(reference_run, tmp_path, damage):
+    out, _ = reference_run
+    ckpt = tmp_path / "checkpoints" / "step-00000006"
+    shutil.copytree(out / "checkpoints" / "step-00000006", ckpt)
+    damage(ckpt, next(p for p in ckpt.iterdir() if p.suffix == ".safetensors"))
+    return ckpt
+
+
+def _flip_byte(ckpt, file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _truncate(ckpt, file):
+    file.write_bytes(file.read_bytes()[:-1000])
+
+
+def _newer_format(ckpt, file):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_flip_byte, "SHA-256 does not match"),
+    (_truncate, "truncated"),
+    (lambda ckpt, file: file.unlink(), "is missing"),
+    (_newer_format, "format version 99 is newer"),
+    (lambda ckpt, file: (ckpt / "manifest.json").write_text("{not json"), "not valid JSON"),
+])
+def test_damaged_checkpoint_is_reported_with_the_file(reference_run, tmp_path, damage, message):
+    ckpt = _damaged_copy(reference_run, tmp_path, damage)
+    with pytest.raises(ConfigError, match=message):
+        verify_files(str(ckpt), read_manifest(str(ckpt)))
+
+
+def test_corrupt_checkpoint_exits_2_and_auto_falls_back(reference_run, tmp_path, token_cache):
+    out, _ = reference_run
+    ckpt = _damaged_copy(reference_run, tmp_path, _flip_byte)
+    proc, _ = run_train(str(tmp_path / "x"), CKPT, cache_dir=token_cache, extra_args=["--resume", str(ckpt)])
+    assert proc.returncode == 2 and "SHA-256 does not match" in proc.stderr and "rank-00000" in proc.stderr
+    shutil.copytree(out / "checkpoints" / "step-00000004", tmp_path / "checkpoints" / "step-00000004")
+    assert find_resumable(str(tmp_path)) == str(tmp_path / "checkpoints" / "step-00000004")
+    proc, metrics = run_train(str(tmp_path), CKPT, cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping checkpoint" in proc.stderr and "step-00000006" in proc.stderr
+    assert [m["step"] for m in metrics if "loss" in m] == [5, 6]
+
+
+def test_checkpoint_of_another_model_is_refused(reference_run, tmp_path, token_cache):
+    resumed = _resume_copy(reference_run[0], 4, tmp_path / "other")
+    proc, _ = run_train(str(resumed), CKPT + ["model.n_layers=2"], cache_dir=token_cache,
+                        extra_args=["--resume", "auto"])
+    assert proc.returncode == 2
+    assert "model.n_layers: checkpoint 4 vs recipe 2" in proc.stderr
+
+
+# ---- crash and preemption -------------------------------------------------------------------------
+
+def _start(out, overrides, token_cache):
+    sets = SMALL + [f"run.output_dir={out}", f"data.cache_dir={token_cache}"] + overrides
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", TINY] + [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache):
+    proc = _start(tmp_path, ["train.steps=200", "checkpoint.every=1", "checkpoint.keep=3"], token_cache)
+    root = tmp_path / "checkpoints"
+    killed_mid_save = False
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        done = [n for n in os.listdir(root) if n.startswith("step-")] if root.exists() else []
+        partial = [n for n in os.listdir(root) if n.startswith(".tmp-")] if root.exists() else []
+        if done and partial:  # a save is under way and an earlier one is complete: kill now
+            proc.send_signal(signal.SIGKILL)
+            killed_mid_save = True
+            break
+        time.sleep(0.0005)
+    proc.wait()
+    assert killed_mid_save, "never caught a save in progress"
+    latest = (root / "latest").read_text().strip()
+    assert (root / latest).is_dir() and not latest.startswith(".tmp")
+    verify_files(str(root / latest), read_manifest(str(root / latest)))
+    step = read_manifest(str(root / latest))["step"]
+    proc, metrics = run_train(str(tmp_path), ["train.steps=" + str(step + 1), "checkpoint.every=1"],
+                              cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"at step {step}" in proc.stdout
+    assert [m["step"] for m in metrics if "loss" in m][-1] == step + 1
+
+
+def test_sigterm_saves_and_exits_0(tmp_path, token_cache):
+    proc = _start(tmp_path, ["train.steps=500"], token_cache)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_metrics(str(tmp_path))) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = read_manifest(str(tmp_path / "checkpoints" / latest))["step"]
+    assert 2 <= step < 500 and step == max(m["step"] for m in read_metrics(str(tmp_path)))
