@@ -291,6 +291,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_paralle
     problems = validate_tensor_parallel(cfg, dims.tp)
     if problems:
         raise ConfigError("; ".join(problems))
+    if dims.tp_group is None:
+        raise ValueError(f"{dims.coords} apply_tensor_parallel: tp={dims.tp} but dims has no tp_group; build "
+                         "dims with ParallelDims.init / from_degrees after init_process_group")
     if any(hasattr(m, "param_shards") for m in model.modules()):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel; apply it once")
     embed, head = getattr(model, "embed", None), getattr(model, "head", None)
