@@ -26,7 +26,6 @@ pipeline's last-stage copy) is read from the embedding tensor, the tensor transf
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -289,11 +288,14 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(shape[::-1]) if name in transposed else tuple(shape) for name, shape in fused.items()}
 
 
-class HFWeights(contextlib.ExitStack):
-    """Read-only view of an HF model's safetensors files (single file or sharded index)."""
+class HFWeights:
+    """Read-only view of an HF model's safetensors files (single file or sharded index).
+
+    Each read opens its file anew: safe_open memory-maps the whole file and every page a read
+    touches stays in this process's RSS while the map is open, so one long-lived handle would
+    hold a second copy of the model until the end of loading."""
 
     def __init__(self, hf_dir: str):
-        super().__init__()
         self.hf_dir = hf_dir
         index = os.path.join(hf_dir, INDEX_FILE)
         single = os.path.join(hf_dir, WEIGHTS_FILE)
@@ -311,21 +313,20 @@ class HFWeights(contextlib.ExitStack):
             raise ConfigError(f"model.init_from: {hf_dir} has neither {WEIGHTS_FILE} nor {INDEX_FILE}, got "
                               f"weight files {present}; save the model with safe_serialization (safetensors)")
         self._single = single
-        self._handles: dict[str, object] = {}
 
-    def _open(self, path: str):
+    @staticmethod
+    def _open(path: str):
         from safetensors import safe_open
 
-        if path not in self._handles:
-            if not os.path.isfile(path):
-                raise ConfigError(f"model.init_from: weight file {path} listed in {INDEX_FILE} not found; "
-                                  "copy every shard of the model")
-            self._handles[path] = self.enter_context(safe_open(path, framework="pt"))
-        return self._handles[path]
+        if not os.path.isfile(path):
+            raise ConfigError(f"model.init_from: weight file {path} listed in {INDEX_FILE} not found; "
+                              "copy every shard of the model")
+        return safe_open(path, framework="pt")
 
     def file_of(self, name: str) -> str:
         if self.files is None:
-            self.files = {k: self._single for k in self._open(self._single).keys()}
+            with self._open(self._single) as f:
+                self.files = {k: self._single for k in f.keys()}
         for candidate in (name, name.partition(".")[2]):  # also accept base-model names (no "model.")
             if candidate in self.files:
                 return candidate
@@ -338,19 +339,20 @@ class HFWeights(contextlib.ExitStack):
         """The local slice of our tensor, read from the HF tensor without loading the rest of it."""
         key = self.file_of(src.hf_name)
         path = self.files[key]
-        view = self._open(path).get_slice(key)
-        shape = tuple(view.get_shape())
-        if shape != tuple(expected_shape):
-            raise ConfigError(f"model.init_from: tensor {key} in {path} must have shape {tuple(expected_shape)} "
-                              f"(from config.json), got {shape}; the weights do not match the config")
         slices = list(slices)
         if src.rows is not None:  # shift our dim-0 slice to the part's rows inside the fused tensor
             s = slices[0]
             start, stop = s.start or 0, src.rows if s.stop is None else s.stop
             slices[0] = slice(src.offset + start, src.offset + stop)
-        if src.transpose:
-            return view[tuple(slices[::-1])].t()
-        return view[tuple(slices)]
+        with self._open(path) as f:
+            view = f.get_slice(key)
+            shape = tuple(view.get_shape())
+            if shape != tuple(expected_shape):
+                raise ConfigError(f"model.init_from: tensor {key} in {path} must have shape "
+                                  f"{tuple(expected_shape)} (from config.json), got {shape}; the weights do "
+                                  "not match the config")
+            part = view[tuple(slices[::-1])].t() if src.transpose else view[tuple(slices)]  # a copy
+        return part
 
 
 def _retie(model: nn.Module, cfg: ModelConfig) -> None:
@@ -373,11 +375,11 @@ def load_hf_weights(model: nn.Module, hf_dir: str, cfg: ModelConfig,
     _retie(model, cfg)
     sources, shapes = hf_sources(cfg), hf_shapes(cfg)
     params = dict(model.named_parameters(remove_duplicate=False))
-    with HFWeights(hf_dir) as weights:
-        for name, (_, slices) in param_layout(model).items():
-            assert name in sources, f"parameter {name} has no Hugging Face source for family {cfg.family}"
-            src = sources[name]
-            params[name].copy_(weights.read(src, slices, shapes[src.hf_name]))
+    weights = HFWeights(hf_dir)
+    for name, (_, slices) in param_layout(model).items():
+        assert name in sources, f"parameter {name} has no Hugging Face source for family {cfg.family}"
+        src = sources[name]
+        params[name].copy_(weights.read(src, slices, shapes[src.hf_name]))
     return model
 
 
