@@ -1,15 +1,16 @@
 """LM head + cross-entropy fused over chunks of tokens so the (N, V) logits never exist at once.
 
 loss = mean over targets != ignore_index of cross_entropy(hidden @ weight.T, targets). The forward
-walks the tokens in chunks of C rows: logits_c = h_c @ W.T (C, V), then in place the scaled
-gradient (softmax - onehot) / n_valid, then dh_c = g_c @ W into an (N, D) buffer and dW += g_c.T @ h_c.
+walks the tokens in chunks of C rows: logits_c = h_c @ W.T (C, V), then the scaled gradient
+g_c = (softmax - onehot) / n_valid (in place on the Triton path, from one log_softmax on the CPU
+path), then dh_c = g_c @ W into an (N, D) buffer and dW += g_c.T @ h_c.
 The backward only multiplies the stored dh and dW by the incoming scalar gradient, out of place: the
 op stays reentrant (retain_graph, gradcheck) and autograd takes the fresh product as .grad without a
 copy, at the price of holding the stored dW and its scaled copy together for that moment. The idea is
 Liger-Kernel's fused linear cross-entropy; this is an independent implementation.
 
 Chunk size: C = max(ceil(N * D / V), MIN_CHUNK_ROWS) rows (at most N), so a chunk's logits hold about
-as many elements as the hidden states (N, D) themselves; peak extra memory is then ~ (C, V) logits +
+as many elements as the hidden states (N, D) themselves; peak extra memory is then ~ 2 (C, V) chunks +
 (N, D) dh + (V, D) dW instead of the (N, V) logits plus their fp32 softmax and gradient. bf16 dW
 accumulates in fp32 (rounded to bf16 at the end) so summing chunk products does not lose bits; that
 costs (V, D) fp32 during the forward.
@@ -51,20 +52,18 @@ def chunk_rows(N: int, D: int, V: int) -> int:
 
 
 def _chunk_torch(logits, t, ignore_index, inv_n_valid):
-    """CPU path of one chunk: fp32 loss sum, and (softmax - onehot) * inv_n_valid written over logits."""
-    # fp32 math (float64 stays float64); when the chunk already has that dtype this is the chunk
-    # itself, and overwriting it is fine: it is ours
-    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    lse = torch.logsumexp(lf, dim=-1)  # (C,)
+    """CPU path of one chunk: fp32 loss sum and the (C, V) gradient (softmax - onehot) * inv_n_valid.
+
+    log_softmax is one fused pass in torch; building it from logsumexp and in-place ops measured ~3x
+    slower on this CPU. Its output becomes the gradient in place."""
+    lsm = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (C, V)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, 0)[:, None]
-    loss_sum = torch.where(valid, lse - lf.gather(1, safe_t).squeeze(1), 0.0).sum()
-    grad = lf.sub_(lse[:, None]).exp_()
+    loss_sum = -torch.where(valid, lsm.gather(1, safe_t).squeeze(1), 0.0).sum()
+    grad = lsm.exp_()
     grad.scatter_add_(1, safe_t, -valid.to(grad.dtype)[:, None])
     grad.mul_(torch.where(valid, inv_n_valid, 0.0)[:, None])
-    if grad.data_ptr() != logits.data_ptr():
-        logits.copy_(grad)
-    return loss_sum
+    return loss_sum, grad.to(logits.dtype)
 
 
 def _chunk_triton(logits, t, ignore_index, inv_n_valid):
@@ -72,8 +71,7 @@ def _chunk_triton(logits, t, ignore_index, inv_n_valid):
     row_max, sum_exp, target_logit = cross_entropy_fwd(logits, t, ignore_index)
     lse = row_max + torch.log(sum_exp)
     loss_sum = torch.where(t != ignore_index, lse - target_logit, 0.0).sum()
-    cross_entropy_bwd(logits, t, lse, inv_n_valid.reshape(1), ignore_index, out=logits)
-    return loss_sum
+    return loss_sum, cross_entropy_bwd(logits, t, lse, inv_n_valid.reshape(1), ignore_index, out=logits)
 
 
 class LinearCrossEntropyFn(torch.autograd.Function):
@@ -94,15 +92,16 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         C = chunk_rows(N, D, V)
         for start in range(0, N, C):
             h_c, t_c = h2[start:start + C], t[start:start + C]
-            logits = h_c @ weight.t()  # (C, V); becomes the chunk's logit gradient in place
-            loss_sum += chunk_fn(logits, t_c, ignore_index, inv_n_valid)
+            chunk_loss, grad = chunk_fn(h_c @ weight.t(), t_c, ignore_index, inv_n_valid)  # grad (C, V)
+            loss_sum += chunk_loss
             if need_dh:
-                torch.mm(logits, weight, out=dh[start:start + C])
+                torch.mm(grad, weight, out=dh[start:start + C])
             if need_dw:
                 if weight.dtype == dw.dtype:
-                    dw.addmm_(logits.t(), h_c)
+                    dw.addmm_(grad.t(), h_c)
                 else:
-                    dw += logits.t() @ h_c  # a (V, D) bf16 product, accumulated in fp32
+                    dw += grad.t() @ h_c  # a (V, D) bf16 product, accumulated in fp32
+            del grad  # free the chunk before the next one is allocated
         ctx.save_for_backward(dh, dw)
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         return loss_sum / n_valid.to(acc_dtype)
