@@ -2,7 +2,9 @@
 
 - full: each transformer block keeps only its input; its forward runs again during backward.
   parallel.recompute_layers = N limits this to the first N blocks of each stage (Megatron's
-  "block" granularity), the rest keep their activations.
+  "block" granularity), the rest keep their activations. Under interleaved-1f1b a rank holds
+  several stages (chunks); each is a contiguous run of global layer indices separated from the
+  next by the other ranks' stages, so the limit applies to every run.
 - selective: only the attention core (softmax(q k^T) v, the part whose activations grow with T^2
   and cost few FLOPs to redo) is recomputed, as in Korthikanti et al. 2022.
 
@@ -40,12 +42,24 @@ def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
     names = []
     blocks = list(model.layers.items())
     if pcfg.recompute == "full":
-        limit = len(blocks) if pcfg.recompute_layers is None else pcfg.recompute_layers
-        for name, block in blocks[:limit]:
-            _recompute(block)
-            names.append(f"layers.{name}")
+        for run in _stage_runs(blocks):
+            limit = len(run) if pcfg.recompute_layers is None else pcfg.recompute_layers
+            for name, block in run[:limit]:
+                _recompute(block)
+                names.append(f"layers.{name}")
     elif pcfg.recompute == "selective":
         for name, block in blocks:
             _recompute(block.attn.core)
             names.append(f"layers.{name}.attn.core")
     return names
+
+
+def _stage_runs(blocks: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """Split (global layer index, block) pairs into runs of consecutive indices: one per stage held."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    for name, block in sorted(blocks, key=lambda item: int(item[0])):
+        if runs and int(runs[-1][-1][0]) + 1 == int(name):
+            runs[-1].append((name, block))
+        else:
+            runs.append([(name, block)])
+    return runs
