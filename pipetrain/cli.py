@@ -51,6 +51,28 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
     return problems
 
 
+def resolve_init_from(recipe: Recipe) -> Recipe:
+    """With model.init_from, the Hugging Face config defines the model (contradicting keys are errors)
+    and its directory is the default tokenizer."""
+    if not recipe.model.init_from:
+        return recipe
+    import dataclasses
+
+    from pipetrain.config import validate
+    from pipetrain.hf import model_config_from_hf
+    if not os.path.isdir(recipe.model.init_from):
+        raise ConfigError(f"model.init_from={recipe.model.init_from}: no such directory; point it at a local "
+                          "Hugging Face model folder (config.json + model.safetensors)")
+    model = model_config_from_hf(recipe.model.init_from, recipe.model)
+    data = recipe.data if recipe.data.tokenizer else dataclasses.replace(recipe.data,
+                                                                          tokenizer=recipe.model.init_from)
+    recipe = dataclasses.replace(recipe, model=model, data=data)
+    problems = validate(recipe)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return recipe
+
+
 def build_run(recipe: Recipe, resume: str | None):
     """Everything a run needs: (dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start)."""
     from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
@@ -80,11 +102,15 @@ def build_run(recipe: Recipe, resume: str | None):
         from pipetrain.parallel.tensor import apply_tensor_parallel
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
-    materialize(model, recipe.model, recipe.train.seed, dims.device)
+    ckpt_dir = _resume_dir(recipe, dims, resume)
+    if recipe.model.init_from and ckpt_dir is None:
+        from pipetrain.hf import load_hf_weights
+        load_hf_weights(model, recipe.model.init_from, recipe.model, device=dims.device)
+    else:  # a resumed run overwrites these weights from the checkpoint
+        materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_recompute(model, recipe.parallel)
     optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
     start = 0
-    ckpt_dir = _resume_dir(recipe, dims, resume)
     if ckpt_dir is not None:
         manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
         start = manifest["step"]
@@ -141,7 +167,7 @@ def _truncate_metrics(path: str, step: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipetrain.trainer import Trainer
 
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = resolve_init_from(load_recipe(args.recipe, args.set))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     problems = layout_problems(recipe, world_size)
     if problems:

@@ -17,8 +17,9 @@ SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_
 
 
 def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: str = TINY, extra_args=(),
-              cache_dir: str | None = None, timeout: int = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    sets = list(SMALL) + [f"run.output_dir={out_dir}"] + list(overrides)
+              cache_dir: str | None = None, timeout: int = 600, base=SMALL) -> tuple[subprocess.CompletedProcess,
+                                                                                      list[dict]]:
+    sets = list(base) + [f"run.output_dir={out_dir}"] + list(overrides)
     if cache_dir:
         sets.append(f"data.cache_dir={cache_dir}")
     args = ["--recipe", recipe] + [a for s in sets for a in ("--set", s)] + list(extra_args)
