@@ -83,6 +83,9 @@ def build_run(recipe: Recipe, resume: str | None):
     from pipetrain.parallel.recompute import apply_recompute
 
     dims = ParallelDims.init(recipe.parallel)
+    if recipe.parallel.zero >= 1 and dims.dp == 1 and dims.rank == 0:
+        print(f"warning: parallel.zero={recipe.parallel.zero} has no effect with dp=1 (nothing to shard across); "
+              "launch more data-parallel ranks or set parallel.zero=0", file=sys.stderr)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     if len(tokenizer) > recipe.model.vocab_size:
         raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
