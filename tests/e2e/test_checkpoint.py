@@ -211,3 +211,26 @@ def test_sigterm_saves_and_exits_0(tmp_path, token_cache):
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     step = read_manifest(str(tmp_path / "checkpoints" / latest))["step"]
     assert 2 <= step < 500 and step == max(m["step"] for m in read_metrics(str(tmp_path)))
+
+
+def test_inspect_and_consolidate_without_the_original_world(reference_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from pipetrain.checkpoint import iter_full_tensors
+    from pipetrain.checkpoint_tools import consolidate, inspect
+    ckpt = str(reference_run[0] / "checkpoints" / "step-00000006")
+    text = inspect(ckpt)
+    assert "step 6" in text and "layout dp=1 tp=1 pp=1 zero=0" in text and "model/embed.weight" in text
+    files = consolidate(ckpt, str(tmp_path / "full"), max_shard_bytes=1_000_000)  # forces several shards
+    assert len(files) > 1
+    index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())
+    full = {}
+    for f in files:
+        full.update(load_file(str(tmp_path / "full" / f)))
+    expected = dict(iter_full_tensors(ckpt))
+    assert set(index["weight_map"]) == set(full) == set(expected)
+    assert all(torch_equal(full[k], expected[k]) for k in expected)
+
+
+def torch_equal(a, b):
+    return a.shape == b.shape and bool((a == b).all())
