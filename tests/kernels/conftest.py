@@ -5,19 +5,24 @@ then, and triton's own library functions (tl.sum's combine, ...) are decorated w
 imported. So the variable must be set before anything imports triton. This conftest sets it, which is
 enough when the kernel tests are the first to import triton (pipetrain.kernels imports it).
 
-If triton was imported earlier in compiled mode (say a test collected before this folder imported the
-model, or used torch.compile), it cannot be switched in this process. Tests marked `triton` then run
-each in a fresh subprocess with TRITON_INTERPRET=1 (slower, same assertions); the others run here.
+If triton was imported earlier in compiled mode (in a full run, tests/dist is collected first and
+imports the model, hence pipetrain.kernels, hence triton), it cannot be switched in this process. Then
+the first test marked `triton` runs all the selected `triton` tests in one fresh subprocess with
+TRITON_INTERPRET=1, and each test reports its own outcome from there (a skip or a missing result
+fails). The other kernel tests run here as usual.
 Setting the variable has no effect outside the Triton path: CPU tensors take the torch references
 unless a test sets PIPETRAIN_KERNELS=triton (always through monkeypatch, so it is undone).
 """
+import json
 import os
-import re
+import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
+_HERE = pathlib.Path(__file__).resolve().parent
 _IMPORTED_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -36,14 +41,31 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs a Triton kernel (interpreted on CPU; see tests/kernels/conftest.py)")
 
 
+_BATCH = {}  # nodeid -> [outcome, text] from the fallback subprocess; filled at most once per session
+
+
+def _run_batch(session) -> None:
+    items = [i for i in session.items if i.get_closest_marker("triton") and i.path.is_relative_to(_HERE)]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        env = dict(os.environ, TRITON_INTERPRET="1", PIPETRAIN_BATCH_REPORT=report)
+        cmd = [sys.executable, "-m", "pytest", *[i.nodeid for i in items], "-q", "-m", "slow or not slow",
+               "-p", "no:cacheprovider", "-p", "tests.kernels.batch_report"]
+        proc = subprocess.run(cmd, cwd=str(session.config.rootpath), env=env, capture_output=True, text=True)
+        _BATCH["__log__"] = ["", f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"]
+        if os.path.exists(report):
+            with open(report) as f:
+                _BATCH.update(json.load(f))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("triton") is None or not _triton_compiled_in_process():
         return None
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-m", "slow or not slow", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=str(pyfuncitem.config.rootpath), env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not re.search(r"\b1 passed\b", proc.stdout):  # a skip is not a pass
-        raise AssertionError(f"{pyfuncitem.nodeid} failed in its TRITON_INTERPRET=1 subprocess (triton was "
-                             f"imported compiled in this process):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
+    if not _BATCH:
+        _run_batch(pyfuncitem.session)
+    outcome, text = _BATCH.get(pyfuncitem.nodeid, ("missing", _BATCH["__log__"][1]))
+    if outcome != "passed" or text != "called":
+        raise AssertionError(f"{pyfuncitem.nodeid}: {outcome} in the TRITON_INTERPRET=1 subprocess (triton was "
+                             f"imported compiled in this process):\n{text[-6000:]}")
     return True
