@@ -37,7 +37,7 @@ KINDS = {
     "import": "model_config_from_hf + load_hf_weights into a meta-built model (one model.safetensors)",
     "import_sharded": "the same from a sharded model.safetensors.index.json (100MB shards)",
     "materialize": "reference: random init of the same model (build on meta + materialize)",
-    "from_pretrained": "reference: transformers AutoModelForCausalLM.from_pretrained of the same folder",
+    "from_pretrained": "reference: transformers from_pretrained of the same folder, every weight touched once",
     "export_stream": "export_state fed one tensor at a time by a plain-read() reader (2GB shards: one file)",
     "export_model": "export_model of a model already in memory (memory above the loaded model)",
 }
@@ -137,7 +137,9 @@ def measure(kind: str, workdir: str) -> dict:
     elif kind == "materialize":
         materialize(build(cfg), cfg, 0, "cpu")
     elif kind == "from_pretrained":
-        transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+        for p in hf_model.parameters():  # transformers 5 maps the file lazily: touch each weight once
+            p.sum()
     elif kind == "export_stream":
         export_state(read_tensors_without_mmap(os.path.join(workdir, "ckpt.safetensors")), cfg, out_dir)
     elif kind == "export_model":
