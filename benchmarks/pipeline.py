@@ -23,7 +23,7 @@ share):
   before the first step, plus the peak bytes held for backward (saved_tensors_hooks: distinct
   storages saved by autograd, parameters excluded).
 
-Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--no-memory] [--json out.json]
+Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--no-memory] [--variants] [--json out.json]
 Shapes: B batch, T time, D model, V vocab; m microbatches, p pp ranks, v chunks per rank.
 """
 from __future__ import annotations
@@ -52,9 +52,10 @@ from pipetrain.data import Batch  # noqa: E402
 from pipetrain.models import build, materialize  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.executor import Executor  # noqa: E402
-from pipetrain.parallel.pipeline import build_stage  # noqa: E402
+from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_layout  # noqa: E402
 from pipetrain.parallel.schedule_sim import ideal_bubble  # noqa: E402
-from pipetrain.parallel.schedules import build_schedule  # noqa: E402
+from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,  # noqa: E402
+                                          build_all_schedules, build_schedule)
 from pipetrain.trainer import loss_sum  # noqa: E402
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -62,6 +63,7 @@ CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_he
 SEQ, MICRO, NUM_MB, SEED = 128, 2, 8, 0
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 FRAMEWORKS = ("pipetrain", "torch")
+VARIANTS = ("pipetrain defer-sends", "pipetrain prefetch")  # --variants: see _TimedDist
 
 
 # ---- where a step's time goes ------------------------------------------------------------------------
@@ -89,41 +91,101 @@ class StepClock:
 
 
 class _TimedWork:
-    def __init__(self, work, clock: StepClock):
-        self._work, self._clock = work, clock
+    """A Work whose wait() is timed; `after` runs once the wait returns (copying a prefetched receive)."""
+
+    def __init__(self, work, clock: StepClock, after=None):
+        self._work, self._clock, self._after = work, clock, after
 
     def wait(self):
-        self._clock.timed_wait(self._work)
+        if self._work is not None:
+            self._clock.timed_wait(self._work)
+        if self._after is not None:
+            self._after()
+            self._after = None
         return True
 
 
 class _TimedDist:
-    """torch.distributed as the executor sees it, except that batch_isend_irecv's Works time wait()."""
+    """torch.distributed as the executor sees it, except for batch_isend_irecv, whose Works time wait().
 
-    def __init__(self, clock: StepClock):
-        self._clock = clock
+    Two executor variants, to measure changes proposed for executor.py without editing it:
+    - defer_sends: in a batch that also receives, the executor waits only for the receives; the sends
+      are waited at the end of the step (gloo sends progress on their own, so this is the "async"
+      semantics of schedules.py, which every schedule is proven deadlock-free under).
+    - prefetch: each receive from a peer is posted as soon as the previous receive from that peer has
+      been posted (so one receive per peer is always outstanding ahead of the executor), into a buffer
+      of the agreed shape that is copied into the executor's buffer when it waits. Receives from one
+      peer stay in order, so messages still pair up as the schedule says.
+    """
+
+    def __init__(self, clock: StepClock, defer_sends: bool = False, prefetch: dict | None = None,
+                 shape=None, dtype=None):
+        self._clock, self._defer_sends = clock, defer_sends
+        self.deferred: list = []
+        self._to_receive = dict(prefetch or {})  # peer -> receives not yet posted
+        self._ahead: dict[int, list] = {peer: [] for peer in self._to_receive}
+        self._prefetch, self._shape, self._dtype = prefetch is not None, shape, dtype
 
     def __getattr__(self, name):
         return getattr(dist, name)
 
+    def _post_recv(self, peer: int) -> None:
+        buf = torch.empty(self._shape, dtype=self._dtype)
+        self._ahead[peer].append((buf, dist.irecv(buf, peer)))
+        self._to_receive[peer] -= 1
+
     def batch_isend_irecv(self, ops):
-        return [_TimedWork(w, self._clock) for w in dist.batch_isend_irecv(ops)]
+        if not (self._defer_sends or self._prefetch):
+            return [_TimedWork(w, self._clock) for w in dist.batch_isend_irecv(ops)]
+        has_recv = any(op.op is dist.irecv for op in ops)
+        works = []
+        for op in ops:
+            if op.op is dist.isend:
+                work = dist.isend(op.tensor, op.peer)
+                if self._defer_sends and has_recv:
+                    self.deferred.append(work)
+                    work = None
+                works.append(_TimedWork(work, self._clock))
+            elif self._prefetch:
+                if not self._ahead[op.peer]:
+                    self._post_recv(op.peer)
+                buf, work = self._ahead[op.peer].pop(0)
+                works.append(_TimedWork(work, self._clock, after=lambda dst=op.tensor, src=buf: dst.copy_(src)))
+            else:
+                works.append(_TimedWork(dist.irecv(op.tensor, op.peer), self._clock))
+        for peer, left in self._to_receive.items():
+            if left and not self._ahead[peer]:
+                self._post_recv(peer)
+        return works
 
 
 class TimedExecutor(Executor):
-    """pipetrain's Executor with its waits timed; the executor module itself is left untouched."""
+    """pipetrain's Executor with its waits timed (and optionally a _TimedDist variant); the executor
+    module itself is left untouched."""
 
-    def __init__(self, *args, clock: StepClock, **kwargs):
+    def __init__(self, *args, clock: StepClock, variant: str = "", **kwargs):
         super().__init__(*args, **kwargs)
-        self.clock = clock
+        self.clock, self.variant = clock, variant
 
-    def run(self, *args, **kwargs):
+    def run(self, actions, *args, **kwargs):
+        prefetch = None
+        if self.variant == "prefetch":
+            prefetch = {}
+            for a in actions:
+                if a.kind in (RECV_ACT, RECV_GRAD):
+                    peer = self._peer(a.peer)
+                    prefetch[peer] = prefetch.get(peer, 0) + 1
+        proxy = _TimedDist(self.clock, defer_sends=self.variant == "defer-sends", prefetch=prefetch,
+                           shape=self.act_shape, dtype=self.act_dtype)
         saved = executor_mod.dist
-        executor_mod.dist = _TimedDist(self.clock)
+        executor_mod.dist = proxy
         try:
-            return super().run(*args, **kwargs)
+            out = super().run(actions, *args, **kwargs)
         finally:
             executor_mod.dist = saved
+        for work in proxy.deferred:
+            self.clock.timed_wait(work)
+        return out
 
 
 def _instrument(clock: StepClock) -> None:
@@ -222,12 +284,12 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     def loss_fn(logits, targets):  # pipetrain's executor divides by num_targets itself
         return clock.timed("loss", loss_sum, logits, targets)
 
-    executor = TimedExecutor(chunks, specs, dims, (MICRO, SEQ, CFG.d_model), torch.float32,
-                             loss_fn=loss_fn, clock=clock)
     actions = build_schedule(schedule, dims.pp_rank, dims.pp, NUM_MB, v)
 
-    def pipetrain_step() -> float:
-        return float(executor.run(actions, microbatches, num_targets)) / num_targets
+    def pipetrain_step(variant: str = ""):
+        executor = TimedExecutor(chunks, specs, dims, (MICRO, SEQ, CFG.d_model), torch.float32,
+                                 loss_fn=loss_fn, clock=clock, variant=variant)
+        return lambda: float(executor.run(actions, microbatches, num_targets)) / num_targets
 
     stages = [PipelineStage(chunk, spec.stage, dims.pp * v, torch.device("cpu"), group=dims.pp_group)
               for chunk, spec in zip(chunks, specs)]
@@ -249,7 +311,9 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         sched.step(*args, target=batch.targets if has_last else None, losses=losses, return_outputs=False)
         return sum(float(x.detach()) for x in losses)
 
-    return model, {"pipetrain": pipetrain_step, "torch": torch_step}
+    steps = {"pipetrain": pipetrain_step(), "torch": torch_step}
+    steps.update({name: pipetrain_step(name.split()[1]) for name in VARIANTS})
+    return model, steps
 
 
 def _timed_step(dims: ParallelDims, model, step, clock: StepClock) -> dict:
@@ -273,19 +337,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _timing_worker(dims: ParallelDims, rounds: int, out_path: str) -> None:
+def _timing_worker(dims: ParallelDims, rounds: int, frameworks: tuple[str, ...], out_path: str) -> None:
     clock = StepClock()
     _instrument(clock)
     cases = {(s, v): _build_case(dims, s, v, clock) for s, v in CASES}
-    results = {f"{s}|{fw}": [] for s, _ in CASES for fw in FRAMEWORKS}
+    results = {f"{s}|{fw}": [] for s, _ in CASES for fw in frameworks}
     parity = {}
     for r in range(rounds + 1):
         order = CASES[r % len(CASES):] + CASES[:r % len(CASES)]
         for s, v in order:
             model, steps = cases[(s, v)]
-            fws = FRAMEWORKS if r % 2 == 0 else FRAMEWORKS[::-1]
             if r == 0:  # warm-up: torch infers shapes here; check the two agree on loss and gradients
-                rec = {fw: _timed_step(dims, model, steps[fw], clock) for fw in FRAMEWORKS[:1]}
+                rec = {"pipetrain": _timed_step(dims, model, steps["pipetrain"], clock)}
                 grads = _grads(model)
                 rec["torch"] = _timed_step(dims, model, steps["torch"], clock)
                 diff = max((float((p.grad - grads[n]).abs().max()) for n, p in model.named_parameters()
@@ -295,8 +358,10 @@ def _timing_worker(dims: ParallelDims, rounds: int, out_path: str) -> None:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dims.pp_group)
                 parity[s] = {"loss_pipetrain": rec["pipetrain"]["step_loss"], "loss_torch": rec["torch"]["step_loss"],
                              "max_grad_diff": float(both[0]), "max_grad": float(both[1])}
+                for fw in frameworks[2:]:  # warm the variants up too
+                    _timed_step(dims, model, steps[fw], clock)
                 continue
-            for fw in fws:
+            for fw in (frameworks if r % 2 else frameworks[::-1]):
                 results[f"{s}|{fw}"].append(_timed_step(dims, model, steps[fw], clock))
     if dims.rank == 0:
         with open(out_path, "w") as f:
@@ -358,12 +423,48 @@ def _spawn(world_size: int, fn, *args) -> dict:
 
 
 # ---- report -------------------------------------------------------------------------------------------
-def _summary(pp: int, timing: dict) -> dict:
-    """Medians over rounds: tokens/s, per-rank idle and time breakdown, and the paired ratio."""
+def partition_idle(schedule: str, pp: int, v: int, backward_ratio: float) -> list[float]:
+    """Per-rank idle fraction of the schedule replayed (async semantics, free transfers) with each stage's
+    cost from pipetrain's cost model (pipeline.layer_costs for this partition) and B = backward_ratio * F.
+    The formula assumes equal stages; this is the bubble to expect from this partition's imbalance."""
+    layout = stage_layout(CFG, ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v), SEQ)
+    block, embed, head = layer_costs(CFG, SEQ)
+    last = len(layout) - 1
+    cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
+    lists = build_all_schedules(schedule, pp, NUM_MB, v)
+    landed: dict[tuple[str, int, int], float] = {}  # (payload, microbatch, receiving stage) -> time
+    pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                stage = a.chunk * pp + r
+                if a.kind in (F, B):
+                    dt = cost_f[stage] * (1.0 if a.kind == F else backward_ratio)
+                    clock[r] += dt
+                    busy[r] += dt
+                elif a.kind in (SEND_ACT, SEND_GRAD):
+                    dst = stage + 1 if a.kind == SEND_ACT else stage - 1
+                    landed[(a.kind[-3:], a.microbatch, dst)] = clock[r]
+                else:
+                    key = (a.kind[-3:], a.microbatch, stage)
+                    if key not in landed:
+                        break
+                    clock[r] = max(clock[r], landed[key])
+                pos[r] += 1
+                progress = True
+    assert all(pos[r] == len(lists[r]) for r in range(pp)), "partition_idle: replay deadlocked"
+    return [1 - b / max(clock) for b in busy]
+
+
+def _summary(pp: int, timing: dict, frameworks: tuple[str, ...]) -> dict:
+    """Medians over rounds: tokens/s, per-rank idle and time breakdown, ratios to torch paired per round."""
     tokens = MICRO * NUM_MB * SEQ
     out = {}
     for s, v in CASES:
-        for fw in FRAMEWORKS:
+        for fw in frameworks:
             recs = timing["steps"][f"{s}|{fw}"]
             span = [max(r["seconds"]) for r in recs]
             # Idle: waits inside the step, plus the tail after this rank finished and the slowest had not.
@@ -373,12 +474,15 @@ def _summary(pp: int, timing: dict) -> dict:
             parts["other"] = [statistics.median(r["seconds"][k] - sum(r[kind][k] for kind in KINDS) for r in recs)
                               for k in range(pp)]
             parts["cpu"] = [statistics.median(r["cpu"][k] for r in recs) for k in range(pp)]
+            # tokens/s over torch's = torch's step time / this step time, paired within each round
+            ratio = statistics.median(max(t["seconds"]) / max(r["seconds"])
+                                      for r, t in zip(recs, timing["steps"][f"{s}|torch"]))
             out[(s, fw)] = {"tokens_per_s": tokens / statistics.median(span), "step_s": statistics.median(span),
-                            "idle": [statistics.median(x) for x in idle], "parts": parts,
-                            "formula": ideal_bubble(pp, NUM_MB, v)}
-        # pipetrain tokens/s over torch tokens/s = torch step time / pipetrain step time, paired per round
-        pairs = zip(timing["steps"][f"{s}|pipetrain"], timing["steps"][f"{s}|torch"])
-        out[(s, "ratio")] = statistics.median(max(t["seconds"]) / max(p["seconds"]) for p, t in pairs)
+                            "idle": [statistics.median(x) for x in idle], "parts": parts, "ratio": ratio}
+        p_parts = out[(s, "pipetrain")]["parts"]
+        backward_ratio = sum(p_parts["backward"]) / sum(p_parts["forward"])
+        out[(s, "model")] = {"formula": ideal_bubble(pp, NUM_MB, v), "backward_ratio": backward_ratio,
+                             "partition": partition_idle(s, pp, v, backward_ratio)}
     return out
 
 
@@ -386,27 +490,40 @@ def _name(schedule: str, v: int) -> str:
     return schedule + (f" v{v}" if v > 1 else "")
 
 
-def _print_timing(pp: int, rounds: int, summary: dict, parity: dict) -> None:
-    print(f"\npp {pp}: median of {rounds} rounds; ratio = pipetrain tok/s / torch tok/s (paired per round)")
-    print("| schedule | pipetrain tok/s | torch tok/s | ratio | idle pipetrain (per rank) | "
-          "idle torch (per rank) | formula | loss pipetrain / torch | max grad diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def _ranks(values, fmt: str = "{:.2f}") -> str:
+    return " / ".join(fmt.format(x) for x in values)
+
+
+def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, frameworks: tuple[str, ...]) -> None:
+    print(f"\npp {pp}: median of {rounds} rounds; ratio = pipetrain tok/s / torch tok/s (paired per round); idle "
+          "per rank (rank 0 / rank 1 / ...); formula (p-1)/(v*m+p-1); partition = the schedule replayed with "
+          "this partition's cost-model stage costs and the measured B/F ratio")
+    print("| schedule | pipetrain tok/s | torch tok/s | ratio | idle pipetrain | idle torch | formula | "
+          "partition | loss pipetrain / torch | max grad diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s, v in CASES:
-        p_, t_, par = summary[(s, "pipetrain")], summary[(s, "torch")], parity[s]
-        print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | {summary[(s, 'ratio')]:.2f} | "
-              f"{' '.join(f'{x:.2f}' for x in p_['idle'])} | {' '.join(f'{x:.2f}' for x in t_['idle'])} | "
-              f"{p_['formula']:.2f} | {par['loss_pipetrain']:.6f} / {par['loss_torch']:.6f} | "
+        p_, t_, m_, par = summary[(s, "pipetrain")], summary[(s, "torch")], summary[(s, "model")], parity[s]
+        print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | {p_['ratio']:.2f} | "
+              f"{_ranks(p_['idle'])} | {_ranks(t_['idle'])} | {m_['formula']:.2f} | {_ranks(m_['partition'])} | "
+              f"{par['loss_pipetrain']:.6f} / {par['loss_torch']:.6f} | "
               f"{par['max_grad_diff']:.1e} (of {par['max_grad']:.1e}) |")
+    if len(frameworks) > 2:
+        print(f"\npp {pp}: executor variants (benchmark-only, see _TimedDist): tok/s, ratio to torch")
+        print("| schedule | " + " | ".join(frameworks) + " |")
+        print("|---|" + "---|" * len(frameworks))
+        for s, v in CASES:
+            print(f"| {_name(s, v)} | " + " | ".join(f"{summary[(s, fw)]['tokens_per_s']:.0f} "
+                                                    f"({summary[(s, fw)]['ratio']:.2f})" for fw in frameworks) + " |")
     print(f"\npp {pp}: ms per step on each rank (rank 0 / rank 1 / ...), wall clock; other = the step minus "
           "the rest (framework bookkeeping, posting p2p ops, allocation); cpu = the process's CPU time")
     columns = KINDS + ("other", "cpu")
     print("| schedule | framework | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for s, v in CASES:
-        for fw in FRAMEWORKS:
+        for fw in frameworks:
             parts = summary[(s, fw)]["parts"]
-            cells = [" / ".join(f"{x * 1e3:.0f}" for x in parts[kind]) for kind in columns]
-            print(f"| {_name(s, v)} | {fw} | " + " | ".join(cells) + " |")
+            print(f"| {_name(s, v)} | {fw} | " + " | ".join(_ranks([x * 1e3 for x in parts[kind]], "{:.0f}")
+                                                          for kind in columns) + " |")
     sys.stdout.flush()
 
 
@@ -415,6 +532,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds after one warm-up round")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory runs")
+    parser.add_argument("--variants", action="store_true",
+                        help=f"also time the benchmark-only executor variants {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None, help="also write every raw figure to this file")
     args = parser.parse_args()
     print(f"model: llama D {CFG.d_model}, {CFG.n_layers} layers, V {CFG.vocab_size}; m {NUM_MB} microbatches of "
@@ -423,12 +542,13 @@ def main() -> None:
     raw = {}
     for pp in args.pp:
         t0 = time.perf_counter()
-        timing = _spawn(pp, _timing_worker, args.rounds)
-        summary = _summary(pp, timing)
+        frameworks = FRAMEWORKS + (VARIANTS if args.variants else ())
+        timing = _spawn(pp, _timing_worker, args.rounds, frameworks)
+        summary = _summary(pp, timing, frameworks)
         raw[f"pp{pp}"] = {"timing": timing}
         _dump(args.json, raw)
         print(f"\npp {pp} timing took {time.perf_counter() - t0:.0f} s", end="")
-        _print_timing(pp, args.rounds, summary, timing["parity"])
+        _print_timing(pp, args.rounds, summary, timing["parity"], frameworks)
         if args.no_memory:
             continue
         mib = 2 ** 20
