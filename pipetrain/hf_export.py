@@ -269,12 +269,13 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = N
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
     """Export a pipetrain checkpoint (any layout) through pipetrain.checkpoint's full-tensor reader."""
     try:
-        from pipetrain.checkpoint import iter_full_tensors, read_manifest
+        from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
     except ImportError as exc:
-        raise ConfigError(f"export: checkpoint export needs pipetrain.checkpoint (read_manifest and "
+        raise ConfigError(f"export: checkpoint export needs pipetrain.checkpoint (read_manifest, verify_files, "
                           f"iter_full_tensors), got ImportError: {exc}; use a pipetrain version with checkpoints, "
                           "or pipetrain.hf_export.export_model for a model in memory") from None
     manifest = read_manifest(ckpt_dir)
+    verify_files(ckpt_dir, manifest)  # sizes and SHA-256 of every file, before anything is written
     recipe = manifest["recipe"]
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
@@ -283,8 +284,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = N
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"export: the tokenizer directory recorded in {ckpt_dir}'s recipe was not found, got "
                           f"{tokenizer_dir!r}; pass --tokenizer DIR")
-    names = set(hf_sources(model_cfg))
-    stream: Iterator = ((n, t) for n, t in iter_full_tensors(ckpt_dir) if n in names)
+    names = set(hf_sources(model_cfg))  # model weights only: optimizer moments are never read
+    stream: Iterator = iter_full_tensors(ckpt_dir, names=names)
     return export_state(stream, model_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
 
 

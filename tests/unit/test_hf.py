@@ -304,27 +304,42 @@ def test_export_rejects_bad_input(tmp_path):
         export_model(random_model(gqa_gpt2), gqa_gpt2, str(tmp_path / "e"))
 
 
-def test_export_cli_reads_a_checkpoint_through_pipetrain_checkpoint(tmp_path, monkeypatch, capsys):
-    """The CLI's contract with pipetrain.checkpoint (issue 7), with that module stubbed."""
+def _save_checkpoint(model, recipe, out_dir: str) -> str:
+    """A real pipetrain checkpoint (pipetrain.checkpoint.Checkpointer) of model, saved by one process."""
+    from types import SimpleNamespace
+
+    from pipetrain.checkpoint import Checkpointer
+    from pipetrain.optim import build_optimizer
+    from pipetrain.parallel.dims import ParallelDims
+
+    dims = ParallelDims()
+    trainer = SimpleNamespace(model=model, optimizer=build_optimizer(model, dims, recipe.train), step=3,
+                              tokens_seen=0, loader=SimpleNamespace(state_dict=lambda: {"samples": 0}))
+    return Checkpointer(out_dir, recipe, dims).save(trainer)
+
+
+def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tmp_path, monkeypatch, capsys):
     import sys
-    import types
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = EXPORT_CASES["gpt2"]
+    from pipetrain.config import Recipe
+    from pipetrain.config import DataConfig as Data
+
+    cfg = ModelConfig(family="llama", vocab_size=8192, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=64, max_seq_len=32, tie_embeddings=True)
     model = random_model(cfg)
-    recipe = {"model": {**cfg.__dict__, "init_from": None}, "data": {"tokenizer": ""}}
-    stub = types.ModuleType("pipetrain.checkpoint")
-    stub.read_manifest = lambda path: {"step": 3, "recipe": recipe}
-    stub.iter_full_tensors = lambda path: iter([("optim.exp_avg.norm.weight", torch.zeros(32)),
-                                               *model.named_parameters(remove_duplicate=False)])
-    monkeypatch.setitem(sys.modules, "pipetrain.checkpoint", stub)
-    assert export_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "20KB"]) == 0
-    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ckpt = _save_checkpoint(model, Recipe(model=cfg, data=Data(path="x", tokenizer=TOKENIZER)), str(tmp_path / "run"))
+    out = tmp_path / "out"
+    assert export_main(["export", ckpt, str(out), "--max-shard-size", "600KB"]) == 0
+    assert os.path.isfile(out / "model.safetensors.index.json") and os.path.isfile(out / "tokenizer.json")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = tokens(8192)
     with torch.no_grad():
-        torch.testing.assert_close(hf_model(tokens()).logits, model(tokens()), **HF_FP32)
-    monkeypatch.setitem(sys.modules, "pipetrain.checkpoint", None)  # not installed: import fails
-    assert export_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
+        torch.testing.assert_close(hf_model(x).logits, model(x), **HF_FP32)
+    assert AutoTokenizer.from_pretrained(str(out)).vocab_size == 8192
+    monkeypatch.setitem(sys.modules, "pipetrain.checkpoint", None)  # a pipetrain without checkpoints
+    assert export_main(["export", ckpt, str(tmp_path / "out2")]) == 2
     assert "checkpoint export needs pipetrain.checkpoint" in capsys.readouterr().err
 
 
