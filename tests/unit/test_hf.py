@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe
 from pipetrain.hf import load_hf_tokenizer, load_hf_weights, model_config_from_hf
 from pipetrain.hf_export import export_model, export_state, main as export_main, parse_size
 from pipetrain.models import build, materialize
@@ -323,13 +323,12 @@ def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tm
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipetrain.config import Recipe
-    from pipetrain.config import DataConfig as Data
 
     cfg = ModelConfig(family="llama", vocab_size=8192, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       ffn_hidden=64, max_seq_len=32, tie_embeddings=True)
     model = random_model(cfg)
-    ckpt = _save_checkpoint(model, Recipe(model=cfg, data=Data(path="x", tokenizer=TOKENIZER)), str(tmp_path / "run"))
+    recipe = Recipe(model=cfg, data=DataConfig(path="x", tokenizer=TOKENIZER))  # export copies this tokenizer
+    ckpt = _save_checkpoint(model, recipe, str(tmp_path / "run"))
     out = tmp_path / "out"
     assert export_main(["export", ckpt, str(out), "--max-shard-size", "600KB"]) == 0
     assert os.path.isfile(out / "model.safetensors.index.json") and os.path.isfile(out / "tokenizer.json")
@@ -383,7 +382,6 @@ def _sft_jsonl(path, n: int = 40) -> None:
 
 
 def test_chat_jsonl_is_tokenised_with_the_assistant_mask(tmp_path, chat_tokenizer):
-    from pipetrain.config import DataConfig
     from pipetrain.data import tokenize_corpus
     from pipetrain.sft import encode_record
 
@@ -399,7 +397,6 @@ def test_chat_jsonl_is_tokenised_with_the_assistant_mask(tmp_path, chat_tokenize
 def test_fine_tuning_loss_is_the_mean_over_trained_tokens_of_the_whole_global_batch(tmp_path, chat_tokenizer):
     import torch.nn.functional as F
 
-    from pipetrain.config import DataConfig
     from pipetrain.data import IGNORE_INDEX, Loader, PackedData, tokenize_corpus
     from pipetrain.kernels import cross_entropy
 
