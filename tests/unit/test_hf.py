@@ -292,7 +292,7 @@ def test_export_rejects_bad_input(tmp_path):
     state = dict(model.named_parameters())
     with pytest.raises(ConfigError, match=r"tensors never arrived, got none for \['model.norm.weight'\]"):
         export_state({k: v for k, v in state.items() if k != "norm.weight"}, cfg, str(tmp_path / "a"))
-    with pytest.raises(ConfigError, match=r"tensor layers.0.attn.wq.weight must have shape \(32, 32\) .*got \(16, 32\)"):
+    with pytest.raises(ConfigError, match=r"layers.0.attn.wq.weight must have shape \(32, 32\) .*got \(16, 32\)"):
         export_state({**state, "layers.0.attn.wq.weight": torch.zeros(16, 32)}, cfg, str(tmp_path / "b"))
     with pytest.raises(ConfigError, match=r"tensor optim.step is not a parameter"):
         export_state({**state, "optim.step": torch.zeros(())}, cfg, str(tmp_path / "c"))
