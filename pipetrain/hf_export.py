@@ -75,9 +75,9 @@ def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float
         out.architectures = ["GPT2LMHeadModel"]
     else:
         attrs = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                    num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn,
-                    max_position_embeddings=cfg.max_seq_len,
-                    rms_norm_eps=cfg.norm_eps, hidden_act="silu", rope_theta=cfg.rope_theta, **common)
+                     num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn,
+                     max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+                     rope_theta=cfg.rope_theta, **common)
         window = cfg.sliding_window
         if cfg.has_qkv_bias:  # Qwen2 is llama plus q/k/v biases; max_window_layers=0: every layer slides
             out = transformers.Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
