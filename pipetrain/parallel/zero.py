@@ -49,6 +49,11 @@ from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
                                       model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
 
+# Buckets whose reduction may be in flight at once: each holds a (dp * P,) buffer until finished, so
+# this bounds the transient memory of the reduction to about two buckets (the launch that exceeds it
+# waits for the oldest, inside backward when overlapping).
+MAX_IN_FLIGHT = 2
+
 
 def dp_row_ranges(num_rows: int, dp_size: int) -> list[tuple[int, int]]:
     """[start, end) rows of each dp rank, as torch.tensor_split(x, dp_size) splits dim 0."""
@@ -144,6 +149,7 @@ class ZeroOptimizer:
         self._expected: Optional[list[int]] = None  # accumulations per parameter per step, learned at step 1
         self._counts = [0] * len(self.params)
         self._next_launch = 0
+        self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
         self._grad_shards: dict[int, torch.Tensor] = {}  # this rank's gradient rows, set by reduce_grads
         self._grad_buffers: list[torch.Tensor] = []  # stage 2: the tensors those rows live in
         self._had_grad: dict[int, bool] = {}  # stage 2: whether a parameter had a gradient when reduced
@@ -221,6 +227,7 @@ class ZeroOptimizer:
                 used += n
             flat[r * P + used:(r + 1) * P].zero_()  # padding: reduced like the rest, never read
         bucket.flat = flat
+        self._in_flight.append(bucket)
         if self.dp_size == 1:
             bucket.work = None
         elif self.stage == 1:
@@ -232,6 +239,8 @@ class ZeroOptimizer:
             for i in bucket.members:
                 self._had_grad[i] = self.params[i].grad is not None
                 self.params[i].grad = None  # stage 2 keeps only its rows, in bucket.out
+        while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers alive at once
+            self._finish(self._in_flight.pop(0))
 
     def _reduce_scatter_async(self, out: torch.Tensor, flat: torch.Tensor):
         if self._native_reduce_scatter is not False:
@@ -280,6 +289,7 @@ class ZeroOptimizer:
             if bucket.work is not None:  # a step that failed mid-reduction: drain before reuse
                 bucket.work.wait()
             bucket.ready, bucket.flat, bucket.out, bucket.work = 0, None, None, None
+        self._in_flight = []
         self.model.zero_grad(set_to_none=True)
         self._counts = [0] * len(self.params)
         self._next_launch = 0
@@ -294,8 +304,8 @@ class ZeroOptimizer:
         sync_model_parallel_grads(self.model, self.dims)
         for bucket in self.buckets[self.num_early:]:
             self._launch(bucket)
-        for bucket in self.buckets:
-            self._finish(bucket)
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
         if self._expected is None:
             self._expected = list(self._counts)
 

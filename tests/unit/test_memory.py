@@ -21,7 +21,7 @@ from pipetrain.optim import Optimizer, build_optimizer
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
-from pipetrain.parallel.zero import ParamShard, ZeroOptimizer, dp_row_ranges
+from pipetrain.parallel.zero import MAX_IN_FLIGHT, ParamShard, ZeroOptimizer, dp_row_ranges
 from pipetrain.trainer import Trainer
 
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -127,6 +127,7 @@ def test_overlap_launches_buckets_only_during_the_last_microbatch_backward(tmp_p
         (loss / num_targets).backward()
         launched = opt._next_launch
         assert launched == (0 if k == 0 else opt.num_early), (k, launched, opt.num_early)
+    assert len(opt._in_flight) <= MAX_IN_FLIGHT, "the reduction holds at most two bucket buffers at once"
     # stage 2 frees each launched bucket's full gradients while backward still runs
     assert all(p.grad is None for b in opt.buckets[:opt.num_early] for i in b.members for p in [opt.params[i]])
     opt.reduce_grads()

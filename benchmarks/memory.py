@@ -1,0 +1,252 @@
+"""Memory benchmark: ZeRO model-state bytes per rank, activation memory and time under recomputation,
+and the bf16 / fp32 step-time ratio on CPU.
+
+    python benchmarks/memory.py [zero] [recompute] [bf16] [--steps 6] [--threads 1]
+
+zero: gloo processes at dp 2 and 4 (one thread each) train the tiny recipe's model (llama D=256 L=8
+  V=8192, 10.1M parameters) for --steps steps at parallel.zero 0, 1, 2 (and 2 without overlap); after reduce_grads of the
+  last step each rank counts the bytes it holds of parameters, gradients (stage 2: its reduce-scatter
+  buffers, padding included) and AdamW moments, next to the formulas with P = local parameters:
+  zero 0: 4P + 4P + 8P; zero 1: 4P + 4P + 8P/dp; zero 2: 4P + 4P/dp + 8P/dp (fp32 parameters are the
+  master weights, so there is no separate master copy). Also the median step time.
+recompute: one process per (model size, mode): bytes saved for backward (saved_tensors_hooks, unique
+  storages, parameters excluded: what activations cost between forward and backward), the peak RSS
+  over the measured steps above the RSS before them (VmHWM reset through /proc/self/clear_refs after
+  a warm-up step; glibc's mmap threshold is pinned so freed tensors go back to the OS and RSS follows
+  live memory; the increase also holds the gradients, the same in every mode), and the median step.
+bf16: median step time with train.precision=bf16 (autocast) over fp32, same model, one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pipetrain.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from pipetrain.models import build, count_params, materialize  # noqa: E402
+from pipetrain.optim import build_optimizer, lr_at  # noqa: E402
+from pipetrain.parallel.dims import ParallelDims  # noqa: E402
+from pipetrain.parallel.recompute import apply_recompute  # noqa: E402
+
+TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                   ffn_hidden=704, max_seq_len=256)
+SIZES = {  # name: (model, batch, seq_len)
+    "S": (ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                      ffn_hidden=704, max_seq_len=256), 4, 256),
+    "M": (ModelConfig(family="llama", vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                      ffn_hidden=1408, max_seq_len=512), 4, 512),
+}
+MIB = 2 ** 20
+
+
+def _batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0):
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _model(cfg: ModelConfig, recompute: str = "none"):
+    model = materialize(build(cfg), cfg, 1234, "cpu")
+    apply_recompute(model, ParallelConfig(recompute=recompute))
+    return model
+
+
+# ---- ZeRO model states ----
+
+def _zero_worker(rank: int, world_size: int, steps: int, out: str) -> None:
+    from pipetrain.parallel.zero import ZeroOptimizer
+    dims = ParallelDims.from_degrees(tp=1, pp=1)
+    tcfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=1)
+    inputs, targets = _batch(TINY, 8, 64)
+    inputs, targets = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+    rows = []
+    # The first configuration of a process pays page faults for every new buffer: a warm-up round
+    # (not reported) keeps that out of the first reported row.
+    for zero, overlap in ((0, True), (0, True), (1, True), (2, True), (2, False)):
+        model = _model(TINY)
+        opt = ZeroOptimizer(model, dims, tcfg, zero, overlap=overlap) if zero else build_optimizer(model, dims, tcfg)
+        times = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (8 * 64)
+            loss.backward()
+            opt.reduce_grads()
+            if step == steps - 1:  # what a rank holds between the reduction and the update
+                grads = (opt.grad_bytes() if zero else
+                         sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None))
+            opt.clip_grad_norm(1.0)
+            opt.step(lr_at(step + 1, tcfg))
+            times.append(time.perf_counter() - t0)
+        P = sum(p.numel() for p in model.parameters())
+        dp = world_size
+        formula = {0: (4 * P, 4 * P, 8 * P), 1: (4 * P, 4 * P, 8 * P // dp), 2: (4 * P, 4 * P // dp, 8 * P // dp)}[zero]
+        rows.append({"zero": zero, "overlap": overlap, "params": P * 4, "grads": grads, "optim": opt.state_bytes(),
+                     "formula": formula, "step_s": statistics.median(times[2:]), "loss": float(loss.detach())})
+    rows = rows[1:]
+    with open(os.path.join(out, f"zero-dp{world_size}-rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def bench_zero(steps: int) -> None:
+    from tests.harness import run_ranks  # noqa: E402 -- the gloo spawner the tests use
+    print(f"## ZeRO model states per rank: {count_params(_model(TINY)) / 1e6:.2f}M params, batch 8 x 64, "
+          f"{steps} steps, fp32")
+    print("| dp | zero | params MiB | grads MiB | optimizer MiB | total MiB | formula (p/g/o) MiB | step ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as out:
+        for dp in (2, 4):
+            run_ranks(dp, _zero_worker, steps, out)
+            ranks = [json.load(open(os.path.join(out, f"zero-dp{dp}-rank{r}.json"))) for r in range(dp)]
+            for k, row in enumerate(ranks[0]):
+                assert all(r[k]["optim"] == row["optim"] for r in ranks), "dp divides every dim 0: equal shards"
+                total = row["params"] + row["grads"] + row["optim"]
+                formula = "/".join(f"{b / MIB:.2f}" for b in row["formula"])
+                step_ms = 1e3 * statistics.median(r[k]["step_s"] for r in ranks)
+                z = f"{row['zero']}" + ("" if row["overlap"] or not row["zero"] else " (no overlap)")
+                print(f"| {dp} | {z} | {row['params'] / MIB:.2f} | {row['grads'] / MIB:.2f} | {row['optim'] / MIB:.2f} | "
+                      f"{total / MIB:.2f} | {formula} | {step_ms:.0f} |")
+
+
+# ---- recomputation ----
+
+def _saved_activation_bytes(model, inputs, targets) -> int:
+    """Bytes of the unique non-parameter storages autograd saves for backward in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def _rss_bytes(field: str = "VmRSS") -> int:
+    """Current (VmRSS) or peak since the last reset (VmHWM) resident bytes of this process."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+
+
+def _recompute_child(size: str, mode: str, precision: str, steps: int) -> dict:
+    cfg, batch, seq_len = SIZES[size]
+    model = _model(cfg, mode)
+    inputs, targets = _batch(cfg, batch, seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        with autocast:
+            logits = model(inputs)
+        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+    step()  # warm-up: AdamW state, thread pools and kernels exist before anything is measured
+    before = _rss_bytes()
+    _reset_peak_rss()
+    times = [step() for _ in range(steps)]
+    peak = _rss_bytes("VmHWM")
+    saved = _saved_activation_bytes(model, inputs, targets)
+    return {"saved": saved, "peak_rss_increase": peak - before, "step_s": statistics.median(times)}
+
+
+def _run_child(size: str, mode: str, precision: str, steps: int, threads: int) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, __file__, "--child", size, mode, precision, "--steps", str(steps),
+                           "--threads", str(threads)], capture_output=True, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_recompute(steps: int, threads: int) -> None:
+    print(f"## Recomputation: one process per row, {threads} thread(s), fp32, AdamW step included")
+    print("| size | model | batch x T | mode | saved for backward MiB | peak RSS increase MiB | step ms | time vs none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, (cfg, batch, seq_len) in SIZES.items():
+        base = None
+        for mode in ("none", "selective", "full"):
+            r = _run_child(size, mode, "fp32", steps, threads)
+            base = base or r["step_s"]
+            desc = f"D={cfg.d_model} L={cfg.n_layers} F={cfg.ffn_hidden}"
+            print(f"| {size} | {desc} | {batch} x {seq_len} | {mode} | {r['saved'] / MIB:.1f} | "
+                  f"{r['peak_rss_increase'] / MIB:.1f} | {1e3 * r['step_s']:.0f} | {r['step_s'] / base:.2f} |")
+
+
+def bench_bf16(steps: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gflops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - t0)
+        gflops[dtype] = 2 * n ** 3 / statistics.median(times) / 1e9
+    print(f"## bf16 vs fp32 ({threads} thread(s)); matmul 1024^3: fp32 {gflops[torch.float32]:.1f} GFLOP/s, "
+          f"bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s; CPU flags avx512_bf16/amx: "
+          f"{_cpu_has_bf16()}")
+    print("| size | fp32 step ms | bf16 step ms | bf16 / fp32 |")
+    print("|---|---|---|---|")
+    for size in SIZES:
+        fp32 = _run_child(size, "none", "fp32", steps, threads)["step_s"]
+        bf16 = _run_child(size, "none", "bf16", steps, threads)["step_s"]
+        print(f"| {size} | {1e3 * fp32:.0f} | {1e3 * bf16:.0f} | {bf16 / fp32:.2f} |")
+
+
+def _cpu_has_bf16() -> str:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return ", ".join(found) if found else "none"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", default=["zero", "recompute", "bf16"])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", nargs=3, metavar=("SIZE", "MODE", "PRECISION"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(_recompute_child(*args.child, args.steps)))
+        return
+    for section in args.sections:
+        {"zero": lambda: bench_zero(args.steps), "recompute": lambda: bench_recompute(args.steps, args.threads),
+         "bf16": lambda: bench_bf16(args.steps, args.threads)}[section]()
+        print()
+
+
+if __name__ == "__main__":
+    main()
