@@ -220,16 +220,15 @@ class TensorReader:
 
     def __init__(self, ckpt_dir: str, manifest: dict, device="cpu"):
         self.dir, self.manifest, self.device = ckpt_dir, manifest, device
-        self.handles = {}
 
     def _open(self, file: str):
-        if file not in self.handles:
-            path = os.path.join(self.dir, file)
-            try:
-                self.handles[file] = safe_open(path, framework="pt", device="cpu")
-            except Exception as exc:  # safetensors raises its own error types for bad headers
-                raise ConfigError(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
-        return self.handles[file]
+        # Opened per read, not cached: a long-lived handle keeps every page it mapped resident, so
+        # streaming a large checkpoint would grow towards its whole size.
+        path = os.path.join(self.dir, file)
+        try:
+            return safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise ConfigError(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
 
     def has(self, name: str) -> bool:
         return name in self.manifest["tensors"]
@@ -332,10 +331,10 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     layout = manifest["layout"]
     same = (layout["dp"], layout["tp"], layout["pp"]) == (dims.dp, dims.tp, dims.pp)
     if same:
-        file = manifest["rng"][str(dims.rank)]
-        torch.set_rng_state(reader._open(file).get_tensor("rng/cpu"))
-        if torch.cuda.is_available() and "rng/cuda" in reader._open(file).keys():
-            torch.cuda.set_rng_state(reader._open(file).get_tensor("rng/cuda"), dims.device)
+        rng_file = reader._open(manifest["rng"][str(dims.rank)])
+        torch.set_rng_state(rng_file.get_tensor("rng/cpu"))
+        if torch.cuda.is_available() and "rng/cuda" in rng_file.keys():
+            torch.cuda.set_rng_state(rng_file.get_tensor("rng/cuda"), dims.device)
     else:
         torch.manual_seed(recipe.train.seed * 1_000_003 + manifest["step"] * 1009 + dims.rank)
     return manifest

@@ -87,7 +87,10 @@ def build_run(recipe: Recipe, resume: str | None):
         print(f"warning: parallel.zero={recipe.parallel.zero} has no effect with dp=1 (nothing to shard across); "
               "launch more data-parallel ranks or set parallel.zero=0", file=sys.stderr)
     tokenizer = load_tokenizer(recipe.data.tokenizer)
-    if len(tokenizer) > recipe.model.vocab_size:
+    if recipe.model.init_from:
+        from pipetrain.hf import check_tokenizer_vocab
+        check_tokenizer_vocab(tokenizer, recipe.model)
+    elif len(tokenizer) > recipe.model.vocab_size:
         raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{len(tokenizer)} tokens; raise model.vocab_size to at least {len(tokenizer)}")
     # Local rank 0 tokenises (and caches) first so the other ranks on the machine read the cache.

@@ -290,12 +290,13 @@ def validate(r: Recipe, world_size: int | None = None) -> list[str]:
         need(getattr(sec, name) >= 1, f"{_sec(sec)}.{name}={getattr(sec, name)} must be >= 1")
     if problems:
         return problems
-    need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
-    need(m.n_heads % m.kv_heads == 0,
-         f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")
-    need(m.family == "gpt2" or m.head_dim % 2 == 0,
-         f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
-    need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if not m.init_from:  # with init_from the HF config defines these; checked again once it is read
+        need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+        need(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")
+        need(m.family == "gpt2" or m.head_dim % 2 == 0,
+             f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
+        need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
     need(t.lr > 0, f"train.lr={t.lr} must be > 0")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")

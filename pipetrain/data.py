@@ -78,6 +78,7 @@ def _fingerprint(cfg: DataConfig, files: list[str], tokenizer) -> str:
         h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
     h.update(str(tokenizer.eos_token_id).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())  # chat data renders through it
     return h.hexdigest()[:20]
 
 

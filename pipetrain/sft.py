@@ -34,9 +34,11 @@ def encode_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]
         assistant = message["role"] == "assistant"
         if assistant:  # the prompt that opens an assistant turn is context, not a target
             prefix = _chat_ids(tokenizer, messages[:i], generation_prompt=True)
-            if prefix[:len(ids)] == ids:
-                mask += [False] * (len(prefix) - len(ids))
-                ids = prefix
+            if prefix[:len(ids)] != ids:
+                raise ConfigError("data: the tokenizer's chat template does not render the generation prompt "
+                                  "incrementally, so assistant tokens cannot be located; use prompt/completion")
+            mask += [False] * (len(prefix) - len(ids))
+            ids = prefix
         full = _chat_ids(tokenizer, messages[:i + 1], generation_prompt=False)
         if full[:len(ids)] != ids:
             raise ConfigError("data: the tokenizer's chat template does not render conversations "
