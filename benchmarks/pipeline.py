@@ -475,10 +475,13 @@ def _summary(pp: int, timing: dict, frameworks: tuple[str, ...]) -> dict:
                               for k in range(pp)]
             parts["cpu"] = [statistics.median(r["cpu"][k] for r in recs) for k in range(pp)]
             # tokens/s over torch's = torch's step time / this step time, paired within each round
-            ratio = statistics.median(max(t["seconds"]) / max(r["seconds"])
-                                      for r, t in zip(recs, timing["steps"][f"{s}|torch"]))
+            ratios = [max(t["seconds"]) / max(r["seconds"]) for r, t in zip(recs, timing["steps"][f"{s}|torch"])]
+            # CPU seconds summed over ranks: torch's / this one's, paired; machine load inflates it far less
+            cpu_ratios = [sum(t["cpu"]) / sum(r["cpu"]) for r, t in zip(recs, timing["steps"][f"{s}|torch"])]
             out[(s, fw)] = {"tokens_per_s": tokens / statistics.median(span), "step_s": statistics.median(span),
-                            "idle": [statistics.median(x) for x in idle], "parts": parts, "ratio": ratio}
+                            "idle": [statistics.median(x) for x in idle], "parts": parts,
+                            "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+                            "cpu_ratio": statistics.median(cpu_ratios)}
         p_parts = out[(s, "pipetrain")]["parts"]
         backward_ratio = sum(p_parts["backward"]) / sum(p_parts["forward"])
         out[(s, "model")] = {"formula": ideal_bubble(pp, NUM_MB, v), "backward_ratio": backward_ratio,
@@ -495,25 +498,29 @@ def _ranks(values, fmt: str = "{:.2f}") -> str:
 
 
 def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, frameworks: tuple[str, ...]) -> None:
-    print(f"\npp {pp}: median of {rounds} rounds; ratio = pipetrain tok/s / torch tok/s (paired per round); idle "
+    print(f"\npp {pp}: median of {rounds} rounds; ratio = pipetrain tok/s / torch tok/s (paired per round); CPU "
+          "ratio = torch CPU s / pipetrain CPU s per step, summed over ranks (paired); idle "
           "per rank (rank 0 / rank 1 / ...); formula (p-1)/(v*m+p-1); partition = the schedule replayed with "
           "this partition's cost-model stage costs and the measured B/F ratio")
-    print("| schedule | pipetrain tok/s | torch tok/s | ratio | idle pipetrain | idle torch | formula | "
-          "partition | loss pipetrain / torch | max grad diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | pipetrain tok/s | torch tok/s | ratio (min-max) | CPU ratio | idle pipetrain | idle torch | "
+          "formula | partition | loss pipetrain / torch | max grad diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s, v in CASES:
         p_, t_, m_, par = summary[(s, "pipetrain")], summary[(s, "torch")], summary[(s, "model")], parity[s]
-        print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | {p_['ratio']:.2f} | "
+        lo, hi = p_["ratio_range"]
+        print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | {p_['ratio']:.2f} "
+              f"({lo:.2f}-{hi:.2f}) | {p_['cpu_ratio']:.2f} | "
               f"{_ranks(p_['idle'])} | {_ranks(t_['idle'])} | {m_['formula']:.2f} | {_ranks(m_['partition'])} | "
               f"{par['loss_pipetrain']:.6f} / {par['loss_torch']:.6f} | "
               f"{par['max_grad_diff']:.1e} (of {par['max_grad']:.1e}) |")
     if len(frameworks) > 2:
-        print(f"\npp {pp}: executor variants (benchmark-only, see _TimedDist): tok/s, ratio to torch")
+        print(f"\npp {pp}: executor variants (benchmark-only, see _TimedDist): tok/s (ratio to torch, CPU ratio)")
         print("| schedule | " + " | ".join(frameworks) + " |")
         print("|---|" + "---|" * len(frameworks))
         for s, v in CASES:
             print(f"| {_name(s, v)} | " + " | ".join(f"{summary[(s, fw)]['tokens_per_s']:.0f} "
-                                                    f"({summary[(s, fw)]['ratio']:.2f})" for fw in frameworks) + " |")
+                                                    f"({summary[(s, fw)]['ratio']:.2f}, CPU "
+                                                    f"{summary[(s, fw)]['cpu_ratio']:.2f})" for fw in frameworks) + " |")
     print(f"\npp {pp}: ms per step on each rank (rank 0 / rank 1 / ...), wall clock; other = the step minus "
           "the rest (framework bookkeeping, posting p2p ops, allocation); cpu = the process's CPU time")
     columns = KINDS + ("other", "cpu")
