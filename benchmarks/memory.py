@@ -121,7 +121,7 @@ def bench_zero(steps: int) -> None:
 
 # ---- recomputation ----
 
-def _saved_activation_bytes(model, inputs, targets) -> int:
+def _saved_activation_bytes(model, inputs, targets, autocast) -> int:
     """Bytes of the unique non-parameter storages autograd saves for backward in one forward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
@@ -132,7 +132,9 @@ def _saved_activation_bytes(model, inputs, targets) -> int:
             storages[s.data_ptr()] = s.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        with autocast:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(storages.values())
@@ -172,7 +174,7 @@ def _recompute_child(size: str, mode: str, precision: str, steps: int) -> dict:
     _reset_peak_rss()
     times = [step() for _ in range(steps)]
     peak = _rss_bytes("VmHWM")
-    saved = _saved_activation_bytes(model, inputs, targets)
+    saved = _saved_activation_bytes(model, inputs, targets, autocast)
     return {"saved": saved, "peak_rss_increase": peak - before, "step_s": statistics.median(times)}
 
 
@@ -214,12 +216,13 @@ def bench_bf16(steps: int, threads: int) -> None:
     print(f"## bf16 vs fp32 ({threads} thread(s)); matmul 1024^3: fp32 {gflops[torch.float32]:.1f} GFLOP/s, "
           f"bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s; CPU flags avx512_bf16/amx: "
           f"{_cpu_has_bf16()}")
-    print("| size | fp32 step ms | bf16 step ms | bf16 / fp32 |")
-    print("|---|---|---|---|")
+    print("| size | fp32 step ms | bf16 step ms | bf16 / fp32 | saved for backward MiB fp32 / bf16 |")
+    print("|---|---|---|---|---|")
     for size in SIZES:
-        fp32 = _run_child(size, "none", "fp32", steps, threads)["step_s"]
-        bf16 = _run_child(size, "none", "bf16", steps, threads)["step_s"]
-        print(f"| {size} | {1e3 * fp32:.0f} | {1e3 * bf16:.0f} | {bf16 / fp32:.2f} |")
+        fp32 = _run_child(size, "none", "fp32", steps, threads)
+        bf16 = _run_child(size, "none", "bf16", steps, threads)
+        print(f"| {size} | {1e3 * fp32['step_s']:.0f} | {1e3 * bf16['step_s']:.0f} | "
+              f"{bf16['step_s'] / fp32['step_s']:.2f} | {fp32['saved'] / MIB:.1f} / {bf16['saved'] / MIB:.1f} |")
 
 
 def _cpu_has_bf16() -> str:

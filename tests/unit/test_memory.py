@@ -280,3 +280,15 @@ def test_recompute_layers_applies_to_each_interleaved_stage_of_a_rank():
     model, _, specs = build_stage(build(cfg), ParallelDims(pp=2, rank=1), pcfg, 16)
     assert [s.layers for s in specs] == [(2, 3), (6, 7)]
     assert apply_recompute(model, pcfg) == ["layers.2", "layers.6"]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_bf16_autocast_keeps_the_pipeline_boundary_activation_fp32(cfg):
+    """The executor sends activations in the parameter dtype (fp32); under autocast the residual
+    stream stays fp32 (fp32 embedding + bf16 branch outputs promote to fp32), so P2P agrees."""
+    model, chunks, _ = build_stage(build(cfg), ParallelDims(pp=2, rank=0), ParallelConfig(pp=2), 16)
+    materialize(model, cfg, 1, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunks[0](torch.randint(0, cfg.vocab_size, (2, 16)))
+        inner = model.layers["0"].mlp(out)
+    assert out.dtype == torch.float32 and inner.dtype == torch.bfloat16
