@@ -39,6 +39,9 @@ def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
     Returns the names of the recomputed modules."""
     if pcfg.recompute == "none":
         return []
+    if any(getattr(m, "recomputed", False) for m in model.modules()):
+        raise ValueError("apply_recompute: the model already recomputes some modules; apply it once "
+                         "(nesting checkpoints would run those forwards three times)")
     names = []
     blocks = list(model.layers.items())
     if pcfg.recompute == "full":

@@ -8,6 +8,7 @@ distributed tests (tests/dist/test_zero.py) reuse it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -61,7 +62,7 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
     return Trainer(recipe, dims, model, optimizer, loader, out_dir, chunks=chunks, specs=specs)
 
 
-def read_from(items) -> callable:
+def read_from(items) -> Callable[[str, tuple, tuple, tuple], torch.Tensor]:
     """A read(name, global_shape, offsets, shape) over state_items that hold whole global tensors."""
     full = {name: t for name, t, _, _ in items}
 
@@ -292,3 +293,10 @@ def test_bf16_autocast_keeps_the_pipeline_boundary_activation_fp32(cfg):
         out = chunks[0](torch.randint(0, cfg.vocab_size, (2, 16)))
         inner = model.layers["0"].mlp(out)
     assert out.dtype == torch.float32 and inner.dtype == torch.bfloat16
+
+
+def test_recompute_applied_twice_is_refused():
+    model = build(LLAMA)
+    apply_recompute(model, ParallelConfig(recompute="selective"))
+    with pytest.raises(ValueError, match="apply it once"):
+        apply_recompute(model, ParallelConfig(recompute="full"))
