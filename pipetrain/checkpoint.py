@@ -218,12 +218,17 @@ def verify_files(ckpt_dir: str, manifest: dict, files=None) -> None:
 class TensorReader:
     """Assembles any box of any saved tensor from the pieces that overlap it."""
 
-    def __init__(self, ckpt_dir: str, manifest: dict, device="cpu"):
-        self.dir, self.manifest, self.device = ckpt_dir, manifest, device
+    def __init__(self, ckpt_dir: str, manifest: dict, device="cpu", verify: bool = True):
+        self.dir, self.manifest, self.device, self.verify = ckpt_dir, manifest, device, verify
+        self.verified: set[str] = set()
 
     def _open(self, file: str):
-        # Opened per read, not cached: a long-lived handle keeps every page it mapped resident, so
-        # streaming a large checkpoint would grow towards its whole size.
+        # Each file is verified the first time this rank reads from it, so a rank hashes only the
+        # files holding its slices. Opened per read, not cached: a long-lived handle keeps every page
+        # it mapped resident, so streaming a large checkpoint would grow towards its whole size.
+        if self.verify and file not in self.verified:
+            verify_files(self.dir, self.manifest, [file])
+            self.verified.add(file)
         path = os.path.join(self.dir, file)
         try:
             return safe_open(path, framework="pt", device="cpu")
@@ -256,7 +261,7 @@ class TensorReader:
                     self._open(piece["file"]).get_tensor(name)
             except ConfigError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # safetensors' own error types: a truncated or mangled file
                 raise ConfigError(f"checkpoint {os.path.join(self.dir, piece['file'])}: tensor {name} cannot be "
                                   f"read ({exc}); the file is truncated or corrupt") from None
             out[dst] = part
@@ -315,9 +320,8 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     trainer_parts: {"model", "optimizer", "loader"}."""
     manifest = read_manifest(ckpt_dir)
     check_compatible(manifest, recipe, ckpt_dir)
-    if recipe.checkpoint.verify:
-        verify_files(ckpt_dir, manifest)  # cost: one full read of every file, see docs/checkpoints.md
-    reader = TensorReader(ckpt_dir, manifest, device=dims.device)
+    # checksums: each file this rank reads is hashed once before use (docs/checkpoints.md)
+    reader = TensorReader(ckpt_dir, manifest, device=dims.device, verify=recipe.checkpoint.verify)
     model, optimizer, loader = trainer_parts["model"], trainer_parts["optimizer"], trainer_parts["loader"]
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -24,8 +24,7 @@ from pipetrain.hf_export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWrite
 def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write the checkpoint's full model weights (pipetrain names) to out_dir; returns the file names."""
     manifest = read_manifest(ckpt_dir)
-    verify_files(ckpt_dir, manifest)
-    reader = TensorReader(ckpt_dir, manifest)
+    reader = TensorReader(ckpt_dir, manifest)  # verifies each file before its first read
     entries = model_tensors(manifest)
     dtypes = {dtype for _, _, dtype in entries}
     if len(dtypes) != 1:
