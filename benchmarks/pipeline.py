@@ -11,19 +11,32 @@ so torch runs with scale_grads=False) and return_outputs=False, so the mathemati
 Measured (a step = forward + backward of the global batch; no optimizer step, which the frameworks
 share):
 - tokens/s: 2048 tokens / step time, median over --rounds rounds after a warm-up round. A step
-  starts at a barrier; its time is the slowest rank's. Each round runs all 6 (schedule, framework)
-  cases, rotating the order, so the shared machine's noise hits them alike; ratio = pipetrain / torch.
+  starts at a barrier; its time is the slowest rank's. Each round runs every (schedule, framework)
+  case, rotating the order, so the shared machine's noise hits them alike. ratio = pipetrain tok/s /
+  torch tok/s, paired within each round (median and range); CPU ratio = torch's CPU seconds per step
+  (summed over ranks) / pipetrain's, which machine load distorts far less than wall time.
 - idle fraction per rank: (time in Work.wait() during the step + time between the rank's own end and
-  the slowest rank's end) / step time, against the formula (p-1)/(v*m+p-1). pipetrain's waits are
-  timed by TimedExecutor (the executor's torch.distributed calls go through a proxy whose Works time
-  wait()); torch's by wrapping torch.distributed.pipelining.schedules._wait_batch_p2p.
-- parity: in the warm-up round, the loss of both frameworks and the largest gradient difference.
-- memory, in a fresh set of processes per (pp, schedule, framework) running 2 steps: peak RSS per rank
-  (getrusage ru_maxrss; includes the interpreter, torch and the parameters) and its rise over the RSS
-  before the first step, plus the peak bytes held for backward (saved_tensors_hooks: distinct
-  storages saved by autograd, parameters excluded).
+  the slowest rank's end) / step time. pipetrain's waits are timed by TimedExecutor (the executor's
+  torch.distributed calls go through a proxy whose Works time wait()); torch's by wrapping
+  torch.distributed.pipelining.schedules._wait_batch_p2p. Forward (chunk calls), loss and backward
+  (torch.autograd.backward) are timed too; "other" is the rest of the step.
+- expected idle: the formula (p-1)/(v*m+p-1), and replay_idle: the very action lists replayed with this
+  partition's stage costs under three execution models (pipetrain's executor on gloo, the same waiting
+  only for receives, pure dataflow as torch's interleaved runtime), deterministic.
+- parity: in the warm-up round, the summed loss of both frameworks and the largest gradient difference.
+- memory, in fresh processes per (pp, schedule, framework) running 2 steps: the RSS before the first
+  step, the peak RSS (getrusage ru_maxrss: interpreter, torch, parameters, gradients, activations) up to
+  the end of step 1 and of step 2 alone, and the peak bytes held for backward in step 2
+  (saved_tensors_hooks: distinct storages saved by autograd, parameters excluded).
+- --variants: two benchmark-only executor variants (_TimedDist), to measure proposed executor changes
+  without editing executor.py.
 
-Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--no-memory] [--variants] [--json out.json]
+This file is longer than STYLE.md's 300-400 lines: the measurement, the replay model that explains it
+and the executor variants stay together so that one command reproduces every figure in
+docs/benchmarks.md.
+
+Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--schedules ...] [--no-memory] [--variants]
+       [--json out.json]
 Shapes: B batch, T time, D model, V vocab; m microbatches, p pp ranks, v chunks per rank.
 """
 from __future__ import annotations
@@ -64,6 +77,7 @@ SEQ, MICRO, NUM_MB, SEED = 128, 2, 8, 0
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 FRAMEWORKS = ("pipetrain", "torch")
 VARIANTS = ("pipetrain defer-sends", "pipetrain prefetch")  # --variants: see _TimedDist
+REPLAYS = ("executor", "deferred", "dataflow")  # execution models of replay_idle
 
 
 # ---- where a step's time goes ------------------------------------------------------------------------
@@ -291,6 +305,7 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
                                  loss_fn=loss_fn, clock=clock, variant=variant)
         return lambda: float(executor.run(actions, microbatches, num_targets)) / num_targets
 
+    # No input_args/output_args, as torchtitan does: torch infers the shapes in the first (warm-up) step.
     stages = [PipelineStage(chunk, spec.stage, dims.pp * v, torch.device("cpu"), group=dims.pp_group)
               for chunk, spec in zip(chunks, specs)]
 
@@ -303,6 +318,12 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         sched = Schedule1F1B(stages[0], NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
     else:
         sched = ScheduleInterleaved1F1B(stages, NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
+        # Same compute order as pipetrain's, so any difference between the two is in the execution.
+        theirs = [("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index, a.stage_index)
+                  for a in sched.pipeline_order[dims.pp_rank] if a is not None and a.computation_type.name in
+                  ("FORWARD", "FULL_BACKWARD")]
+        ours = [(a.kind, a.microbatch, a.chunk * dims.pp + dims.pp_rank) for a in actions if a.kind in (F, B)]
+        assert theirs == ours, f"{dims.coords} torch's interleaved compute order differs from pipetrain's"
     has_first, has_last = any(s.is_first for s in specs), any(s.is_last for s in specs)
 
     def torch_step() -> float:
@@ -337,14 +358,14 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _timing_worker(dims: ParallelDims, rounds: int, frameworks: tuple[str, ...], out_path: str) -> None:
+def _timing_worker(dims: ParallelDims, rounds: int, frameworks: tuple[str, ...], cases_run: list, out_path: str) -> None:
     clock = StepClock()
     _instrument(clock)
-    cases = {(s, v): _build_case(dims, s, v, clock) for s, v in CASES}
-    results = {f"{s}|{fw}": [] for s, _ in CASES for fw in frameworks}
+    cases = {(s, v): _build_case(dims, s, v, clock) for s, v in cases_run}
+    results = {f"{s}|{fw}": [] for s, _ in cases_run for fw in frameworks}
     parity = {}
     for r in range(rounds + 1):
-        order = CASES[r % len(CASES):] + CASES[:r % len(CASES)]
+        order = cases_run[r % len(cases_run):] + cases_run[:r % len(cases_run)]
         for s, v in order:
             model, steps = cases[(s, v)]
             if r == 0:  # warm-up: torch infers shapes here; check the two agree on loss and gradients
@@ -423,47 +444,86 @@ def _spawn(world_size: int, fn, *args) -> dict:
 
 
 # ---- report -------------------------------------------------------------------------------------------
-def partition_idle(schedule: str, pp: int, v: int, backward_ratio: float) -> list[float]:
-    """Per-rank idle fraction of the schedule replayed (async semantics, free transfers) with each stage's
-    cost from pipetrain's cost model (pipeline.layer_costs for this partition) and B = backward_ratio * F.
-    The formula assumes equal stages; this is the bubble to expect from this partition's imbalance."""
+def replay_idle(schedule: str, pp: int, v: int, backward_ratio: float, mode: str, uniform: bool = False) -> list[float]:
+    """Per-rank idle fraction of the schedule replayed with this partition's stage costs (pipeline.layer_costs,
+    B = backward_ratio * F) and free transfers. The formula assumes equal stages; this is the bubble to expect
+    from this partition (uniform=True: equal stages, where the formula holds), under one of three execution
+    models:
+    - "executor": pipetrain's executor on gloo. A run of consecutive comm actions is posted at once; if it
+      holds a receive, the rank waits for every op in it, and a gloo send completes only once the peer has
+      posted the matching receive (measured: an isend waits for the irecv). Send-only runs do not wait.
+    - "deferred": the same, except that a run waits only for its receives (sends are completed at the end of
+      the step): the "async" semantics of schedules.py.
+    - "dataflow": each compute starts as soon as its rank is free and its input exists (receives posted
+      early and waited right before the compute, sends never waited), which is how torch's
+      _PipelineScheduleRuntime (interleaved) runs; the compute orders of both frameworks are the same.
+    """
     layout = stage_layout(CFG, ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v), SEQ)
     block, embed, head = layer_costs(CFG, SEQ)
     last = len(layout) - 1
     cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
+    if uniform:
+        cost_f = [1.0] * len(layout)
     lists = build_all_schedules(schedule, pp, NUM_MB, v)
-    landed: dict[tuple[str, int, int], float] = {}  # (payload, microbatch, receiving stage) -> time
+    steps = []  # per rank: [compute action] or [run of comm actions]
+    for actions in lists:
+        rank_steps: list[list] = []
+        for a in actions:
+            if a.kind not in (F, B) and rank_steps and rank_steps[-1][0].kind not in (F, B):
+                rank_steps[-1].append(a)
+            else:
+                rank_steps.append([a])
+        if mode == "dataflow":
+            rank_steps = [st for st in rank_steps if st[0].kind in (F, B)]
+        steps.append(rank_steps)
+
+    def message(a, rank: int):  # (payload, microbatch, receiving stage): the same on both ends
+        stage = a.chunk * pp + rank
+        dst = {SEND_ACT: stage + 1, SEND_GRAD: stage - 1}.get(a.kind, stage)
+        return a.kind[-3:], a.microbatch, dst
+
+    done: dict[tuple, float] = {}                # dataflow: (kind, microbatch, stage) -> end time
+    posted: dict[tuple, float] = {}              # executor: (side, message) -> time the op was posted
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     progress = True
     while progress:
         progress = False
         for r in range(pp):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                stage = a.chunk * pp + r
+            while pos[r] < len(steps[r]):
+                step = steps[r][pos[r]]
+                a = step[0]
                 if a.kind in (F, B):
+                    stage = a.chunk * pp + r
+                    start = clock[r]
+                    if mode == "dataflow":
+                        src = (a.kind, a.microbatch, stage - 1 if a.kind == F else stage + 1)
+                        if 0 <= src[2] <= last:
+                            if src not in done:
+                                break
+                            start = max(start, done[src])
                     dt = cost_f[stage] * (1.0 if a.kind == F else backward_ratio)
-                    clock[r] += dt
+                    clock[r] = done[(a.kind, a.microbatch, stage)] = start + dt
                     busy[r] += dt
-                elif a.kind in (SEND_ACT, SEND_GRAD):
-                    dst = stage + 1 if a.kind == SEND_ACT else stage - 1
-                    landed[(a.kind[-3:], a.microbatch, dst)] = clock[r]
                 else:
-                    key = (a.kind[-3:], a.microbatch, stage)
-                    if key not in landed:
-                        break
-                    clock[r] = max(clock[r], landed[key])
+                    for c in step:
+                        posted.setdefault(("send" if c.kind.startswith("SEND") else "recv", message(c, r)), clock[r])
+                    if any(c.kind in (RECV_ACT, RECV_GRAD) for c in step):
+                        peers = [("recv" if c.kind.startswith("SEND") else "send", message(c, r)) for c in step
+                                 if mode == "executor" or c.kind in (RECV_ACT, RECV_GRAD)]
+                        if any(p not in posted for p in peers):
+                            break
+                        clock[r] = max([clock[r]] + [posted[p] for p in peers])
                 pos[r] += 1
                 progress = True
-    assert all(pos[r] == len(lists[r]) for r in range(pp)), "partition_idle: replay deadlocked"
+    assert all(pos[r] == len(steps[r]) for r in range(pp)), f"replay_idle: {schedule} deadlocked under {mode}"
     return [1 - b / max(clock) for b in busy]
 
 
-def _summary(pp: int, timing: dict, frameworks: tuple[str, ...]) -> dict:
+def _summary(pp: int, timing: dict, frameworks: tuple[str, ...], cases: list) -> dict:
     """Medians over rounds: tokens/s, per-rank idle and time breakdown, ratios to torch paired per round."""
     tokens = MICRO * NUM_MB * SEQ
     out = {}
-    for s, v in CASES:
+    for s, v in cases:
         for fw in frameworks:
             recs = timing["steps"][f"{s}|{fw}"]
             span = [max(r["seconds"]) for r in recs]
@@ -485,7 +545,9 @@ def _summary(pp: int, timing: dict, frameworks: tuple[str, ...]) -> dict:
         p_parts = out[(s, "pipetrain")]["parts"]
         backward_ratio = sum(p_parts["backward"]) / sum(p_parts["forward"])
         out[(s, "model")] = {"formula": ideal_bubble(pp, NUM_MB, v), "backward_ratio": backward_ratio,
-                             "partition": partition_idle(s, pp, v, backward_ratio)}
+                             # equal stages with B = 2F, the ratio the schedules placed their receives for
+                             **{f"uniform_{mode}": replay_idle(s, pp, v, 2.0, mode, uniform=True) for mode in REPLAYS},
+                             **{mode: replay_idle(s, pp, v, backward_ratio, mode) for mode in REPLAYS}}
     return out
 
 
@@ -497,27 +559,40 @@ def _ranks(values, fmt: str = "{:.2f}") -> str:
     return " / ".join(fmt.format(x) for x in values)
 
 
-def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, frameworks: tuple[str, ...]) -> None:
+def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, frameworks: tuple[str, ...], cases: list) -> None:
     print(f"\npp {pp}: median of {rounds} rounds; ratio = pipetrain tok/s / torch tok/s (paired per round); CPU "
           "ratio = torch CPU s / pipetrain CPU s per step, summed over ranks (paired); idle "
-          "per rank (rank 0 / rank 1 / ...); formula (p-1)/(v*m+p-1); partition = the schedule replayed with "
-          "this partition's cost-model stage costs and the measured B/F ratio")
+          "per rank (rank 0 / rank 1 / ...); formula (p-1)/(v*m+p-1); replayed = the schedule replayed with "
+          "this partition's cost-model stage costs and the measured B/F ratio, as pipetrain's executor runs it / "
+          "as pure dataflow (replay_idle)")
     print("| schedule | pipetrain tok/s | torch tok/s | ratio (min-max) | CPU ratio | idle pipetrain | idle torch | "
-          "formula | partition | loss pipetrain / torch | max grad diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for s, v in CASES:
+          "formula | replayed executor | replayed dataflow | loss pipetrain / torch | max grad diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for s, v in cases:
         p_, t_, m_, par = summary[(s, "pipetrain")], summary[(s, "torch")], summary[(s, "model")], parity[s]
         lo, hi = p_["ratio_range"]
         print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | {p_['ratio']:.2f} "
               f"({lo:.2f}-{hi:.2f}) | {p_['cpu_ratio']:.2f} | "
-              f"{_ranks(p_['idle'])} | {_ranks(t_['idle'])} | {m_['formula']:.2f} | {_ranks(m_['partition'])} | "
+              f"{_ranks(p_['idle'])} | {_ranks(t_['idle'])} | {m_['formula']:.2f} | {_ranks(m_['executor'])} | "
+              f"{_ranks(m_['dataflow'])} | "
               f"{par['loss_pipetrain']:.6f} / {par['loss_torch']:.6f} | "
               f"{par['max_grad_diff']:.1e} (of {par['max_grad']:.1e}) |")
+    print(f"\npp {pp}: idle per rank predicted by replay_idle (deterministic), with equal stages (B = 2F) and with "
+          "this partition's stages (B/F measured: " + ", ".join(f"{s} {summary[(s, 'model')]['backward_ratio']:.2f}"
+                                                               for s, _ in cases) + "); executor = as pipetrain's executor runs on gloo, deferred = the same waiting only "
+          "for receives, dataflow = receives posted early and waited at the compute (torch's interleaved runtime)")
+    print("| schedule | formula | equal: executor | equal: deferred | equal: dataflow | partition: executor | "
+          "partition: deferred | partition: dataflow |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s, v in cases:
+        m_ = summary[(s, "model")]
+        print(f"| {_name(s, v)} | {m_['formula']:.3f} | " + " | ".join(
+            _ranks(m_[f"{costs}{mode}"], "{:.3f}") for costs in ("uniform_", "") for mode in REPLAYS) + " |")
     if len(frameworks) > 2:
         print(f"\npp {pp}: executor variants (benchmark-only, see _TimedDist): tok/s (ratio to torch, CPU ratio)")
         print("| schedule | " + " | ".join(frameworks) + " |")
         print("|---|" + "---|" * len(frameworks))
-        for s, v in CASES:
+        for s, v in cases:
             print(f"| {_name(s, v)} | " + " | ".join(f"{summary[(s, fw)]['tokens_per_s']:.0f} "
                                                     f"({summary[(s, fw)]['ratio']:.2f}, CPU "
                                                     f"{summary[(s, fw)]['cpu_ratio']:.2f})" for fw in frameworks) + " |")
@@ -526,7 +601,7 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, frameworks:
     columns = KINDS + ("other", "cpu")
     print("| schedule | framework | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
-    for s, v in CASES:
+    for s, v in cases:
         for fw in frameworks:
             parts = summary[(s, fw)]["parts"]
             print(f"| {_name(s, v)} | {fw} | " + " | ".join(_ranks([x * 1e3 for x in parts[kind]], "{:.0f}")
@@ -539,6 +614,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds after one warm-up round")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory runs")
+    parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in CASES], default=[s for s, _ in CASES])
     parser.add_argument("--variants", action="store_true",
                         help=f"also time the benchmark-only executor variants {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None, help="also write every raw figure to this file")
@@ -546,16 +622,17 @@ def main() -> None:
     print(f"model: llama D {CFG.d_model}, {CFG.n_layers} layers, V {CFG.vocab_size}; m {NUM_MB} microbatches of "
           f"{MICRO} x T {SEQ} = {MICRO * NUM_MB * SEQ} tokens/step; 1 thread per rank, gloo, "
           f"{os.cpu_count()} CPUs", flush=True)
+    cases = [(s, v) for s, v in CASES if s in args.schedules]
     raw = {}
     for pp in args.pp:
         t0 = time.perf_counter()
         frameworks = FRAMEWORKS + (VARIANTS if args.variants else ())
-        timing = _spawn(pp, _timing_worker, args.rounds, frameworks)
-        summary = _summary(pp, timing, frameworks)
+        timing = _spawn(pp, _timing_worker, args.rounds, frameworks, cases)
+        summary = _summary(pp, timing, frameworks, cases)
         raw[f"pp{pp}"] = {"timing": timing}
         _dump(args.json, raw)
         print(f"\npp {pp} timing took {time.perf_counter() - t0:.0f} s", end="")
-        _print_timing(pp, args.rounds, summary, timing["parity"], frameworks)
+        _print_timing(pp, args.rounds, summary, timing["parity"], frameworks, cases)
         if args.no_memory:
             continue
         mib = 2 ** 20
@@ -564,7 +641,7 @@ def main() -> None:
               "in step 2")
         print("| schedule | framework | RSS before | peak RSS (setup + step 1) | peak RSS (step 2) | saved for backward |")
         print("|---|---|---|---|---|---|")
-        for s, v in CASES:
+        for s, v in cases:
             mem = {fw: _spawn(pp, _memory_worker, s, v, fw) for fw in FRAMEWORKS}
             raw[f"pp{pp}"][f"memory|{s}"] = mem
             _dump(args.json, raw)
