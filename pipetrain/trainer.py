@@ -30,10 +30,12 @@ class TrainingDiverged(RuntimeError):
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Sum of per-token cross-entropy over non-ignored targets (0 with a gradient path when none are)."""
+    """Sum of per-token cross-entropy over non-ignored targets (0 with a gradient path when none are).
+    targets may still be on the CPU: counting them there costs no device synchronisation."""
     count = int((targets != IGNORE_INDEX).sum())
     if count == 0:
         return logits.sum() * 0.0
+    targets = targets.to(logits.device, non_blocking=True)
     return cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
 
 

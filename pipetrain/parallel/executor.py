@@ -96,7 +96,7 @@ class Executor:
                 with self.autocast():
                     out = chunk(x)
                 if spec.is_last:
-                    loss = self.loss_fn(out, mb.targets.to(device))
+                    loss = self.loss_fn(out, mb.targets)  # targets stay on the CPU (see loss_sum)
                     total += loss.detach().float()
                     if not forward_only:
                         losses[key] = loss / num_targets
