@@ -3,7 +3,10 @@
 The executor knows nothing of any particular schedule: it walks the list, runs F and B on the
 chunk modules, and posts point-to-point transfers. Each maximal run of consecutive communication
 actions is posted together with batch_isend_irecv (the "rendezvous" semantics the schedules are
-proven deadlock-free under); receives are waited for at once, sends at the end of the step.
+proven deadlock-free under) and waited for as a whole. On gloo, where a send only completes once the
+peer posts its receive, waiting for a run's sends would stall a rank until its peer gets there; there
+the ops are posted one by one, receives are waited for at once and sends only at the end of the step
+(the "async" semantics, also proven deadlock-free; docs/pipeline.md measures the difference).
 
 Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
@@ -33,6 +36,7 @@ class Executor:
         self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
+        self.async_sends = dims.world_size > 1 and dist.get_backend() == "gloo"
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
@@ -49,7 +53,7 @@ class Executor:
         device = self.dims.device
         inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
         total = torch.zeros((), device=device)
-        pending_sends = []
+        pending_sends, recv_works = [], []
         comm_batch: list[Action] = []
 
         def flush():
@@ -67,12 +71,20 @@ class Executor:
                     buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, buf, peer))
                     recvs.append((a, buf))
-            works = dist.batch_isend_irecv(ops)
-            if recvs:
-                for w in works:
+            if self.async_sends:
+                for op in ops:
+                    work = op.op(op.tensor, op.peer)
+                    (pending_sends if op.op is dist.isend else recv_works).append(work)
+                for w in recv_works:
                     w.wait()
+                recv_works.clear()
             else:
-                pending_sends.extend(works)
+                works = dist.batch_isend_irecv(ops)
+                if recvs:
+                    for w in works:
+                        w.wait()
+                else:
+                    pending_sends.extend(works)
             for a, buf in recvs:
                 key = (a.microbatch, a.chunk)
                 if a.kind == RECV_ACT:
