@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 from pipetrain.config import load_recipe  # noqa: E402
 from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus  # noqa: E402
 from pipetrain.models import build, count_params, flops_per_token, materialize  # noqa: E402
-from pipetrain.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from pipetrain.optim import build_adamw, build_optimizer, lr_at, param_groups, set_lr  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.trainer import Trainer  # noqa: E402
 
@@ -60,11 +60,11 @@ def main() -> None:
     os.makedirs(recipe.run.output_dir, exist_ok=True)
 
     ours = materialize(build(cfg), cfg, tcfg.seed, "cpu")
-    trainer = Trainer(recipe, dims, ours, build_optimizer(ours, tcfg), Loader(data, tcfg.global_batch, 0, 1),
+    trainer = Trainer(recipe, dims, ours, build_optimizer(ours, dims, tcfg), Loader(data, tcfg.global_batch, 0, 1),
                       recipe.run.output_dir)
 
     plain = materialize(build(cfg), cfg, tcfg.seed, "cpu")
-    plain_opt = build_optimizer(plain, tcfg)
+    plain_opt = build_adamw(param_groups(plain, tcfg.weight_decay), tcfg)
     plain_loader = Loader(data, tcfg.global_batch, 0, 1)
 
     def plain_step() -> float:
