@@ -67,3 +67,16 @@ def test_existing_checkpoints_are_never_overwritten_by_a_fresh_run(tmp_path):
     assert "already holds checkpoints" in message and "--resume auto" in message
     assert (ckpt / "manifest.json").read_text() == "{}"
     assert read_metrics(str(tmp_path)) == []
+
+
+def test_diverged_loss_stops_with_the_step_and_saves_nothing(tmp_path, token_cache):
+    # an absurd learning rate without clipping blows the weights up within a few steps
+    proc, metrics = run_train(str(tmp_path), ["train.lr=1e30", "train.min_lr=0", "train.grad_clip=0",
+                                              "train.warmup_steps=0", "checkpoint.every=1"], cache_dir=token_cache)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(line) == 1 and "at step" in line[0] and "weights were not updated" in line[0]
+    bad_step = int(line[0].split("at step ")[1].split(";")[0])
+    assert all(m["step"] < bad_step for m in metrics)
+    ckpts = os.listdir(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else []
+    assert all(int(n.split("-")[1]) < bad_step for n in ckpts if n.startswith("step-"))
