@@ -5,8 +5,10 @@ chunk modules, and posts point-to-point transfers. Each maximal run of consecuti
 actions is posted together with batch_isend_irecv (the "rendezvous" semantics the schedules are
 proven deadlock-free under) and waited for as a whole. On gloo, where a send only completes once the
 peer posts its receive, waiting for a run's sends would stall a rank until its peer gets there; there
-the ops are posted one by one, receives are waited for at once and sends only at the end of the step
-(the "async" semantics, also proven deadlock-free; docs/pipeline.md measures the difference).
+the ops are posted one by one, each receive is waited for right before the compute that consumes it
+(posted where the schedule puts it, so it can arrive while this rank computes), and sends only at
+the end of the step. Waiting later than the schedule's receive point never adds a wait-for edge, so
+the "async" semantics' deadlock-freedom carries over (docs/pipeline.md measures the difference).
 
 Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
@@ -53,7 +55,12 @@ class Executor:
         device = self.dims.device
         inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
         total = torch.zeros((), device=device)
-        pending_sends, recv_works = [], []
+        pending_sends, pending_recvs = [], {}
+
+        def arrived(kind: str, key) -> None:
+            work = pending_recvs.pop((kind, *key), None)
+            if work is not None:
+                work.wait()
         comm_batch: list[Action] = []
 
         def flush():
@@ -72,12 +79,14 @@ class Executor:
                     ops.append(dist.P2POp(dist.irecv, buf, peer))
                     recvs.append((a, buf))
             if self.async_sends:
+                recv_iter = iter(recvs)
                 for op in ops:
                     work = op.op(op.tensor, op.peer)
-                    (pending_sends if op.op is dist.isend else recv_works).append(work)
-                for w in recv_works:
-                    w.wait()
-                recv_works.clear()
+                    if op.op is dist.isend:
+                        pending_sends.append(work)
+                    else:  # waited for right before the compute that consumes it
+                        a, _ = next(recv_iter)
+                        pending_recvs[(a.kind, a.microbatch, a.chunk)] = work
             else:
                 works = dist.batch_isend_irecv(ops)
                 if recvs:
@@ -104,6 +113,8 @@ class Executor:
             spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
             mb = microbatches[a.microbatch]
             if a.kind == F:
+                if not spec.is_first:
+                    arrived(RECV_ACT, key)
                 x = mb.inputs.to(device) if spec.is_first else inputs[key]
                 with self.autocast():
                     out = chunk(x)
@@ -120,12 +131,14 @@ class Executor:
                 if spec.is_last:
                     losses.pop(key).backward()
                 else:
+                    arrived(RECV_GRAD, key)
                     torch.autograd.backward(outputs.pop(key), grads_out.pop(key))
                 if not spec.is_first:
                     grads_in[key] = inputs.pop(key).grad
         flush()
         for w in pending_sends:
             w.wait()
+        assert not pending_recvs, f"{self.dims.coords} receives never consumed: {list(pending_recvs)}"
         assert not losses and not grads_out and not grads_in, \
             f"{self.dims.coords} schedule left work undone: {list(losses)} {list(grads_out)} {list(grads_in)}"
         return total
