@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
     trainer.fit()
+    if dims.world_size > 1:
+        dist.barrier()  # every rank has finished its collectives before any tears its groups down
     if rank == 0 and recipe.run.sample_tokens and dims.world_size == 1:
         from pipetrain.generate import sample_text
         text = sample_text(model, tokenizer, recipe.run.sample_tokens, seed=recipe.train.seed, device=dims.device)
