@@ -143,6 +143,16 @@ class Trainer:
         self.logger.log(record)
         return record
 
+    def _stop_agreed(self) -> bool:
+        """True when any rank was asked to stop: SIGTERM reaches ranks at different moments, and
+        every rank must leave the loop after the same step or the next collective hangs."""
+        if self.dims.world_size == 1:
+            return self.stop_requested
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop_requested = bool(flag.item())
+        return self.stop_requested
+
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         run, steps = self.recipe.run, self.recipe.train.steps
@@ -158,7 +168,7 @@ class Trainer:
                     self.evaluate()
                 if self.checkpointer and every and self.step % every == 0 and self.step < steps:
                     self.checkpointer.save(self)
-                if self.stop_requested:
+                if self._stop_agreed():
                     self.logger.write(f"stop requested: saving at step {self.step} and exiting")
                     break
             if self.checkpointer:
