@@ -47,3 +47,11 @@ def force_triton(monkeypatch):
 
 def tol(dtype: torch.dtype, bf16=BF16) -> dict:
     return FP32 if dtype == torch.float32 else bf16
+
+
+def outputs_and_grads(fn, *inputs: torch.Tensor, dy: torch.Tensor):
+    """(fn(*inputs), grad of each input) for upstream gradient dy, on fresh leaf copies of inputs."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    y.backward(dy)
+    return (y, *(t.grad for t in leaves))

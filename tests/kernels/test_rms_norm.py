@@ -4,17 +4,13 @@ import torch
 
 from pipetrain.kernels import rms_norm
 from pipetrain.kernels.rms_norm import RMSNormFn, rms_norm_fwd, rms_norm_ref
-from tests.kernels.common import fresh_seed, randn, tol
+from tests.kernels.common import fresh_seed, outputs_and_grads, randn, tol
 
 SHAPES = [(1, 7), (5, 48), (3, 4, 100)]  # one row; D not a power of two; 3-D input
 
 
-def _grads(fn, x, w, dy):
-    x = x.clone().requires_grad_()
-    w = w.clone().requires_grad_()
-    y = fn(x, w)
-    y.backward(dy)
-    return y, x.grad, w.grad
+def _grads(fn, a, b, dy):
+    return outputs_and_grads(fn, a, b, dy=dy)
 
 
 @pytest.mark.triton

@@ -4,17 +4,14 @@ import torch
 
 from pipetrain.kernels import swiglu
 from pipetrain.kernels.swiglu import SwiGLUFn, swiglu_fwd, swiglu_ref
-from tests.kernels.common import fresh_seed, randn, tol
+from tests.kernels.common import fresh_seed, outputs_and_grads, randn, tol
 
 # one element; one row of a width that is not a power of two; more than one 1024-element block
 SHAPES = [(1, 1), (1, 45), (3, 7, 53), pytest.param((2, 16, 1376), marks=pytest.mark.slow, id="llama-ffn")]
 
 
-def _run(fn, g, u, dy):
-    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
-    y = fn(g, u)
-    y.backward(dy)
-    return y, g.grad, u.grad
+def _run(fn, a, b, dy):
+    return outputs_and_grads(fn, a, b, dy=dy)
 
 
 @pytest.mark.triton
