@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.models.linear import linear
 from pipetrain.parallel.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data_parallel import allreduce_grads
 from pipetrain.parallel.dims import ParallelDims
@@ -139,7 +140,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.enter_region:
             x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)  # (B, T, D_out/tp)
+        return linear(x, self.weight, self.bias)  # (B, T, D_out/tp)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}/tp, sp={self.sequence_parallel}"
@@ -171,7 +172,7 @@ class RowParallelLinear(nn.Module):
         return out
 
     def forward(self, x):  # x (B, T, D_in/tp)
-        y = F.linear(x, self.weight)  # (B, T, D_out): this rank's partial sum
+        y = linear(x, self.weight)  # (B, T, D_out): this rank's partial sum
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp_group)  # (B, T/tp, D_out)
         else:
@@ -210,7 +211,7 @@ class ReplicatedKVLinear(nn.Module):
 
     def forward(self, x):  # x (B, T, D), already in the tp region
         lo, hi = self.rows
-        return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])  # (B, T, K)
+        return linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])  # (B, T, K)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
