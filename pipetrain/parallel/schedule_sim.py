@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipetrain.parallel.schedules import (B, COMPUTE_KINDS, F, RECV_ACT, RECV_GRAD, SCHEDULES, SEND_ACT, SEND_GRAD,
+from pipetrain.parallel.schedules import (B, COMPUTE_KINDS, F, W, RECV_ACT, RECV_GRAD, SCHEDULES, SEND_ACT, SEND_GRAD,
                                           Action, _pair_messages, build_all_schedules, peak_in_flight,
                                           validate_schedule)
 
@@ -36,12 +36,24 @@ class SimResult:
 
 
 def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b: float = 2.0,
-             cost_comm: float = 0.0, virtual_stages: int | None = None) -> SimResult:
+             cost_comm: float = 0.0, virtual_stages: int | None = None, cost_w: float | None = None) -> SimResult:
     """Replay all ranks' actions with the given costs; raises ValueError if sends and receives do not pair
-    up or the schedule deadlocks. virtual_stages defaults to 1 + the largest chunk used."""
+    up or the schedule deadlocks. virtual_stages defaults to 1 + the largest chunk used. A B with a W
+    action of its own (split backward) costs cost_b - cost_w and the W cost_w (default cost_b / 2), so a
+    microbatch costs cost_f + cost_b either way."""
     p = len(schedules)
     v = virtual_stages or 1 + max((a.chunk for actions in schedules for a in actions), default=0)
-    cost = {F: cost_f / v, B: cost_b / v}
+    cost_w = cost_b / 2 if cost_w is None else cost_w
+    if not 0 <= cost_w <= cost_b:
+        raise ValueError(f"simulate: cost_w={cost_w} must be in [0, cost_b={cost_b}]")
+    split = [{(a.microbatch, a.chunk) for a in actions if a.kind == W} for actions in schedules]
+
+    def cost(r: int, a: Action) -> float:
+        if a.kind == F:
+            return cost_f / v
+        if a.kind == W:
+            return cost_w / v
+        return (cost_b - cost_w if (a.microbatch, a.chunk) in split[r] else cost_b) / v
     match = _pair_messages(schedules, p)
     starts = [[0.0] * len(actions) for actions in schedules]
     ends = [[0.0] * len(actions) for actions in schedules]
@@ -55,7 +67,7 @@ def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b:
                 i, a = pos[r], actions[pos[r]]
                 start = end = clock[r]
                 if a.kind in COMPUTE_KINDS:
-                    end = start + cost[a.kind]
+                    end = start + cost(r, a)
                 elif a.kind in (SEND_ACT, SEND_GRAD):
                     landed[match[(r, i)]] = start + cost_comm
                 elif (r, i) in landed:
@@ -69,7 +81,7 @@ def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b:
     if stuck:
         raise ValueError("simulate: deadlock: " + "; ".join(stuck))
     makespan = max(clock, default=0.0)
-    busy = [sum(cost[a.kind] for a in actions if a.kind in COMPUTE_KINDS) for actions in schedules]
+    busy = [sum(cost(r, a) for a in actions if a.kind in COMPUTE_KINDS) for r, actions in enumerate(schedules)]
     return SimResult(schedules=[list(a) for a in schedules], starts=starts, ends=ends, makespan=makespan,
                      bubble_per_rank=[1 - b / makespan if makespan else 0.0 for b in busy],
                      bubble=1 - sum(busy) / (p * makespan) if makespan else 0.0,
@@ -86,7 +98,8 @@ def _label(a: Action, virtual_stages: int) -> str:
 
 
 def render_timeline(result: SimResult, cols_per_unit: float | None = None) -> str:
-    """ASCII timeline: one row per rank; each compute is its label padded with '-' (F) or '=' (B); '.' is idle."""
+    """ASCII timeline: one row per rank; each compute is its label padded with '-' (F), '=' (B) or '~' (W);
+    '.' is idle."""
     computes = [(r, i, a) for r, actions in enumerate(result.schedules)
                 for i, a in enumerate(actions) if a.kind in COMPUTE_KINDS]
     if not computes:
@@ -103,10 +116,10 @@ def render_timeline(result: SimResult, cols_per_unit: float | None = None) -> st
             if a.kind not in COMPUTE_KINDS:
                 continue
             lo, hi = round(result.starts[r][i] * cols_per_unit), round(result.ends[r][i] * cols_per_unit)
-            text = _label(a, result.virtual_stages)[: hi - lo].ljust(hi - lo, "-" if a.kind == F else "=")
+            text = _label(a, result.virtual_stages)[: hi - lo].ljust(hi - lo, {F: "-", B: "=", W: "~"}[a.kind])
             row[lo:hi] = text
         rows.append(f"rank {r} |{''.join(row)}| idle {result.bubble_per_rank[r]:6.1%}")
-    legend = (f"one column = {1 / cols_per_unit:.3g} time units; F<mb>/B<mb> forward/backward"
+    legend = (f"one column = {1 / cols_per_unit:.3g} time units; F<mb>/B<mb>/W<mb> forward/backward/weight grads"
               + (" of chunk c<k>" if result.virtual_stages > 1 else "") + "; '.' idle")
     return "\n".join(rows + [legend])
 
@@ -125,7 +138,7 @@ def write_png(result: SimResult, path: str, title: str = "") -> None:
                 continue
             start, dur = result.starts[r][i], result.ends[r][i] - result.starts[r][i]
             shade = 0.45 + 0.5 * a.chunk / max(1, result.virtual_stages - 1)  # darker = earlier chunk
-            color = (0.2, 0.4 * shade, shade) if a.kind == F else (shade, 0.45 * shade, 0.1)
+            color = {F: (0.2, 0.4 * shade, shade), B: (shade, 0.45 * shade, 0.1), W: (0.2, shade, 0.3)}[a.kind]
             ax.broken_barh([(start, dur)], (r - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.5)
             ax.text(start + dur / 2, r, _label(a, result.virtual_stages), ha="center", va="center", fontsize=7,
                     color="white")
@@ -149,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cost-f", type=float, default=1.0, help="forward time of a rank's layers per microbatch")
     ap.add_argument("--cost-b", type=float, default=2.0, help="backward time of a rank's layers per microbatch")
     ap.add_argument("--cost-comm", type=float, default=0.0, help="latency of one p2p transfer")
+    ap.add_argument("--split-backward", action="store_true",
+                    help="zero-bubble split: B sends the input gradient, W actions do weight gradients later")
+    ap.add_argument("--cost-w", type=float, default=None, help="weight-gradient share of --cost-b (default half)")
     ap.add_argument("--cols-per-unit", type=float, default=None, help="timeline horizontal scale")
     ap.add_argument("--png", default=None, help="also write the timeline as a PNG (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -161,15 +177,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:  # printed as one line, not with source
             warnings.simplefilter("always")
             schedules = build_all_schedules(args.schedule, args.pp, args.microbatches, v,
-                                            backward_cost=args.cost_b / args.cost_f)
+                                            backward_cost=args.cost_b / args.cost_f,
+                                            split_backward=args.split_backward)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
         validate_schedule(schedules, args.pp, args.microbatches, v)
-        result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v)
+        result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v, cost_w=args.cost_w)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    title = f"{args.schedule} pp={args.pp} microbatches={args.microbatches}" + (f" v={v}" if v > 1 else "")
+    title = (f"{args.schedule} pp={args.pp} microbatches={args.microbatches}" + (f" v={v}" if v > 1 else "")
+             + (" split backward" if args.split_backward else ""))
     print(f"{title}  costs F={args.cost_f:g} B={args.cost_b:g} comm={args.cost_comm:g}")
     print(render_timeline(result, args.cols_per_unit))
     print(f"makespan {result.makespan:g}; bubble {result.bubble:.1%} "

@@ -1,7 +1,7 @@
 """Pipeline schedules as pure data: per-rank action lists, and a validator that proves them.
 
 A schedule is, for each pp rank, the ordered list of Actions that rank performs in one optimizer step:
-compute (F, B) and point-to-point communication (SEND_*/RECV_*), nothing else. The executor
+compute (F, B, W) and point-to-point communication (SEND_*/RECV_*), nothing else. The executor
 (run_schedule) walks the list and knows nothing of any particular schedule; this module never touches
 torch.distributed. The timing simulator, ASCII/PNG timelines and the CLI live in schedule_sim.py.
 
@@ -12,7 +12,18 @@ activations to rank (r+1) % p and gradients to rank (r-1) % p. Stage 0 has no RE
 
 Action fields: `microbatch` and `chunk` name the local (microbatch, chunk) the data belongs to: for RECV_ACT
 the chunk whose F consumes it, for SEND_ACT the chunk whose F produced it, likewise for gradients.
-`peer` is the pp rank on the other end of a communication (None for F/B).
+`peer` is the pp rank on the other end of a communication (None for F/B/W).
+
+Split backward (zero-bubble pipelining, Qi et al. 2023): with split_backward=True every B computes only
+what the previous stage waits for (the input gradient, sent at once) and a later W action of the same
+(microbatch, chunk) computes the weight gradients (pipetrain.models.linear). W needs nothing from another
+rank, so _place_weight_grads puts each W where its rank would otherwise wait for a message, in B order
+(so every weight accumulates its gradients in microbatch order, as without the split), and never lets
+a rank hold more microbatches (forwarded, weight gradients not yet done) than the unsplit schedule's
+busiest rank does. For 1F1B this is ZB-H1: with the backward's input part I and weight part W each as
+long as F (B = I + W = 2F), the idle time per rank drops from (p-1)(F+B) = 3(p-1)F to (p-1)(F+I-W) =
+(p-1)F, a third, at the same peak activation memory (rank 0's; later ranks may now hold that many too).
+It never makes a schedule slower in the simulator (tests/unit/test_schedules.py sweeps it). A schedule without W actions is the usual one: B does everything.
 
 Execution semantics (validate_schedule proves a schedule deadlock-free under each by simulating all ranks):
 - "async": SEND_* posts a non-blocking send (the executor completes it by the end of the step);
@@ -47,9 +58,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
-COMPUTE_KINDS = (F, B)
+COMPUTE_KINDS = (F, B, W)
 COMM_KINDS = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 SEMANTICS = ("async", "rendezvous")
@@ -57,11 +68,11 @@ SEMANTICS = ("async", "rendezvous")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank: compute (F/B) or a point-to-point transfer with `peer`."""
-    kind: str          # F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD
+    """One step of one rank: compute (F/B/W) or a point-to-point transfer with `peer`."""
+    kind: str          # F, B, W, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD
     microbatch: int
     chunk: int = 0     # model chunk (virtual stage) on this rank; 0 unless interleaved
-    peer: int | None = None  # pp rank on the other end of a SEND_*/RECV_*; None for F and B
+    peer: int | None = None  # pp rank on the other end of a SEND_*/RECV_*; None for compute
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS + COMM_KINDS:
@@ -98,7 +109,7 @@ def _expected_peer(kind: str, pp_rank: int, pp_size: int) -> int:
 # Builders: compute orders for every rank (placing a receive needs the sender's timing), then
 # _place_comms. The per-rank functions return one rank's list.
 
-Compute = tuple[str, int, int]  # (F or B, microbatch, chunk)
+Compute = tuple[str, int, int]  # (F, B or W, microbatch, chunk)
 
 
 def _check_args(pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> None:
@@ -146,20 +157,80 @@ def _interleaved_order(pp_rank: int, pp_size: int, num_microbatches: int, virtua
     return order + [unit(k, B) for k in range(total - num_warmup, total)]
 
 
-def _place_comms(orders: list[list[Compute]], virtual_stages: int, backward_cost: float) -> list[list[Action]]:
+def _source(p: int, last: int, r: int, kind: str, mb: int, c: int) -> tuple[int, Compute] | None:
+    """(rank, compute) whose output this compute on rank r consumes; None for the first F, the last B and W."""
+    s = stage_of(r, c, p)
+    if kind == F and s > 0:
+        return (s - 1) % p, (F, mb, (s - 1) // p)
+    if kind == B and s < last:
+        return (s + 1) % p, (B, mb, (s + 1) // p)
+    return None
+
+
+def _in_flight_bound(order: Sequence[Compute]) -> int:
+    live = peak = 0
+    for kind, _, _ in order:
+        live += (kind == F) - (kind == B)
+        peak = max(peak, live)
+    return peak
+
+
+def _place_weight_grads(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float]) -> list[list[Compute]]:
+    """Give every B of the compute orders a W (module docstring: split backward), placed by a reference run.
+
+    Ranks advance in time order (always the one with the earliest clock that can do something). A rank
+    whose next compute's input is not there yet does its oldest pending W instead of waiting; before an
+    F that would hold more microbatches than the unsplit schedule's busiest rank does (rank 0's p in
+    1F1B) it does one too; at its end it does the rest.
+    """
+    p = len(orders)
+    last = p * virtual_stages - 1
+    bound = max(_in_flight_bound(order) for order in orders)
+    out: list[list[Compute]] = [[] for _ in range(p)]
+    pending: list[list[Compute]] = [[] for _ in range(p)]
+    idx, live, clock = [0] * p, [0] * p, [0.0] * p
+    finished: dict[tuple[int, Compute], float] = {}
+
+    def run(r: int, x: Compute) -> None:
+        out[r].append(x)
+        clock[r] += cost[x[0]]
+        finished[(r, x)] = clock[r]
+        live[r] += (x[0] == F) - (x[0] == W)
+
+    while any(idx[r] < len(orders[r]) or pending[r] for r in range(p)):
+        for r in sorted(range(p), key=lambda q: (clock[q], q)):
+            if idx[r] == len(orders[r]):
+                if not pending[r]:
+                    continue
+                run(r, pending[r].pop(0))
+                break
+            kind, mb, c = x = orders[r][idx[r]]
+            src = _source(p, last, r, kind, mb, c)
+            ready = clock[r] if src is None else finished.get(src)
+            # Earliest-clock rank: an input not produced yet can only arrive after clock[r].
+            if pending[r] and (ready is None or ready > clock[r] or (kind == F and live[r] + 1 > bound)):
+                run(r, pending[r].pop(0))
+                break
+            if ready is None:
+                continue  # blocked with nothing to fill in: let another rank move
+            clock[r] = max(clock[r], ready)
+            run(r, x)
+            idx[r] += 1
+            if kind == B:
+                pending[r].append((W, mb, c))
+            break
+        else:
+            raise AssertionError("_place_weight_grads: compute orders deadlock")
+    return out
+
+
+def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float]) -> list[list[Action]]:
     """Add SEND/RECV actions to every rank's compute order (the rule and its proof: module docstring)."""
     p = len(orders)
     last = p * virtual_stages - 1
-    cost = {F: 1.0, B: backward_cost}
 
     def source(r: int, kind: str, mb: int, c: int) -> tuple[int, Compute] | None:
-        """(rank, compute) whose output this compute consumes; None for the first F and the last B."""
-        s = stage_of(r, c, p)
-        if kind == F and s > 0:
-            return (s - 1) % p, (F, mb, (s - 1) // p)
-        if kind == B and s < last:
-            return (s + 1) % p, (B, mb, (s + 1) // p)
-        return None
+        return _source(p, last, r, kind, mb, c)
 
     # Reference run: every compute starts as soon as its rank is free and its input has been produced.
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -207,11 +278,12 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, backward_cost
 
 
 def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
-                        backward_cost: float = 2.0) -> list[list[Action]]:
+                        backward_cost: float = 2.0, split_backward: bool = False) -> list[list[Action]]:
     """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator).
 
-    backward_cost is B's time relative to F's, used only to place receives (module docstring): about 2
-    normally, 3 with full activation recomputation. Any positive value gives a deadlock-free schedule.
+    backward_cost is B's time relative to F's, used only to place receives and W actions (module
+    docstring): about 2 normally, 3 with full activation recomputation; with split_backward half of it
+    is taken as B's input-gradient part and half as W. Any positive value gives a deadlock-free schedule.
     """
     _check_args(0, pp_size, num_microbatches, virtual_stages)
     if not backward_cost > 0:
@@ -225,20 +297,28 @@ def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_
         raise ValueError(f"schedule: virtual_stages={v} needs schedule interleaved-1f1b, got {name!r}; "
                          f"set virtual_stages=1 or use interleaved-1f1b")
     if name == "gpipe":
-        return _place_comms([_gpipe_order(m)] * p, 1, backward_cost)
+        return _finish([_gpipe_order(m)] * p, 1, backward_cost, split_backward)
     if v == 1:  # 1f1b, and interleaved-1f1b with one chunk per rank, which is the same thing
         if m < p:
             warnings.warn(f"1f1b: num_microbatches={m} < pp_size={p}; the pipeline never reaches steady state "
                           f"and idles {(p - 1) / (m + p - 1):.0%} of the step; use num_microbatches >= pp_size "
                           f"(4*pp_size or more keeps the bubble small)")
-        return _place_comms([_one_f_one_b_order(r, p, m) for r in range(p)], 1, backward_cost)
+        return _finish([_one_f_one_b_order(r, p, m) for r in range(p)], 1, backward_cost, split_backward)
     if p == 1:
         raise ValueError(f"interleaved-1f1b: virtual_stages={v} needs pp_size >= 2, got 1; one rank has no "
                          f"bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
     if m % p:
         raise ValueError(f"interleaved-1f1b: num_microbatches={m} must be a multiple of pp_size={p} "
                          f"(microbatches pass through the chunks in groups of pp_size); use {m + p - m % p}")
-    return _place_comms([_interleaved_order(r, p, m, v) for r in range(p)], v, backward_cost)
+    return _finish([_interleaved_order(r, p, m, v) for r in range(p)], v, backward_cost, split_backward)
+
+
+def _finish(orders: list[list[Compute]], virtual_stages: int, backward_cost: float,
+            split_backward: bool) -> list[list[Action]]:
+    if not split_backward:
+        return _place_comms(orders, virtual_stages, {F: 1.0, B: backward_cost})
+    cost = {F: 1.0, B: backward_cost / 2, W: backward_cost / 2}
+    return _place_comms(_place_weight_grads(orders, virtual_stages, cost), virtual_stages, cost)
 
 
 def gpipe(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
@@ -274,11 +354,11 @@ def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int, v
 
 
 def build_schedule(name: str, pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
-                   backward_cost: float = 2.0) -> list[Action]:
-    """Action list of `pp_rank` for schedule `name` (one of SCHEDULES); backward_cost: build_all_schedules."""
+                   backward_cost: float = 2.0, split_backward: bool = False) -> list[Action]:
+    """Action list of `pp_rank` for schedule `name` (one of SCHEDULES); keywords: build_all_schedules."""
     _check_args(pp_rank, pp_size, num_microbatches, virtual_stages)
-    return build_all_schedules(name, pp_size, num_microbatches, virtual_stages,
-                               backward_cost=backward_cost)[pp_rank]
+    return build_all_schedules(name, pp_size, num_microbatches, virtual_stages, backward_cost=backward_cost,
+                               split_backward=split_backward)[pp_rank]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,7 +397,7 @@ def _check_rank(actions: Sequence[Action], pp_rank: int, pp_size: int, num_micro
         needs = {F: [(RECV_ACT, "its input activation (RECV_ACT)")] if s > 0 else [],
                  B: [(F, "its forward")] + ([(RECV_GRAD, "its output gradient (RECV_GRAD)")] if s < last else []),
                  SEND_ACT: [(F, "the forward that produces it")],
-                 SEND_GRAD: [(B, "the backward that produces it")],
+                 SEND_GRAD: [(B, "the backward that produces it")], W: [(B, "its backward")],
                  RECV_ACT: [], RECV_GRAD: []}[a.kind]
         for kind, what in needs:
             if (kind, a.microbatch, a.chunk) not in seen:
@@ -408,10 +488,13 @@ def find_deadlock(schedules: Sequence[Sequence[Action]], match: dict[tuple[int, 
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most (microbatch, chunk) units forwarded but not yet backwarded at any point: live activations."""
+    """Most (microbatch, chunk) units forwarded but not yet backwarded (or, with a W, weight-gradiented) at
+    any point: live activations."""
+    split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}
     live = peak = 0
     for a in actions:
-        live += (a.kind == F) - (a.kind == B)
+        done = a.kind == W or (a.kind == B and (a.microbatch, a.chunk) not in split)
+        live += (a.kind == F) - done
         peak = max(peak, live)
     return peak
 
@@ -421,7 +504,7 @@ def validate_schedule(schedules: Sequence[Sequence[Action]], pp_size: int, num_m
                       max_in_flight: Sequence[int] | None = None) -> None:
     """Raise ValueError (naming rank, action index and problem) unless `schedules` is a correct schedule.
 
-    Checks: every (microbatch, stage) F and B exactly once, F before B; receives precede the compute that
+    Checks: every (microbatch, stage) F and B exactly once, F before B, at most one W and after its B; receives precede the compute that
     needs them and sends follow the compute that produces them; sends and receives pair up in the same
     order on every directed rank pair; every rank finishes under each of `semantics` (simulated); and,
     when given, no rank holds more than max_in_flight[rank] activations (see peak_in_flight).

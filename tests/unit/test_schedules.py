@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from pipetrain.parallel.schedule_sim import ideal_bubble, render_timeline, simulate
-from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action,
+from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action,
                                           build_all_schedules, build_schedule, gpipe, interleaved_one_f_one_b,
                                           one_f_one_b, peak_in_flight, validate_schedule)
 
@@ -63,6 +63,44 @@ def test_per_rank_builders_agree_with_build_all_schedules():
         assert one_f_one_b(r, 4, 6) == build_schedule("1f1b", r, 4, 6) == build("1f1b", 4, 6)[r]
         assert (interleaved_one_f_one_b(r, 4, 8, 2) == build_schedule("interleaved-1f1b", r, 4, 8, 2)
                 == build("interleaved-1f1b", 4, 8, 2)[r])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Split backward (W actions): valid, never slower, ZB-H1's bubble for 1F1B, bounded memory.
+
+def split_cases() -> list[tuple[str, int, int, int]]:
+    return ([(name, p, m, 1) for name in ("gpipe", "1f1b") for p in PP_SIZES for m in MICROBATCHES]
+            + [("interleaved-1f1b", p, m, v) for p, m, v in interleaved_cases()])
+
+
+def test_split_backward_schedules_are_valid_never_slower_and_hold_no_more_than_the_busiest_rank():
+    for name, p, m, v in split_cases():
+        whole, split = build(name, p, m, v), build(name, p, m, v, split_backward=True)
+        validate_schedule(split, p, m, v, max_in_flight=[max(peak_in_flight(a) for a in whole)] * p)
+        for actions in split:  # one W per B, after it, and in B order (gradients accumulate in the same order)
+            bs = [(a.microbatch, a.chunk) for a in actions if a.kind == B]
+            assert [(a.microbatch, a.chunk) for a in actions if a.kind == W] == bs, (name, p, m, v)
+        assert simulate(split).makespan <= simulate(whole).makespan + EXACT, (name, p, m, v)
+
+
+def test_split_1f1b_is_zb_h1_a_third_of_the_bubble():
+    # F = I = W = 1 (B = 2): idle per rank (p-1)(F + I - W) = p-1 instead of 3(p-1) (Qi et al. 2023).
+    for p in PP_SIZES:
+        for m in range(p, 17):
+            result = simulate(build("1f1b", p, m, split_backward=True))
+            assert result.makespan == pytest.approx(3 * m + (p - 1), abs=EXACT), (p, m)
+            assert result.peak_in_flight == [p] * p  # rank 0 holds p, as in 1F1B; the others may too
+
+
+def test_validator_rejects_a_w_before_its_b_and_a_second_w():
+    s = build("1f1b", 2, 2, split_backward=True)
+    w = next(i for i, a in enumerate(s[0]) if a.kind == W)
+    b = next(i for i, a in enumerate(s[0]) if a.kind == B and (a.microbatch, a.chunk) == (s[0][w].microbatch, 0))
+    early = s[0][:b] + [s[0][w]] + [a for i, a in enumerate(s[0][b:], b) if i != w]
+    with pytest.raises(ValueError, match=r"rank 0, action \d+ W\(mb 0\): comes before its backward"):
+        validate_schedule([early, s[1]], 2, 2)
+    with pytest.raises(ValueError, match=r"W\(mb 0\): duplicate of action"):
+        validate_schedule([s[0] + [s[0][w]], s[1]], 2, 2)
 
 
 def test_single_rank_schedules_are_only_compute():
