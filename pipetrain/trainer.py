@@ -67,7 +67,7 @@ class Trainer:
         # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
         backward_cost = 3.0 if p.recompute == "full" else 2.0
         self.actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,
-                                      backward_cost=backward_cost)
+                                      backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
         self.eval_actions = gpipe(dims.pp_rank, dims.pp, p.microbatches) if p.virtual_stages == 1 else \
             [a for a in self.actions if a.kind in ("F", "SEND_ACT", "RECV_ACT")]
 

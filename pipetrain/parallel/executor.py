@@ -1,14 +1,17 @@
 """run_schedule: execute one rank's pipeline action list (pipetrain.parallel.schedules).
 
-The executor knows nothing of any particular schedule: it walks the list, runs F and B on the
+The executor knows nothing of any particular schedule: it walks the list, runs F, B and W on the
 chunk modules, and posts point-to-point transfers. Each maximal run of consecutive communication
-actions is posted together with batch_isend_irecv (the "rendezvous" semantics the schedules are
-proven deadlock-free under) and waited for as a whole. On gloo, where a send only completes once the
-peer posts its receive, waiting for a run's sends would stall a rank until its peer gets there; there
-the ops are posted one by one, each receive is waited for right before the compute that consumes it
-(posted where the schedule puts it, so it can arrive while this rank computes), and sends only at
-the end of the step. Waiting later than the schedule's receive point never adds a wait-for edge, so
-the "async" semantics' deadlock-freedom carries over (docs/pipeline.md measures the difference).
+actions is posted together: with one batch_isend_irecv on NCCL (the "rendezvous" semantics the
+schedules are proven deadlock-free under); on gloo, where a send only completes once the peer posts
+its receive, one by one. Each receive is waited for right before the compute that consumes it (so it
+can arrive while this rank computes, and a W placed before that compute fills the wait) and sends
+only at the end of the step. Waiting later than the schedule's receive point never adds a wait-for
+edge, so the schedules' deadlock-freedom carries over (docs/pipeline.md measures the difference).
+
+Split backward: the F and B of a (microbatch, chunk) that has a W action in the list run inside
+defer_weight_grads (pipetrain.models.linear), so B computes the input gradient the previous stage
+waits for and records the linear layers' weight-gradient work; the W action does that work.
 
 Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action)
+from pipetrain.models.linear import apply_weight_grads, defer_weight_grads
+from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
 
 
 class Executor:
@@ -38,7 +42,7 @@ class Executor:
         self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
-        self.async_sends = dims.world_size > 1 and dist.get_backend() == "gloo"
+        self.post_one_by_one = dims.world_size > 1 and dist.get_backend() == "gloo"
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
@@ -53,13 +57,16 @@ class Executor:
     def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
         """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
         device = self.dims.device
-        inputs, outputs, losses, grads_in, grads_out = {}, {}, {}, {}, {}
+        inputs, outputs, losses, grads_in, grads_out, weight_work = {}, {}, {}, {}, {}, {}
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}
         total = torch.zeros((), device=device)
         pending_sends, pending_recvs = [], {}
 
+        def deferral(key):  # F and B of a split (microbatch, chunk): linears record their weight work
+            return defer_weight_grads(weight_work.setdefault(key, [])) if key in split else contextlib.nullcontext()
+
         def arrived(kind: str, key) -> None:
-            work = pending_recvs.pop((kind, *key), None)
-            if work is not None:
+            for work in pending_recvs.pop((kind, *key), ()):
                 work.wait()
         comm_batch: list[Action] = []
 
@@ -78,7 +85,7 @@ class Executor:
                     buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, buf, peer))
                     recvs.append((a, buf))
-            if self.async_sends:
+            if self.post_one_by_one:
                 recv_iter = iter(recvs)
                 for op in ops:
                     work = op.op(op.tensor, op.peer)
@@ -86,14 +93,12 @@ class Executor:
                         pending_sends.append(work)
                     else:  # waited for right before the compute that consumes it
                         a, _ = next(recv_iter)
-                        pending_recvs[(a.kind, a.microbatch, a.chunk)] = work
-            else:
+                        pending_recvs[(a.kind, a.microbatch, a.chunk)] = [work]
+            else:  # one batch (NCCL may coalesce it into one Work): each receive waits for all of it
                 works = dist.batch_isend_irecv(ops)
-                if recvs:
-                    for w in works:
-                        w.wait()
-                else:
-                    pending_sends.extend(works)
+                pending_sends.extend(works)
+                for a, _ in recvs:
+                    pending_recvs[(a.kind, a.microbatch, a.chunk)] = works
             for a, buf in recvs:
                 key = (a.microbatch, a.chunk)
                 if a.kind == RECV_ACT:
@@ -103,7 +108,7 @@ class Executor:
             comm_batch.clear()
 
         for a in actions:
-            if a.kind in (SEND_GRAD, RECV_GRAD) and forward_only:
+            if a.kind in (B, W, SEND_GRAD, RECV_GRAD) and forward_only:
                 continue
             if a.is_comm:
                 comm_batch.append(a)
@@ -116,7 +121,7 @@ class Executor:
                 if not spec.is_first:
                     arrived(RECV_ACT, key)
                 x = mb.inputs.to(device) if spec.is_first else inputs[key]
-                with self.autocast():
+                with self.autocast(), deferral(key) if not forward_only else contextlib.nullcontext():
                     out = chunk(x)
                 if spec.is_last:
                     loss = self.loss_fn(out, mb.targets)  # targets stay on the CPU (see loss_sum)
@@ -127,18 +132,23 @@ class Executor:
                     outputs[key] = out
                 if forward_only:
                     inputs.pop(key, None)
-            elif a.kind == B and not forward_only:
-                if spec.is_last:
-                    losses.pop(key).backward()
-                else:
+            elif a.kind == B:
+                if not spec.is_last:
                     arrived(RECV_GRAD, key)
-                    torch.autograd.backward(outputs.pop(key), grads_out.pop(key))
+                with deferral(key):  # recomputed forwards must take the deferred path too
+                    if spec.is_last:
+                        losses.pop(key).backward()
+                    else:
+                        torch.autograd.backward(outputs.pop(key), grads_out.pop(key))
                 if not spec.is_first:
                     grads_in[key] = inputs.pop(key).grad
+            elif a.kind == W:
+                apply_weight_grads(weight_work.pop(key))
         flush()
         for w in pending_sends:
             w.wait()
         assert not pending_recvs, f"{self.dims.coords} receives never consumed: {list(pending_recvs)}"
-        assert not losses and not grads_out and not grads_in, \
-            f"{self.dims.coords} schedule left work undone: {list(losses)} {list(grads_out)} {list(grads_in)}"
+        assert not losses and not grads_out and not grads_in and not weight_work, \
+            f"{self.dims.coords} schedule left work undone: {list(losses)} {list(grads_out)} {list(grads_in)} " \
+            f"{list(weight_work)}"
         return total

@@ -44,7 +44,7 @@ def _reference(cfg, num):
     return total / count, grads, norm
 
 
-def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num):
+def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num, split_backward=True):
     dims = ParallelDims.from_degrees(tp=tp, pp=pp)
     pcfg = ParallelConfig(pp=pp, tp=tp, schedule=schedule, virtual_stages=virtual_stages, microbatches=num)
     model = build(cfg)
@@ -54,7 +54,8 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     tp_group = dims.tp_group if tp > 1 else None
     executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
-    actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages)
+    actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
+    assert any(a.kind == "W" for a in actions) == split_backward
     mbs, count = _microbatches(cfg, num)
     local = executor.run(actions, mbs, count)
     sync_grads(model, dims)
@@ -77,9 +78,10 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     assert held == {i for s in specs for i in s.layers}, f"{dims.coords} holds layers {held}"
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole-backward"])
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
-def test_pp2_schedules_match_single_process_grads_with_tied_embeddings(schedule, v):
-    run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4)
+def test_pp2_schedules_match_single_process_grads_with_tied_embeddings(schedule, v, split):
+    run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4, split)
 
 
 def test_pp4_1f1b_matches_single_process_grads():
