@@ -76,7 +76,7 @@ class ParallelConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = None  # full recompute only for the first N layers of a stage
     sequence_parallel: bool = False
-    split_backward: bool = True      # pp > 1: send input grads first, weight grads fill the bubble (W actions)
+    split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,10 @@ STEPS, BUCKET_BYTES = 3, 4096  # small buckets: several per rank, so ordering an
 LAYOUTS = {  # name: (model, tp, pp, parallel kwargs); every layout runs 2 microbatches (accumulation)
     "dp4": (LLAMA, 1, 1, {}),
     "dp2_tp2_sp": (LLAMA, 2, 1, {"sequence_parallel": True}),  # tp shards + tp-partial norms (late buckets)
-    # tied head copy on the last stage; two chunks per rank interleave their backward passes
-    "dp2_pp2_interleaved": (GPT4, 1, 2, {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    # tied head copy on the last stage; two chunks per rank interleave their backward passes; split
+    # backward: deferred weight gradients meet ZeRO-2's accumulate hooks, recomputation and bf16
+    "dp2_pp2_interleaved": (GPT4, 1, 2, {"schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                         "split_backward": True}),
 }
 COMMON = dict(microbatches=2, grad_clip=0.5, steps=STEPS)  # grad norms ~0.75: clipping is active
 

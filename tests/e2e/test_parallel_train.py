@@ -26,8 +26,9 @@ def test_dp2_tp2_sequence_parallel_matches_single_process(single_process_run, tm
                            token_cache)
 
 
-def test_pp2_tp2_1f1b_matches_single_process(single_process_run, tmp_path, token_cache):
-    _assert_matches_single(single_process_run, tmp_path, ["parallel.tp=2", "parallel.pp=2"], 4, token_cache)
+def test_pp2_tp2_1f1b_split_backward_matches_single_process(single_process_run, tmp_path, token_cache):
+    _assert_matches_single(single_process_run, tmp_path, ["parallel.tp=2", "parallel.pp=2",
+                                                           "parallel.split_backward=true"], 4, token_cache)
 
 
 def test_dp2_pp2_interleaved_matches_single_process(single_process_run, tmp_path, token_cache):
