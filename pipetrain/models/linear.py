@@ -68,8 +68,10 @@ class _DeferredLinearFn(torch.autograd.Function):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # what autocast does to F.linear, done here so x is saved cast
             x = x.to(torch.get_autocast_dtype(device))
-        with torch.autocast(device, enabled=False):
-            out = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+            with torch.autocast(device, enabled=False):
+                out = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        else:
+            out = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.leaves, ctx.work = leaves, work
         return out
