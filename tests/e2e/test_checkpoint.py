@@ -168,11 +168,29 @@ def test_checkpoint_of_another_model_is_refused(reference_run, tmp_path, token_c
 
 # ---- crash and preemption -------------------------------------------------------------------------
 
-def _start(out, overrides, token_cache):
+def _start(out, overrides, token_cache, nproc=1):
     sets = SMALL + [f"run.output_dir={out}", f"data.cache_dir={token_cache}"] + overrides
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", TINY] + [a for s in sets for a in ("--set", s)]
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc-per-node={nproc}"]
+    cmd = launch + [os.path.join(ROOT, "train.py"), "--recipe", TINY] + [a for s in sets for a in ("--set", s)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _worker_pid(rank: int) -> int | None:
+    """PID of the train.py process torchrun started as global rank `rank` (read from its environment)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if b"train.py" not in cmdline or b"torch.distributed.run" in cmdline:  # not a worker (or the agent)
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
 
 
 def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache):
@@ -211,6 +229,28 @@ def test_sigterm_saves_and_exits_0(tmp_path, token_cache):
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     step = read_manifest(str(tmp_path / "checkpoints" / latest))["step"]
     assert 2 <= step < 500 and step == max(m["step"] for m in read_metrics(str(tmp_path)))
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, token_cache):
+    # A scheduler may signal one process first: the ranks agree on the stop (an all-reduce of the
+    # flag), so both save the same step and exit 0 instead of one rank hanging in the next collective.
+    proc = _start(tmp_path, ["train.steps=500", "parallel.dp=2"], token_cache, nproc=2)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_metrics(str(tmp_path))) < 2:
+        time.sleep(0.2)
+    pid = _worker_pid(1)
+    assert pid is not None, "rank 1's process not found"
+    os.kill(pid, signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    manifest = read_manifest(str(tmp_path / "checkpoints" / latest))
+    step = manifest["step"]
+    assert 2 <= step < 500 and step == max(m["step"] for m in read_metrics(str(tmp_path)))
+    verify_files(str(tmp_path / "checkpoints" / latest), manifest)  # both ranks' files, complete
+    proc, metrics = run_train(str(tmp_path), ["train.steps=" + str(step + 1), "parallel.dp=2"], nproc=2,
+                              cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == step + 1
 
 
 def test_inspect_and_consolidate_without_the_original_world(reference_run, tmp_path):
