@@ -60,14 +60,21 @@ class Executor:
         inputs, outputs, losses, grads_in, grads_out, weight_work = {}, {}, {}, {}, {}, {}
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}
         total = torch.zeros((), device=device)
-        pending_sends, pending_recvs = [], {}
+        posted, pending_recvs = [], {}  # every Work of the step, kept alive to its end so ids stay unique
 
         def deferral(key):  # F and B of a split (microbatch, chunk): linears record their weight work
             return defer_weight_grads(weight_work.setdefault(key, [])) if key in split else contextlib.nullcontext()
 
+        waited: set[int] = set()
+
+        def wait(work) -> None:  # exactly once: a gloo p2p Work's wait() blocks for the next transfer
+            if id(work) not in waited:
+                waited.add(id(work))
+                work.wait()
+
         def arrived(kind: str, key) -> None:
             for work in pending_recvs.pop((kind, *key), ()):
-                work.wait()
+                wait(work)
         comm_batch: list[Action] = []
 
         def flush():
@@ -89,14 +96,13 @@ class Executor:
                 recv_iter = iter(recvs)
                 for op in ops:
                     work = op.op(op.tensor, op.peer)
-                    if op.op is dist.isend:
-                        pending_sends.append(work)
-                    else:  # waited for right before the compute that consumes it
+                    posted.append(work)
+                    if op.op is dist.irecv:  # waited for right before the compute that consumes it
                         a, _ = next(recv_iter)
                         pending_recvs[(a.kind, a.microbatch, a.chunk)] = [work]
             else:  # one batch (NCCL may coalesce it into one Work): each receive waits for all of it
                 works = dist.batch_isend_irecv(ops)
-                pending_sends.extend(works)
+                posted.extend(works)
                 for a, _ in recvs:
                     pending_recvs[(a.kind, a.microbatch, a.chunk)] = works
             for a, buf in recvs:
@@ -145,8 +151,8 @@ class Executor:
             elif a.kind == W:
                 apply_weight_grads(weight_work.pop(key))
         flush()
-        for w in pending_sends:
-            w.wait()
+        for work in posted:  # the sends, and any receive a schedule never consumed (asserted below)
+            wait(work)
         assert not pending_recvs, f"{self.dims.coords} receives never consumed: {list(pending_recvs)}"
         assert not losses and not grads_out and not grads_in and not weight_work, \
             f"{self.dims.coords} schedule left work undone: {list(losses)} {list(grads_out)} {list(grads_in)} " \

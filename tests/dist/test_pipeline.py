@@ -46,7 +46,8 @@ def _reference(cfg, num):
     return total / count, grads, norm
 
 
-def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num, split_backward=False):
+def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num, split_backward=False,
+                     batched=False):
     dims = ParallelDims.from_degrees(tp=tp, pp=pp)
     pcfg = ParallelConfig(pp=pp, tp=tp, schedule=schedule, virtual_stages=virtual_stages, microbatches=num)
     model = build(cfg)
@@ -56,6 +57,7 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     tp_group = dims.tp_group if tp > 1 else None
     executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
+    executor.post_one_by_one = executor.async_sends = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
     assert any(a.kind == "W" for a in actions) == split_backward
     mbs, count = _microbatches(cfg, num)
@@ -88,6 +90,13 @@ def test_pp2_schedules_match_single_process_grads_with_tied_embeddings(schedule,
 
 def test_pp4_1f1b_split_backward_matches_single_process_grads():
     run_ranks(4, _pipeline_worker, LLAMA, 4, 1, "1f1b", 1, 4, True)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_batched_p2p_path_matches_single_process_grads(schedule, v):
+    # The path NCCL takes (each run of comm actions in one batch_isend_irecv, receives waited at the
+    # consuming compute), exercised on gloo, with the split backward's W actions in between.
+    run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4, True, True)
 
 
 @pytest.mark.slow
