@@ -57,7 +57,7 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     tp_group = dims.tp_group if tp > 1 else None
     executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
-    executor.post_one_by_one = executor.async_sends = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
+    executor.post_one_by_one = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
     assert any(a.kind == "W" for a in actions) == split_backward
     mbs, count = _microbatches(cfg, num)
