@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -211,6 +212,8 @@ def main(argv=None) -> int:
         # Every rank usually raises the same error; rank-specific ones carry "[rank N | ...]".
         if rank == 0 or "[rank" in str(exc):
             print(f"error: {exc}", file=sys.stderr)
+        else:  # let rank 0 print first: torchrun stops every worker as soon as one exits non-zero
+            time.sleep(5)
         return 2
     except KeyboardInterrupt:
         if rank == 0:
