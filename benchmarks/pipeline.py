@@ -8,9 +8,12 @@ wrapped in torch.distributed.pipelining.PipelineStage and run by ScheduleGPipe /
 ScheduleInterleaved1F1B. Both use pipetrain's loss (sum of CE / target tokens of the global batch,
 so torch runs with scale_grads=False) and return_outputs=False, so the mathematics is identical.
 
-pipetrain runs twice: as it trains by default (exactly torch's actions: B does the whole backward)
-and with parallel.split_backward on (each B computes the input gradient and sends it, W actions
-compute the weight gradients where the rank would otherwise wait; the same F and B order).
+pipetrain runs three ways: as it trains by default (exactly torch's actions: B does the whole
+backward; weight gradients added into .grad in place, train.grad_accumulation_fusion), with
+parallel.split_backward on as well (each B computes the input gradient and sends it, W actions
+compute the weight gradients where the rank would otherwise wait; the same F and B order), and
+"unfused": the default with the fusion off, i.e. torch's actions and plain autograd, which isolates
+what the executor itself costs.
 
 Measured (a step = forward + backward of the global batch; no optimizer step, which the frameworks
 share):
@@ -74,8 +77,9 @@ CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_he
                   ffn_hidden=704, max_seq_len=128)
 SEQ, MICRO, NUM_MB, SEED = 128, 2, 8, 0
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
-FRAMEWORKS = ("pipetrain", "pipetrain-split", "torch")  # pipetrain-split: parallel.split_backward on
-SPLIT = {"pipetrain": False, "pipetrain-split": True}
+FRAMEWORKS = ("pipetrain", "pipetrain-split", "pipetrain-unfused", "torch")
+# pipetrain's runs: (parallel.split_backward, train.grad_accumulation_fusion)
+SPLIT = {"pipetrain": (False, True), "pipetrain-split": (True, True), "pipetrain-unfused": (False, False)}
 
 
 # ---- where a step's time goes ------------------------------------------------------------------------
@@ -160,11 +164,12 @@ class SavedBytes:
         """Also hold the operands pipetrain keeps for its deferred weight gradients (x and dy of each
         linear, from its B until its W): autograd has released them by then, the work list has not."""
         import pipetrain.models.linear as linear_mod
-        backward, apply = linear_mod._DeferredLinearFn.backward, executor_mod.apply_weight_grads
+        backward, apply = linear_mod._LinearFn.backward, executor_mod.apply_weight_grads
 
         def held_backward(ctx, dy):
             out = backward(ctx, dy)
-            ctx.work[-1] = (*ctx.work[-1], [self.hold(t) for t in ctx.work[-1][2:]])
+            if ctx.work is not None:  # deferred, not accumulated at once
+                ctx.work[-1] = (*ctx.work[-1], [self.hold(t) for t in ctx.work[-1][2:]])
             return out
 
         def released_apply(work):
@@ -175,7 +180,7 @@ class SavedBytes:
             apply([entry[:4] for entry in work])
             work.clear()
 
-        linear_mod._DeferredLinearFn.backward = staticmethod(held_backward)
+        linear_mod._LinearFn.backward = staticmethod(held_backward)
         executor_mod.apply_weight_grads = released_apply
 
     @staticmethod
@@ -227,10 +232,13 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
 
     executor = Executor(chunks, specs, dims, (MICRO, SEQ, CFG.d_model), torch.float32, loss_fn=loss_fn)
     actions = {fw: build_all_schedules(schedule, dims.pp, NUM_MB, v, split_backward=split)[dims.pp_rank]
-               for fw, split in SPLIT.items()}
+               for fw, (split, _) in SPLIT.items()}
 
     def pipetrain_step(framework: str):
-        return lambda: float(executor.run(actions[framework], microbatches, num_targets)) / num_targets
+        def step():
+            executor.fuse_grad_accumulation = SPLIT[framework][1]
+            return float(executor.run(actions[framework], microbatches, num_targets)) / num_targets
+        return step
 
     # No input_args/output_args, as torchtitan does: torch infers the shapes in the first (warm-up) step.
     stages = [PipelineStage(chunk, spec.stage, dims.pp * v, torch.device("cpu"), group=dims.pp_group)
@@ -260,8 +268,7 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         sched.step(*args, target=batch.targets if has_last else None, losses=losses, return_outputs=False)
         return sum(float(x.detach()) for x in losses)
 
-    return model, {"pipetrain": pipetrain_step("pipetrain"), "pipetrain-split": pipetrain_step("pipetrain-split"),
-                   "torch": torch_step}
+    return model, {**{fw: pipetrain_step(fw) for fw in SPLIT}, "torch": torch_step}
 
 
 def _timed_step(dims: ParallelDims, model, step, clock: StepClock) -> dict:
@@ -458,26 +465,29 @@ def _ranks(values, fmt: str = "{:.2f}") -> str:
 
 def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list) -> None:
     print(f"\npp {pp}: median of {rounds} rounds; ratio = tok/s / torch tok/s (paired per round, min-max); CPU = "
-          "torch CPU s / this CPU s per step, summed over ranks (paired); pipetrain = the default (torch's actions), "
-          "split = parallel.split_backward on")
-    print("| schedule | pipetrain tok/s | split tok/s | torch tok/s | pipetrain / torch | split / torch | "
-          "CPU pipetrain, split | loss pipetrain / split / torch | max grad diff to torch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "torch CPU s / this CPU s per step, summed over ranks (paired); pipetrain = the default (torch's actions, "
+          "weight gradients accumulated in place), split = parallel.split_backward on, unfused = the default with "
+          "train.grad_accumulation_fusion off (torch's actions and plain autograd)")
+    ours = [fw for fw in FRAMEWORKS if fw != "torch"]
+    short = {fw: fw.replace("pipetrain-", "") for fw in ours}
+    print("| schedule | " + " | ".join(f"{short[fw]} tok/s" for fw in FRAMEWORKS) + " | " +
+          " | ".join(f"{short[fw]} / torch" for fw in ours) + " | CPU " + ", ".join(short[fw] for fw in ours) +
+          " | loss " + " / ".join(short.get(fw, fw) for fw in FRAMEWORKS) + " | max grad diff to torch |")
+    print("|---|" + "---|" * (2 * len(FRAMEWORKS) + 2))
     for s, v in cases:
-        p_, n_, t_, par = (summary[(s, "pipetrain")], summary[(s, "pipetrain-split")], summary[(s, "torch")],
-                           parity[s])
-        print(f"| {_name(s, v)} | {p_['tokens_per_s']:.0f} | {n_['tokens_per_s']:.0f} | {t_['tokens_per_s']:.0f} | "
-              f"{p_['ratio']:.2f} ({p_['ratio_range'][0]:.2f}-{p_['ratio_range'][1]:.2f}) | "
-              f"{n_['ratio']:.2f} ({n_['ratio_range'][0]:.2f}-{n_['ratio_range'][1]:.2f}) | "
-              f"{p_['cpu_ratio']:.2f}, {n_['cpu_ratio']:.2f} | "
-              f"{par['loss_pipetrain']:.6f} / {par['loss_pipetrain-split']:.6f} / {par['loss_torch']:.6f} | "
-              f"{par['max_grad_diff_pipetrain']:.1e}, {par['max_grad_diff_pipetrain-split']:.1e} "
-              f"(of {par['max_grad']:.1e}) |")
+        par = parity[s]
+        row = [f"{summary[(s, fw)]['tokens_per_s']:.0f}" for fw in FRAMEWORKS]
+        row += [f"{summary[(s, fw)]['ratio']:.2f} ({summary[(s, fw)]['ratio_range'][0]:.2f}-"
+                f"{summary[(s, fw)]['ratio_range'][1]:.2f})" for fw in ours]
+        row.append(", ".join(f"{summary[(s, fw)]['cpu_ratio']:.2f}" for fw in ours))
+        row.append(" / ".join(f"{par[f'loss_{fw}']:.6f}" for fw in FRAMEWORKS))
+        row.append(", ".join(f"{par[f'max_grad_diff_{fw}']:.1e}" for fw in ours) + f" (of {par['max_grad']:.1e})")
+        print(f"| {_name(s, v)} | " + " | ".join(row) + " |")
     print(f"\npp {pp}: idle fraction per rank (rank 0 / rank 1 / ...), measured (waits + tail) and replayed "
           "(replay_idle: this partition's stage costs with the measured ratios; equal stages with B = 2F, W = F)")
-    print("| schedule | formula | measured pipetrain | measured split | measured torch | replay pipetrain | "
-          "replay split | equal stages: pipetrain / split | (B+W)/F, W/F measured (split) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | formula | " + " | ".join(f"measured {fw.replace('pipetrain-', '')}" for fw in FRAMEWORKS) +
+          " | replay pipetrain | replay split | equal stages: pipetrain / split | (B+W)/F, W/F measured (split) |")
+    print("|---|---|" + "---|" * (len(FRAMEWORKS) + 4))
     for s, v in cases:
         m_ = summary[(s, "model")]
         print(f"| {_name(s, v)} | {m_['formula']:.2f} | " + " | ".join(

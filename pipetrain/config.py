@@ -93,6 +93,7 @@ class TrainConfig:
     grad_clip: float = 1.0           # 0 disables clipping
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
+    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.models.linear)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import rms_norm, rope, swiglu
+from pipetrain.models.embedding import Embedding
 from pipetrain.models.linear import Linear
 
 
@@ -125,7 +126,7 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class PositionEmbedding(nn.Embedding):
+class PositionEmbedding(Embedding):
     """Learned absolute positions (gpt2). forward(T) returns the (T, D) table rows for 0..T-1."""
 
     def forward(self, seq_len: int):
@@ -136,7 +137,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = PositionEmbedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = build_norm(cfg)

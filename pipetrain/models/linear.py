@@ -1,25 +1,32 @@
-"""Linear layers whose weight gradients can be deferred: the split backward of zero-bubble pipelining.
+"""Linear layers and how their weight gradients are produced: accumulated in place, or deferred.
 
-A backward through y = x W^T + b computes two things: the input gradient dx = dy W, which the previous
-pipeline stage is waiting for, and the weight gradients dW = dy^T x and db = sum(dy), which nobody needs
-until the optimizer step. A forward run inside `defer_weight_grads(work)` builds its linear layers
-without a graph edge to their weight and bias: their backward computes only dx and appends
-(weight, bias, x, dy) to `work`. `apply_weight_grads(work)` computes those dW and db later, when the
-pipeline executor reaches the schedule's W action for that microbatch. The numbers are the ones plain
-autograd computes, bit for bit (same matmuls on the same operands, tests/unit/test_linear.py); only
-the time moves. They are accumulated through autograd (backward on the leaf parameters), so
-post-accumulate-grad hooks (ZeRO-2's overlapped reduction) fire once per microbatch, as without
-deferral, and never during the input-gradient pass.
+A backward through y = x W^T + b computes two things: the input gradient dx = dy W, which the layers
+before (and the previous pipeline stage) wait for, and the weight gradients dW = dy^T x and db = sum(dy),
+which nobody needs until the optimizer step. Plain autograd computes dW into a new tensor and then adds
+it to .grad: for each of a step's microbatches after the first, one more pass over every weight's
+gradient (the head's V x D matrix included). Two modes, each entered with a context manager around the
+forward (bound at forward time, so a backward needs no global state; CUDA runs backwards on other
+threads) and around the backward (activation recomputation re-runs the forward there):
 
-The work list is bound at forward time, so a backward needs no global state (CUDA runs it on other
-threads). Activation recomputation re-runs the forward inside the backward: run the backward inside
-the same `defer_weight_grads(work)` so the recomputed layers take the same path. Outside the
-context `linear` is plain F.linear; so is a weight that is not a leaf parameter (a slice of one,
-as ReplicatedKVLinear uses) or an input that needs no gradient.
+- `fuse_grad_accumulation()`: gradient accumulation fusion (Megatron-LM's name). The backward computes
+  dx and adds dW straight into .grad with one GEMM (addmm_, beta = 1), b's into its .grad; it returns no
+  gradient for W and b, so their AccumulateGrad nodes run with nothing to add and fire the
+  post-accumulate-grad hooks (ZeRO-2's overlapped reduction) once per backward, after every use of the
+  weight has been added (a tied weight too). The pipeline executor runs every F and B inside it by
+  default (`train.grad_accumulation_fusion`). The sum is the same; rounding differs from plain autograd
+  (add-into-GEMM against GEMM-then-add) at fp32 round-off, and every layout accumulates the same
+  microbatches in the same order, so layouts still agree with each other bit for bit.
+- `defer_weight_grads(work)`: the split backward of zero-bubble pipelining. The layer has no graph edge to
+  its weight or bias: the backward computes only dx and appends (weight, bias, x, dy) to `work`;
+  `apply_weight_grads(work)` later does the same in-place accumulation and fires the hooks, when the
+  executor reaches the schedule's W action. Only the time moves (tests/unit/test_linear.py).
 
-Mixed precision: under torch.autocast the matmuls run in the autocast dtype, as autocast runs
-F.linear (operands cast down, gradients cast back to the parameters' dtype); x is saved in the cast
-dtype, so the saved bytes equal plain autocast's.
+Outside both contexts `linear` is plain F.linear; so is a weight that is not a leaf parameter (a slice
+of one, as ReplicatedKVLinear uses), and, when deferring, an input that needs no gradient.
+
+Mixed precision: under torch.autocast the matmuls run in the autocast dtype, as autocast runs F.linear
+(operands cast down, gradients cast back to the parameters' dtype: added with add_, since addmm_ cannot
+mix dtypes); x is saved in the cast dtype, so the saved bytes equal plain autocast's.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import torch.nn.functional as F
 WeightGradWork = list  # of (weight, bias | None, x (N, D_in), dy (N, D_out)): one entry per linear call
 
 _deferring: WeightGradWork | None = None  # set by defer_weight_grads
+_fusing = False  # set by fuse_grad_accumulation
 
 
 @contextlib.contextmanager
@@ -46,22 +54,80 @@ def defer_weight_grads(work: WeightGradWork) -> Iterator[WeightGradWork]:
         _deferring = outer
 
 
-def apply_weight_grads(work: WeightGradWork) -> None:
-    """Compute the recorded weight gradients and accumulate them into .grad, then empty `work`."""
-    leaves, grads = [], []
-    for weight, bias, x2, dy2 in work:
-        leaves.append(weight)
-        grads.append(dy2.t().mm(x2).to(weight.dtype))  # dW = dy^T x, as autograd's mm backward computes it
+@contextlib.contextmanager
+def fuse_grad_accumulation(enabled: bool = True) -> Iterator[None]:
+    """Linear (and pipetrain.models.embedding) layers run forward inside add their weight gradients
+    straight into .grad at backward time."""
+    global _fusing
+    outer, _fusing = _fusing, enabled
+    try:
+        yield
+    finally:
+        _fusing = outer
+
+
+def fusing() -> bool:
+    return _fusing
+
+
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad in place (or param.grad = grad), cast to the parameter's dtype."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+def _add_matmul_to_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """param.grad += a @ b: one GEMM that reads and writes .grad (beta = 1) when the dtypes agree."""
+    if param.grad is not None and a.dtype == param.grad.dtype:
+        param.grad.addmm_(a, b)
+    else:
+        add_to_grad(param, a.mm(b))
+
+
+def _accumulate(weight, bias, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+    with torch.no_grad():
+        _add_matmul_to_grad(weight, dy2.t(), x2)  # dW = dy^T x, as autograd's mm backward computes it
         if bias is not None:
-            leaves.append(bias)
-            grads.append(dy2.sum(0).to(bias.dtype))
-    work.clear()
+            add_to_grad(bias, dy2.sum(0))
+
+
+class _RunHooks(torch.autograd.Function):
+    """A graph whose backward runs the leaves' AccumulateGrad nodes with no gradient: nothing is added,
+    their post-accumulate-grad hooks fire (tests/unit/test_linear.py checks both)."""
+
+    @staticmethod
+    def forward(ctx, *leaves):
+        return torch.zeros((), device=leaves[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None,) * len(ctx.needs_input_grad)
+
+
+def run_grad_hooks(leaves) -> None:
+    """Fire the post-accumulate-grad hooks of leaves whose .grad was updated in place, outside a backward."""
+    leaves = [p for p in leaves if p is not None and p.requires_grad]
     if leaves:
-        torch.autograd.backward(leaves, grads)  # leaf roots: accumulates into .grad and runs grad hooks
+        with torch.enable_grad():
+            _RunHooks.apply(*leaves).backward()
 
 
-class _DeferredLinearFn(torch.autograd.Function):
-    """y = x W^T + b with a graph edge only to x; W and b arrive detached, their leaves ride on ctx."""
+def apply_weight_grads(work: WeightGradWork) -> None:
+    """Add the recorded weight gradients into .grad in place, fire their hooks, then empty `work`."""
+    leaves = []
+    for weight, bias, x2, dy2 in work:
+        _accumulate(weight, bias, x2, dy2)
+        leaves += [weight, bias]
+    work.clear()
+    run_grad_hooks(leaves)
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W^T + b whose backward returns only dx and either adds dW, db into .grad now (work None:
+    W and b are the leaves themselves, so the graph reaches their AccumulateGrad nodes, which then fire
+    the hooks) or records them in `work` (W and b arrive detached: no edge, nothing fires until W)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, leaves, work):
@@ -79,23 +145,37 @@ class _DeferredLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, weight.shape[0]).to(x.dtype)
-        ctx.work.append((*ctx.leaves, x.reshape(-1, weight.shape[1]), dy2))
-        dx = dy2.mm(weight.to(x.dtype)).view(*dy.shape[:-1], weight.shape[1])
+        dy2, x2 = dy.reshape(-1, weight.shape[0]).to(x.dtype), x.reshape(-1, weight.shape[1])
+        if ctx.work is None:
+            _accumulate(*ctx.leaves, x2, dy2)
+        else:
+            ctx.work.append((*ctx.leaves, x2, dy2))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy2.mm(weight.to(x.dtype)).view(*dy.shape[:-1], weight.shape[1])
         return dx, None, None, None, None
 
 
+def _is_trainable_leaf(t: torch.Tensor | None) -> bool:
+    return t is None or (t.is_leaf and t.requires_grad)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the weight gradients deferred inside defer_weight_grads (module docstring)."""
+    """F.linear, with the weight gradients deferred or accumulated in place (module docstring)."""
     work = _deferring
-    if (work is None or not torch.is_grad_enabled() or not x.requires_grad or not weight.requires_grad
-            or not weight.is_leaf or (bias is not None and not (bias.is_leaf and bias.requires_grad))):
+    if not torch.is_grad_enabled() or not weight.requires_grad or not (_is_trainable_leaf(weight)
+                                                                       and _is_trainable_leaf(bias)):
         return F.linear(x, weight, bias)
-    return _DeferredLinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), work)
+    if work is not None and x.requires_grad:
+        return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), work)
+    if _fusing:
+        return _LinearFn.apply(x, weight, bias, (weight, bias), None)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) whose weight gradients can be deferred."""
+    """nn.Linear (same parameters and state-dict names) whose weight gradients can be deferred or
+    accumulated in place."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

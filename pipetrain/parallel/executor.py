@@ -17,6 +17,11 @@ Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
 anything is sent, instead of hanging the peer.
 
+Gradient accumulation fusion (on unless fuse_grad_accumulation=False, the recipe's
+train.grad_accumulation_fusion): the whole step runs inside fuse_grad_accumulation
+(pipetrain.models.linear), so linear and embedding layers add their weight gradients into .grad in
+place, microbatch after microbatch, instead of building each one and adding it afterwards.
+
 Loss scaling: the last stage's F computes sum(CE) over the microbatch's targets divided by the
 target tokens of the whole global batch, so accumulated gradients equal the single-process
 gradient of the global mean loss.
@@ -30,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pipetrain.models.linear import apply_weight_grads, defer_weight_grads
+from pipetrain.models.linear import apply_weight_grads, defer_weight_grads, fuse_grad_accumulation
 from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
 
 
@@ -38,8 +43,9 @@ class Executor:
     """Runs schedules for one rank's chunks; holds no state between steps."""
 
     def __init__(self, chunks: Sequence[nn.Module], specs, dims, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 loss_fn: Callable, autocast=contextlib.nullcontext):
+                 loss_fn: Callable, autocast=contextlib.nullcontext, fuse_grad_accumulation: bool = True):
         self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
+        self.fuse_grad_accumulation = fuse_grad_accumulation
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
         self.post_one_by_one = dims.world_size > 1 and dist.get_backend() == "gloo"
@@ -56,6 +62,10 @@ class Executor:
 
     def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
         """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
+        with fuse_grad_accumulation(self.fuse_grad_accumulation):
+            return self._run(actions, microbatches, num_targets, forward_only)
+
+    def _run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool):
         device = self.dims.device
         inputs, outputs, losses, grads_in, grads_out, weight_work = {}, {}, {}, {}, {}, {}
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}

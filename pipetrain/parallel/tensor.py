@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.models.embedding import embedding
 from pipetrain.models.linear import linear
 from pipetrain.parallel.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data_parallel import allreduce_grads
@@ -243,7 +244,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids):  # ids (B, T)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D): this rank's rows only
+        h = embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D): this rank's rows only
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_sequence(h, self.tp_group)  # (B, T/tp, D)

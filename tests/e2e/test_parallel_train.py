@@ -55,3 +55,9 @@ def test_layout_that_does_not_divide_the_world_exits_2(tmp_path, token_cache):
     assert proc.returncode != 0
     assert proc.stderr.count("error: world size 3 is not divisible by parallel.tp*parallel.pp=2") == 1
     assert "exitcode  : 2" in proc.stderr and "pipetrain/" not in proc.stderr
+
+
+def test_plain_autograd_accumulation_matches_the_fused_default(single_process_run, tmp_path, token_cache):
+    """train.grad_accumulation_fusion=false (weight gradients built, then added) trains the same run to
+    round-off as the default, which adds them into .grad in place."""
+    _assert_matches_single(single_process_run, tmp_path, ["train.grad_accumulation_fusion=false"], 1, token_cache)

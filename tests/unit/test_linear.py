@@ -1,12 +1,18 @@
-"""Deferred weight gradients (pipetrain.models.linear): the same numbers as plain autograd, bit for bit;
-accumulated through autograd so gradient hooks fire once per microbatch, never in the input pass."""
+"""Weight gradients of pipetrain.models.linear and .embedding.
+
+Deferred (split backward): the same numbers as plain autograd for one microbatch, bit for bit; hooks
+fire once per W, never in the input pass. Fused (gradient accumulation fusion): added into .grad in
+place; equal to plain autograd to fp32 round-off (bit for bit under bf16 autocast, where the add is
+the same fp32 add), hooks fire once per backward after the add, a tied weight's too."""
 import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.models.linear import Linear, apply_weight_grads, defer_weight_grads, linear
+from pipetrain.models.embedding import Embedding
+from pipetrain.models.linear import (Linear, apply_weight_grads, defer_weight_grads, fuse_grad_accumulation,
+                                     linear)
 
 
 def _grads(x, weight, bias, dy, mode, autocast=False):
@@ -85,3 +91,77 @@ def test_nested_deferral_restores_the_outer_list_and_nothing_is_recorded_outside
     apply_weight_grads(inner)
     apply_weight_grads(outer)
     torch.testing.assert_close(layer.weight.grad, 3 * ref)
+
+
+# ---- gradient accumulation fusion -------------------------------------------------------------------
+class _Tiny(torch.nn.Module):
+    """embedding -> linear -> head, optionally tied: every fused path in one graph."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed, self.mid, self.head = Embedding(40, 16), Linear(16, 16), Linear(16, 40, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def _accumulate_microbatches(model, batches, fuse: bool, autocast: bool = False):
+    """Gradients after one backward per microbatch, and how often each parameter's hook fired, with
+    what .grad it saw."""
+    model.zero_grad(set_to_none=True)
+    seen = {n: [] for n, _ in model.named_parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda p, n=n: seen[n].append(p.grad.clone()))
+               for n, p in model.named_parameters()]
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    for ids in batches:
+        with fuse_grad_accumulation(fuse), ctx:
+            out = model(ids)
+        with fuse_grad_accumulation(fuse):
+            out.float().square().mean().backward()
+    for h in handles:
+        h.remove()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, seen
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_backward(tied, autocast):
+    torch.manual_seed(0)
+    model = _Tiny(tied)
+    batches = [torch.randint(0, 40, (3, 7)) for _ in range(4)]  # repeated ids within and across batches
+    ref, ref_seen = _accumulate_microbatches(model, batches, fuse=False, autocast=autocast)
+    got, seen = _accumulate_microbatches(model, batches, fuse=True, autocast=autocast)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert len(seen[n]) == len(ref_seen[n]) == len(batches), n  # tied: once, as autograd fires it
+        assert torch.equal(seen[n][-1], got[n]), n  # the hook runs after the in-place add
+        if autocast and "embed" not in n:  # bf16 GEMM, then the same fp32 add as autograd's
+            assert torch.equal(got[n], ref[n]), n
+        else:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
+
+
+def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_input_needs_none():
+    layer = Linear(8, 4)
+    x = torch.randn(5, 8)  # no gradient: the layer is the first to need one
+    with fuse_grad_accumulation():
+        layer(x).sum().backward()
+    first = layer.weight.grad
+    with fuse_grad_accumulation():
+        layer(x).sum().backward()
+    assert layer.weight.grad is first  # the same tensor, added into
+    torch.testing.assert_close(first, 2 * torch.ones(4, 1) * x.sum(0))
+    torch.testing.assert_close(layer.bias.grad, torch.full((4,), 10.0))
+
+
+def test_fusion_is_bound_at_forward_time_and_off_by_default():
+    layer = Linear(4, 4)
+    with fuse_grad_accumulation():
+        fused = layer(torch.randn(2, 4, requires_grad=True))
+    plain = layer(torch.randn(2, 4, requires_grad=True))
+    assert type(fused.grad_fn).__name__ == "_LinearFnBackward"
+    assert type(plain.grad_fn).__name__ != "_LinearFnBackward"
+    with torch.no_grad(), fuse_grad_accumulation():
+        assert layer(torch.randn(2, 4)).grad_fn is None
