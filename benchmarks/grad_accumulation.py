@@ -3,13 +3,16 @@
 Two measurements, one thread, fp32 on the CPU, each case alternating fused / plain so the shared
 machine's noise hits both alike:
 1. per layer: forward + backward of one microbatch (2 x 128 tokens) through each weight shape of the
-   llama that benchmarks/pipeline.py trains (D 256, F 704, 4 of 8 heads for k and v, V 8192), with
+   llama that benchmarks/pipeline.py trains (D 256, F 704, 4 of 8 heads for k and v, V 8192) and one
+   1024 x 1024 weight, with
    .grad already holding the earlier microbatches' sum, i.e. every microbatch of a step but the first.
    plain = nn.Linear / nn.Embedding (autograd builds dW, then adds it to .grad); fused = pipetrain's
-   Linear / Embedding inside fuse_grad_accumulation (pipetrain.models.linear).
+   Linear / Embedding inside fuse_grad_accumulation (pipetrain.models.linear), here for every shape
+   (FUSE_MIN_NUMEL set to 0): the table is what that threshold is chosen from.
 2. a whole step: forward + backward of 8 microbatches of that model through pipetrain's Executor
-   (one process, the single-stage schedule), train.grad_accumulation_fusion on against off; median
-   step time over --rounds and the paired ratio, plus the largest gradient difference between the two.
+   (one process, the single-stage schedule), train.grad_accumulation_fusion on (default threshold)
+   against off; median step time over --rounds and the paired ratio, plus the largest gradient
+   difference between the two.
 
 Usage: python benchmarks/grad_accumulation.py [--rounds 15] [--repeats 30]
 """
@@ -26,12 +29,14 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import pipetrain.models.linear as linear_mod  # noqa: E402
 from pipetrain.models.embedding import Embedding  # noqa: E402
 from pipetrain.models.linear import Linear, fuse_grad_accumulation  # noqa: E402
 
 TOKENS = (2, 128)
 LAYERS = [("q / o (D x D)", 256, 256), ("k, v (D x D/2)", 256, 128), ("gate, up (D -> F)", 256, 704),
-          ("down (F -> D)", 704, 256), ("head (D -> V)", 256, 8192)]
+          ("down (F -> D)", 704, 256), ("head (D -> V)", 256, 8192),
+          ("1024 x 1024 (a 1B model's D x D)", 1024, 1024)]
 VOCAB = 8192
 
 
@@ -70,6 +75,7 @@ def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) ->
 
 
 def per_layer(repeats: int) -> None:
+    default, linear_mod.FUSE_MIN_NUMEL = linear_mod.FUSE_MIN_NUMEL, 0
     print("| layer (one microbatch, 256 tokens) | plain autograd ms | fused ms | plain / fused |")
     print("|---|---|---|---|")
     for name, d_in, d_out in LAYERS:
@@ -79,6 +85,7 @@ def per_layer(repeats: int) -> None:
     plain, fused = nn.Embedding(VOCAB, 256), Embedding(VOCAB, 256)
     t_plain, t_fused = _layer_case(plain, fused, lambda: torch.randint(0, VOCAB, TOKENS), repeats)
     print(f"| embedding (V x D) | {t_plain * 1e3:.2f} | {t_fused * 1e3:.2f} | {t_plain / t_fused:.2f} |", flush=True)
+    linear_mod.FUSE_MIN_NUMEL = default
 
 
 def whole_step(rounds: int) -> None:

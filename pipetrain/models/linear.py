@@ -8,8 +8,9 @@ gradient (the head's V x D matrix included). Two modes, each entered with a cont
 forward (bound at forward time, so a backward needs no global state; CUDA runs backwards on other
 threads) and around the backward (activation recomputation re-runs the forward there):
 
-- `fuse_grad_accumulation()`: gradient accumulation fusion (Megatron-LM's name). The backward computes
-  dx and adds dW straight into .grad with one GEMM (addmm_, beta = 1), b's into its .grad; it returns no
+- `fuse_grad_accumulation()`: gradient accumulation fusion (Megatron-LM's name), for weights of at
+  least FUSE_MIN_NUMEL elements (below that the Python Function costs more than the pass it saves).
+  The backward computes dx and adds dW straight into .grad with one GEMM (addmm_, beta = 1), b's into its .grad; it returns no
   gradient for W and b, so their AccumulateGrad nodes run with nothing to add and fire the
   post-accumulate-grad hooks (ZeRO-2's overlapped reduction) once per backward, after every use of the
   weight has been added (a tied weight too). The pipeline executor runs every F and B inside it by
@@ -41,6 +42,10 @@ WeightGradWork = list  # of (weight, bias | None, x (N, D_in), dy (N, D_out)): o
 
 _deferring: WeightGradWork | None = None  # set by defer_weight_grads
 _fusing = False  # set by fuse_grad_accumulation
+# Fusion pays where the saved pass over .grad outweighs the custom autograd Function's Python overhead
+# (~60-100 us per forward + backward on the 2-vCPU CI machine): from about a million elements
+# (benchmarks/grad_accumulation.py: a 256 x 256 weight is slower fused, the 8192 x 256 head faster).
+FUSE_MIN_NUMEL = 1 << 20
 
 
 @contextlib.contextmanager
@@ -87,10 +92,10 @@ def _add_matmul_to_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
 
 
 def _accumulate(weight, bias, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-    with torch.no_grad():
-        _add_matmul_to_grad(weight, dy2.t(), x2)  # dW = dy^T x, as autograd's mm backward computes it
-        if bias is not None:
-            add_to_grad(bias, dy2.sum(0))
+    """Under no_grad (a backward runs so)."""
+    _add_matmul_to_grad(weight, dy2.t(), x2)  # dW = dy^T x, as autograd's mm backward computes it
+    if bias is not None:
+        add_to_grad(bias, dy2.sum(0))
 
 
 class _RunHooks(torch.autograd.Function):
@@ -117,9 +122,10 @@ def run_grad_hooks(leaves) -> None:
 def apply_weight_grads(work: WeightGradWork) -> None:
     """Add the recorded weight gradients into .grad in place, fire their hooks, then empty `work`."""
     leaves = []
-    for weight, bias, x2, dy2 in work:
-        _accumulate(weight, bias, x2, dy2)
-        leaves += [weight, bias]
+    with torch.no_grad():
+        for weight, bias, x2, dy2 in work:
+            _accumulate(weight, bias, x2, dy2)
+            leaves += [weight, bias]
     work.clear()
     run_grad_hooks(leaves)
 
@@ -145,30 +151,28 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy2, x2 = dy.reshape(-1, weight.shape[0]).to(x.dtype), x.reshape(-1, weight.shape[1])
+        dy2, x2 = dy.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1])
+        if dy2.dtype != x.dtype:
+            dy2 = dy2.to(x.dtype)
         if ctx.work is None:
             _accumulate(*ctx.leaves, x2, dy2)
         else:
             ctx.work.append((*ctx.leaves, x2, dy2))
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy2.mm(weight.to(x.dtype)).view(*dy.shape[:-1], weight.shape[1])
+            dx = dy2.mm(weight if weight.dtype == x.dtype else weight.to(x.dtype)).view(*dy.shape[:-1], weight.shape[1])
         return dx, None, None, None, None
-
-
-def _is_trainable_leaf(t: torch.Tensor | None) -> bool:
-    return t is None or (t.is_leaf and t.requires_grad)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the weight gradients deferred or accumulated in place (module docstring)."""
     work = _deferring
-    if not torch.is_grad_enabled() or not weight.requires_grad or not (_is_trainable_leaf(weight)
-                                                                       and _is_trainable_leaf(bias)):
+    if (work is None and not (_fusing and weight.numel() >= FUSE_MIN_NUMEL)) or not torch.is_grad_enabled() \
+            or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
         return F.linear(x, weight, bias)
     if work is not None and x.requires_grad:
         return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), work)
-    if _fusing:
+    if _fusing and weight.numel() >= FUSE_MIN_NUMEL:
         return _LinearFn.apply(x, weight, bias, (weight, bias), None)
     return F.linear(x, weight, bias)
 

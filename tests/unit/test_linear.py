@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import pipetrain.models.linear as linear_mod
 from pipetrain.models.embedding import Embedding
 from pipetrain.models.linear import (Linear, apply_weight_grads, defer_weight_grads, fuse_grad_accumulation,
                                      linear)
@@ -94,6 +95,11 @@ def test_nested_deferral_restores_the_outer_list_and_nothing_is_recorded_outside
 
 
 # ---- gradient accumulation fusion -------------------------------------------------------------------
+@pytest.fixture
+def fuse_small(monkeypatch):
+    """Fuse these tests' small weights too (by default only weights of FUSE_MIN_NUMEL elements or more)."""
+    monkeypatch.setattr(linear_mod, "FUSE_MIN_NUMEL", 0)
+
 class _Tiny(torch.nn.Module):
     """embedding -> linear -> head, optionally tied: every fused path in one graph."""
 
@@ -127,7 +133,7 @@ def _accumulate_microbatches(model, batches, fuse: bool, autocast: bool = False)
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_backward(tied, autocast):
+def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_backward(tied, autocast, fuse_small):
     torch.manual_seed(0)
     model = _Tiny(tied)
     batches = [torch.randint(0, 40, (3, 7)) for _ in range(4)]  # repeated ids within and across batches
@@ -143,7 +149,7 @@ def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_b
             torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
 
 
-def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_input_needs_none():
+def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_input_needs_none(fuse_small):
     layer = Linear(8, 4)
     x = torch.randn(5, 8)  # no gradient: the layer is the first to need one
     with fuse_grad_accumulation():
@@ -156,12 +162,14 @@ def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_inp
     torch.testing.assert_close(layer.bias.grad, torch.full((4,), 10.0))
 
 
-def test_fusion_is_bound_at_forward_time_and_off_by_default():
-    layer = Linear(4, 4)
+def test_fusion_is_bound_at_forward_time_off_by_default_and_only_for_large_weights():
+    big, small = Linear(linear_mod.FUSE_MIN_NUMEL // 16, 16, bias=False), Linear(16, 16)
     with fuse_grad_accumulation():
-        fused = layer(torch.randn(2, 4, requires_grad=True))
-    plain = layer(torch.randn(2, 4, requires_grad=True))
+        fused = big(torch.randn(2, big.in_features, requires_grad=True))
+        unfused = small(torch.randn(2, 16, requires_grad=True))
+    plain = big(torch.randn(2, big.in_features, requires_grad=True))
     assert type(fused.grad_fn).__name__ == "_LinearFnBackward"
+    assert type(unfused.grad_fn).__name__ != "_LinearFnBackward"
     assert type(plain.grad_fn).__name__ != "_LinearFnBackward"
     with torch.no_grad(), fuse_grad_accumulation():
-        assert layer(torch.randn(2, 4)).grad_fn is None
+        assert big(torch.randn(2, big.in_features)).grad_fn is None
