@@ -469,7 +469,7 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list
           "weight gradients accumulated in place), split = parallel.split_backward on, unfused = the default with "
           "train.grad_accumulation_fusion off (torch's actions and plain autograd)")
     ours = [fw for fw in FRAMEWORKS if fw != "torch"]
-    short = {fw: fw.replace("pipetrain-", "") for fw in ours}
+    short = {fw: fw.replace("pipetrain-", "") for fw in FRAMEWORKS}
     print("| schedule | " + " | ".join(f"{short[fw]} tok/s" for fw in FRAMEWORKS) + " | " +
           " | ".join(f"{short[fw]} / torch" for fw in ours) + " | CPU " + ", ".join(short[fw] for fw in ours) +
           " | loss " + " / ".join(short.get(fw, fw) for fw in FRAMEWORKS) + " | max grad diff to torch |")

@@ -32,6 +32,7 @@ mix dtypes); x is saved in the cast dtype, so the saved bytes equal plain autoca
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch
@@ -45,7 +46,8 @@ _fusing = False  # set by fuse_grad_accumulation
 # Fusion pays where the saved pass over .grad outweighs the custom autograd Function's Python overhead
 # (~60-100 us per forward + backward on the 2-vCPU CI machine): from about a million elements
 # (benchmarks/grad_accumulation.py: a 256 x 256 weight is slower fused, the 8192 x 256 head faster).
-FUSE_MIN_NUMEL = 1 << 20
+# The test suite sets PIPETRAIN_FUSE_MIN_NUMEL=0 so that its tiny models take the fused path too.
+FUSE_MIN_NUMEL = int(os.environ.get("PIPETRAIN_FUSE_MIN_NUMEL", 1 << 20))
 
 
 @contextlib.contextmanager
