@@ -12,7 +12,7 @@ from pipetrain.models import build, materialize
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.grads import clip_grad_norm, sync_grads
-from pipetrain.parallel.pipeline import build_stage, partition_layers, stage_layout, validate_pipeline
+from pipetrain.parallel.pipeline import build_stage, layer_costs, partition_layers, stage_layout, validate_pipeline
 from pipetrain.parallel.schedules import build_schedule
 from pipetrain.parallel.tensor import apply_tensor_parallel
 from pipetrain.trainer import loss_sum
@@ -124,6 +124,23 @@ def test_partition_balances_head_cost_and_respects_explicit_layers():
     assert partition_layers(LLAMA, 4, T) == [1, 1, 1, 1]
     explicit = stage_layout(LLAMA, ParallelConfig(pp=2, stage_layers=[3, 1]), T)
     assert explicit == [[0, 1, 2], [3]]
+
+
+def test_interleaved_partition_balances_ranks_without_growing_the_busiest_stage():
+    cfg = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                      ffn_hidden=704)  # benchmarks/pipeline.py's model: the head costs 2.7 blocks
+    block, embed, head = layer_costs(cfg, 128)
+    for pp, stages in ((2, 4), (3, 6), (2, 6)):
+        flat, interleaved = partition_layers(cfg, stages, 128), partition_layers(cfg, stages, 128, pp)
+
+        def loads(counts):
+            cost = [n * block + (embed if s == 0 else 0) + (head if s == stages - 1 else 0) for s, n in enumerate(counts)]
+            return [sum(cost[r::pp]) for r in range(pp)], max(cost)
+        (flat_ranks, flat_stage), (ranks, stage) = loads(flat), loads(interleaved)
+        assert sum(interleaved) == 8 and min(interleaved) >= 1
+        assert max(ranks) < max(flat_ranks) and stage <= flat_stage, (pp, stages, flat, interleaved)
+    assert partition_layers(cfg, 4, 128, 2) == [2, 2, 3, 1]  # ranks 6.0 / 5.7 blocks instead of 5.0 / 6.7
+    assert partition_layers(cfg, 2, 128, 2) == partition_layers(cfg, 2, 128)  # one stage per rank: unchanged
 
 
 def test_bad_pipeline_layouts_are_reported():
