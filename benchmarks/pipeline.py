@@ -419,6 +419,15 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     return [1 - b / max(clock) for b in busy]
 
 
+def median_ci(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median (percentile method; deterministic for a given seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(0, len(values), (resamples, len(values)), generator=gen)
+    meds = x[idx].median(dim=1).values.sort().values
+    return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
+
+
 def _summary(pp: int, timing: dict, cases: list) -> dict:
     """Medians over rounds: tokens/s, per-rank idle and time breakdown, ratios to torch paired per round."""
     tokens = MICRO * NUM_MB * SEQ
@@ -441,6 +450,7 @@ def _summary(pp: int, timing: dict, cases: list) -> dict:
             out[(s, fw)] = {"tokens_per_s": tokens / statistics.median(span), "step_s": statistics.median(span),
                             "idle": [statistics.median(x) for x in idle], "parts": parts,
                             "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+                            "ratio_ci": median_ci(ratios),
                             "cpu_ratio": statistics.median(cpu_ratios)}
         split, whole = out[(s, "pipetrain-split")]["parts"], out[(s, "pipetrain")]["parts"]
         fwd = sum(split["forward"])
@@ -464,7 +474,8 @@ def _ranks(values, fmt: str = "{:.2f}") -> str:
 
 
 def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list) -> None:
-    print(f"\npp {pp}: median of {rounds} rounds; ratio = tok/s / torch tok/s (paired per round, min-max); CPU = "
+    print(f"\npp {pp}: median of {rounds} rounds; ratio = tok/s / torch tok/s (median of the per-round paired "
+          "ratios, [95% bootstrap interval of that median], (min-max)); CPU = "
           "torch CPU s / this CPU s per step, summed over ranks (paired); pipetrain = the default (torch's actions, "
           "weight gradients accumulated in place), split = parallel.split_backward on, unfused = the default with "
           "train.grad_accumulation_fusion off (torch's actions and plain autograd)")
@@ -477,7 +488,8 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list
     for s, v in cases:
         par = parity[s]
         row = [f"{summary[(s, fw)]['tokens_per_s']:.0f}" for fw in FRAMEWORKS]
-        row += [f"{summary[(s, fw)]['ratio']:.2f} ({summary[(s, fw)]['ratio_range'][0]:.2f}-"
+        row += [f"{summary[(s, fw)]['ratio']:.2f} [{summary[(s, fw)]['ratio_ci'][0]:.2f}-"
+                f"{summary[(s, fw)]['ratio_ci'][1]:.2f}] ({summary[(s, fw)]['ratio_range'][0]:.2f}-"
                 f"{summary[(s, fw)]['ratio_range'][1]:.2f})" for fw in ours]
         row.append(", ".join(f"{summary[(s, fw)]['cpu_ratio']:.2f}" for fw in ours))
         row.append(" / ".join(f"{par[f'loss_{fw}']:.6f}" for fw in FRAMEWORKS))
