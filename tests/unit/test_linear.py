@@ -48,6 +48,7 @@ def test_deferred_linear_equals_plain_autograd_bitwise(bias, autocast):
 
 
 def test_deferred_grads_accumulate_and_fire_post_accumulate_hooks():
+    torch.manual_seed(0)
     layer = Linear(8, 4)
     fired = []
     layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
@@ -65,7 +66,11 @@ def test_deferred_grads_accumulate_and_fire_post_accumulate_hooks():
     ref.load_state_dict(layer.state_dict())
     for x in xs:
         ref(x).sum().backward()
-    assert torch.equal(layer.weight.grad, ref.weight.grad) and torch.equal(layer.bias.grad, ref.bias.grad)
+    # The second W adds inside the GEMM (addmm_), autograd after it: the same sum, rounded at a point
+    # that depends on the BLAS kernel (bitwise on some CPUs, not on others); the bias add is autograd's.
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-7)
+    assert torch.equal(fired[0], xs[0].grad.new_ones(2, 4).t().mm(xs[0].detach()))  # the first W alone, exact
+    assert torch.equal(layer.bias.grad, ref.bias.grad)
 
 
 def test_a_weight_that_is_not_a_leaf_or_an_input_without_grad_gets_its_gradient_at_once():
