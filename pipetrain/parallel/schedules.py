@@ -23,7 +23,9 @@ a rank hold more microbatches (forwarded, weight gradients not yet done) than th
 busiest rank does. For 1F1B this is ZB-H1: with the backward's input part I and weight part W each as
 long as F (B = I + W = 2F), the idle time per rank drops from (p-1)(F+B) = 3(p-1)F to (p-1)(F+I-W) =
 (p-1)F, a third, at the same peak activation memory (rank 0's; later ranks may now hold that many too).
-It never makes a schedule slower in the simulator (tests/unit/test_schedules.py sweeps it). A schedule without W actions is the usual one: B does everything.
+It never makes a schedule slower in the simulator (tests/unit/test_schedules.py sweeps it). A B without a W
+is the usual one and does everything: so is every B of a schedule without W actions, and a first-stage
+B whose W would follow it directly (_merge_first_stage_weight_grads).
 
 Execution semantics (validate_schedule proves a schedule deadlock-free under each by simulating all ranks):
 - "async": SEND_* posts a non-blocking send (the executor completes it by the end of the step);
@@ -233,6 +235,12 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[st
         return _source(p, last, r, kind, mb, c)
 
     # Reference run: every compute starts as soon as its rank is free and its input has been produced.
+    # A B without a W of its own does the whole backward (cost of B and W).
+    split = [{(mb, c) for kind, mb, c in order if kind == W} for order in orders]
+
+    def duration(r: int, kind: str, mb: int, c: int) -> float:
+        return cost[kind] + (cost.get(W, 0.0) if kind == B and (mb, c) not in split[r] else 0.0)
+
     starts: list[list[float]] = [[] for _ in range(p)]
     finished: dict[tuple[int, Compute], float] = {}
     clock = [0.0] * p
@@ -247,7 +255,7 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[st
                     break
                 start = max(clock[r], finished[src]) if src is not None else clock[r]
                 starts[r].append(start)
-                clock[r] = finished[(r, x)] = start + cost[x[0]]
+                clock[r] = finished[(r, x)] = start + duration(r, *x)
                 progress = True
     assert all(len(starts[r]) == len(orders[r]) for r in range(p)), "_place_comms: compute orders deadlock"
 
@@ -318,7 +326,28 @@ def _finish(orders: list[list[Compute]], virtual_stages: int, backward_cost: flo
     if not split_backward:
         return _place_comms(orders, virtual_stages, {F: 1.0, B: backward_cost})
     cost = {F: 1.0, B: backward_cost / 2, W: backward_cost / 2}
-    return _place_comms(_place_weight_grads(orders, virtual_stages, cost), virtual_stages, cost)
+    orders = _place_weight_grads(orders, virtual_stages, cost)
+    return _place_comms([_merge_first_stage_weight_grads(order, r) for r, order in enumerate(orders)],
+                        virtual_stages, cost)
+
+
+def _merge_first_stage_weight_grads(order: list[Compute], pp_rank: int) -> list[Compute]:
+    """Drop a first-stage W that directly follows its own B, so that B does the whole backward.
+
+    Splitting pays by sending the input gradient before the weight gradients are done; the first stage
+    sends none, so its split only helps where its W is moved into a wait. Directly after its B it fills
+    nothing, and deferring costs time (operands kept and re-read, a Python autograd Function per linear
+    layer: benchmarks/pipeline.py). Weight gradients still add up in microbatch order: every earlier W
+    comes before this one, so before this B.
+    """
+    if pp_rank != 0:  # stage 0 is chunk 0 of rank 0
+        return order
+    out: list[Compute] = []
+    for x in order:
+        if x[0] == W and x[2] == 0 and out and out[-1] == (B, x[1], 0):
+            continue
+        out.append(x)
+    return out
 
 
 def gpipe(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:

@@ -59,7 +59,9 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
     executor.post_one_by_one = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
-    assert any(a.kind == "W" for a in actions) == split_backward
+    # split: every rank but the first splits its backward (rank 0's W may all follow their B directly, and
+    # then B does the whole backward: schedules._merge_first_stage_weight_grads)
+    assert any(a.kind == "W" for a in actions) == split_backward or (split_backward and dims.pp_rank == 0)
     mbs, count = _microbatches(cfg, num)
     local = executor.run(actions, mbs, count)
     sync_grads(model, dims)

@@ -77,9 +77,21 @@ def test_split_backward_schedules_are_valid_never_slower_and_hold_no_more_than_t
     for name, p, m, v in split_cases():
         whole, split = build(name, p, m, v), build(name, p, m, v, split_backward=True)
         validate_schedule(split, p, m, v, max_in_flight=[max(peak_in_flight(a) for a in whole)] * p)
-        for actions in split:  # one W per B, after it, and in B order (gradients accumulate in the same order)
+        for r, actions in enumerate(split):
+            # Weight gradients accumulate in B order (a B with no W adds them itself), as without the split;
+            # every B but a first-stage one directly followed by its W is split.
             bs = [(a.microbatch, a.chunk) for a in actions if a.kind == B]
-            assert [(a.microbatch, a.chunk) for a in actions if a.kind == W] == bs, (name, p, m, v)
+            ws = {(a.microbatch, a.chunk) for a in actions if a.kind == W}
+            adds = [(a.microbatch, a.chunk) for a in actions if a.kind == W or (a.kind == B and
+                                                                              (a.microbatch, a.chunk) not in ws)]
+            assert adds == bs, (name, p, m, v)
+            compute = [a for a in actions if a.kind in (F, B, W)]
+            for i, a in enumerate(compute):
+                key = (a.microbatch, a.chunk)
+                if a.kind == B and key not in ws:
+                    assert r == 0 and a.chunk == 0, (name, p, m, v, r, a)
+                if a.kind == W and r == 0 and a.chunk == 0:
+                    assert compute[i - 1] != Action(B, *key), (name, p, m, v, a)
         assert simulate(split).makespan <= simulate(whole).makespan + EXACT, (name, p, m, v)
 
 
@@ -93,14 +105,14 @@ def test_split_1f1b_is_zb_h1_a_third_of_the_bubble():
 
 
 def test_validator_rejects_a_w_before_its_b_and_a_second_w():
-    s = build("1f1b", 2, 2, split_backward=True)
-    w = next(i for i, a in enumerate(s[0]) if a.kind == W)
-    b = next(i for i, a in enumerate(s[0]) if a.kind == B and (a.microbatch, a.chunk) == (s[0][w].microbatch, 0))
-    early = s[0][:b] + [s[0][w]] + [a for i, a in enumerate(s[0][b:], b) if i != w]
-    with pytest.raises(ValueError, match=r"rank 0, action \d+ W\(mb 0\): comes before its backward"):
-        validate_schedule([early, s[1]], 2, 2)
+    s = build("1f1b", 2, 2, split_backward=True)  # rank 1's Bs are split (rank 0's W would follow its B)
+    w = next(i for i, a in enumerate(s[1]) if a.kind == W)
+    b = next(i for i, a in enumerate(s[1]) if a.kind == B and (a.microbatch, a.chunk) == (s[1][w].microbatch, 0))
+    early = s[1][:b] + [s[1][w]] + [a for i, a in enumerate(s[1][b:], b) if i != w]
+    with pytest.raises(ValueError, match=r"rank 1, action \d+ W\(mb 0\): comes before its backward"):
+        validate_schedule([s[0], early], 2, 2)
     with pytest.raises(ValueError, match=r"W\(mb 0\): duplicate of action"):
-        validate_schedule([s[0] + [s[0][w]], s[1]], 2, 2)
+        validate_schedule([s[0], s[1] + [s[1][w]]], 2, 2)
 
 
 def test_single_rank_schedules_are_only_compute():
