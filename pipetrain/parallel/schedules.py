@@ -25,7 +25,7 @@ long as F (B = I + W = 2F), the idle time per rank drops from (p-1)(F+B) = 3(p-1
 (p-1)F, a third, at the same peak activation memory (rank 0's; later ranks may now hold that many too).
 It never makes a schedule slower in the simulator (tests/unit/test_schedules.py sweeps it). A B without a W
 is the usual one and does everything: so is every B of a schedule without W actions, and a first-stage
-B whose W would follow it directly (_merge_first_stage_weight_grads).
+B whose W would follow it with only first-stage Bs between (_merge_first_stage_weight_grads).
 
 Execution semantics (validate_schedule proves a schedule deadlock-free under each by simulating all ranks):
 - "async": SEND_* posts a non-blocking send (the executor completes it by the end of the step);
@@ -332,21 +332,23 @@ def _finish(orders: list[list[Compute]], virtual_stages: int, backward_cost: flo
 
 
 def _merge_first_stage_weight_grads(order: list[Compute], pp_rank: int) -> list[Compute]:
-    """Drop a first-stage W that directly follows its own B, so that B does the whole backward.
+    """Fold a first-stage W back into its B where only first-stage Bs lie between them.
 
     Splitting pays by sending the input gradient before the weight gradients are done; the first stage
-    sends none, so its split only helps where its W is moved into a wait. Directly after its B it fills
-    nothing, and deferring costs time (operands kept and re-read, a Python autograd Function per linear
-    layer: benchmarks/pipeline.py). Weight gradients still add up in microbatch order: every earlier W
-    comes before this one, so before this B.
+    sends none. Moving its W up to its B delays only first-stage Bs, which nobody waits for, and never
+    delays the rank's end (a W needs no input, so doing it earlier can only fill a wait), while the
+    split costs time (operands kept and re-read, a Python autograd Function per linear layer:
+    benchmarks/pipeline.py). That is every W of rank 0 in 1F1B (each directly after its B) and in
+    GPipe (all after the last B). W order is B order, so any W left between a B and its W would be
+    an earlier one: then that W stays split, which keeps weight gradients adding up in microbatch order.
     """
     if pp_rank != 0:  # stage 0 is chunk 0 of rank 0
         return order
-    out: list[Compute] = []
-    for x in order:
-        if x[0] == W and x[2] == 0 and out and out[-1] == (B, x[1], 0):
-            continue
-        out.append(x)
+    out = list(order)
+    for x in [x for x in order if x[0] == W and x[2] == 0]:
+        i, j = out.index((B, x[1], 0)), out.index(x)
+        if all(kind == B and c == 0 for kind, _, c in out[i + 1:j]):
+            del out[j]
     return out
 
 
