@@ -394,7 +394,9 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
         cost_f = [1.0] * len(layout)
     lists = [[a for a in actions if a.kind in (F, B, W)]
              for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split)]
-    ratio = {F: 1.0, B: backward_ratio - weight_ratio if split else backward_ratio, W: weight_ratio}
+    ratio = {F: 1.0, B: backward_ratio - weight_ratio, W: weight_ratio}
+    # a B with no W of its own (every B unsplit; first-stage Bs merged back) does the whole backward
+    has_w = [{(a.microbatch, a.chunk) for a in actions if a.kind == W} for actions in lists]
     done: dict[tuple, float] = {}  # (kind, microbatch, stage) -> end time
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     progress = True
@@ -410,7 +412,8 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
                     if src not in done:
                         break
                     start = max(start, done[src])
-                dt = cost_f[stage] * ratio[a.kind]
+                dt = cost_f[stage] * (backward_ratio if a.kind == B and (a.microbatch, a.chunk) not in has_w[r]
+                                      else ratio[a.kind])
                 clock[r] = done[(a.kind, a.microbatch, stage)] = start + dt
                 busy[r] += dt
                 pos[r] += 1
@@ -454,7 +457,10 @@ def _summary(pp: int, timing: dict, cases: list) -> dict:
                             "cpu_ratio": statistics.median(cpu_ratios)}
         split, whole = out[(s, "pipetrain-split")]["parts"], out[(s, "pipetrain")]["parts"]
         fwd = sum(split["forward"])
-        b_ratio, w_ratio = (sum(split["backward"]) + sum(split["weight"])) / fwd, sum(split["weight"]) / fwd
+        # W / F over the ranks that split (rank 0 may do every backward whole: merged first-stage Ws)
+        splitting = [k for k in range(pp) if split["weight"][k] > 0]
+        b_ratio = (sum(split["backward"]) + sum(split["weight"])) / fwd
+        w_ratio = sum(split["weight"][k] for k in splitting) / sum(split["forward"][k] for k in splitting)
         whole_ratio = sum(whole["backward"]) / sum(whole["forward"])
         out[(s, "model")] = {
             "formula": ideal_bubble(pp, NUM_MB, v), "backward_ratio": b_ratio, "weight_ratio": w_ratio,
