@@ -8,7 +8,7 @@ machine's noise hits both alike:
    .grad already holding the earlier microbatches' sum, i.e. every microbatch of a step but the first.
    plain = nn.Linear / nn.Embedding (autograd builds dW, then adds it to .grad); fused = pipetrain's
    Linear / Embedding inside fuse_grad_accumulation (pipetrain.models.linear), here for every shape
-   (FUSE_MIN_NUMEL set to 0): the table is what that threshold is chosen from.
+   (min_numel=0): the table is what the default threshold FUSE_MIN_NUMEL is chosen from.
 2. a whole step: forward + backward of 8 microbatches of that model through pipetrain's Executor
    (one process, the single-stage schedule), train.grad_accumulation_fusion on (default threshold)
    against off; median step time over --rounds and the paired ratio, plus the largest gradient
@@ -29,7 +29,6 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import pipetrain.models.linear as linear_mod  # noqa: E402
 from pipetrain.models.embedding import Embedding  # noqa: E402
 from pipetrain.models.linear import Linear, fuse_grad_accumulation  # noqa: E402
 
@@ -63,7 +62,7 @@ def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) ->
         plain(x).backward(dy)
 
     def run_fused():
-        with fuse_grad_accumulation():
+        with fuse_grad_accumulation(min_numel=0):
             out = fused(x)
         out.backward(dy)
 
@@ -75,7 +74,6 @@ def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) ->
 
 
 def per_layer(repeats: int) -> None:
-    default, linear_mod.FUSE_MIN_NUMEL = linear_mod.FUSE_MIN_NUMEL, 0
     print("| layer (one microbatch, 256 tokens) | plain autograd ms | fused ms | plain / fused |")
     print("|---|---|---|---|")
     for name, d_in, d_out in LAYERS:
@@ -85,7 +83,6 @@ def per_layer(repeats: int) -> None:
     plain, fused = nn.Embedding(VOCAB, 256), Embedding(VOCAB, 256)
     t_plain, t_fused = _layer_case(plain, fused, lambda: torch.randint(0, VOCAB, TOKENS), repeats)
     print(f"| embedding (V x D) | {t_plain * 1e3:.2f} | {t_fused * 1e3:.2f} | {t_plain / t_fused:.2f} |", flush=True)
-    linear_mod.FUSE_MIN_NUMEL = default
 
 
 def whole_step(rounds: int) -> None:

@@ -94,6 +94,7 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
     grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.models.linear)
+    grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +305,8 @@ def validate(r: Recipe, world_size: int | None = None) -> list[str]:
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    need(t.grad_accumulation_fusion_min_numel >= 0, f"train.grad_accumulation_fusion_min_numel="
+         f"{t.grad_accumulation_fusion_min_numel} must be >= 0 (0 fuses every weight)")
     need(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     need(bool(d.path), "data.path is empty; set it to a text/jsonl/parquet file or folder")
     need(bool(d.tokenizer) or bool(m.init_from),

@@ -64,7 +64,8 @@ class Trainer:
         self.executor = Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
                                  loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
                                  autocast=self._autocast,
-                                 fuse_grad_accumulation=recipe.train.grad_accumulation_fusion)
+                                 fuse_grad_accumulation=recipe.train.grad_accumulation_fusion,
+                                 fuse_min_numel=recipe.train.grad_accumulation_fusion_min_numel)
         # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
         backward_cost = 3.0 if p.recompute == "full" else 2.0
         self.actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,

@@ -8,8 +8,9 @@ gradient (the head's V x D matrix included). Two modes, each entered with a cont
 forward (bound at forward time, so a backward needs no global state; CUDA runs backwards on other
 threads) and around the backward (activation recomputation re-runs the forward there):
 
-- `fuse_grad_accumulation()`: gradient accumulation fusion (Megatron-LM's name), for weights of at
-  least FUSE_MIN_NUMEL elements (below that the Python Function costs more than the pass it saves).
+- `fuse_grad_accumulation(min_numel=...)`: gradient accumulation fusion (Megatron-LM's name), for weights
+  of at least min_numel elements (default FUSE_MIN_NUMEL; below that the Python Function costs more than
+  the pass it saves; the recipe's train.grad_accumulation_fusion_min_numel).
   The backward computes dx and adds dW straight into .grad with one GEMM (addmm_, beta = 1), b's into its .grad; it returns no
   gradient for W and b, so their AccumulateGrad nodes run with nothing to add and fire the
   post-accumulate-grad hooks (ZeRO-2's overlapped reduction) once per backward, after every use of the
@@ -32,7 +33,6 @@ mix dtypes); x is saved in the cast dtype, so the saved bytes equal plain autoca
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
@@ -41,13 +41,15 @@ import torch.nn.functional as F
 
 WeightGradWork = list  # of (weight, bias | None, x (N, D_in), dy (N, D_out)): one entry per linear call
 
+# Module state, which STYLE.md otherwise rules out: the executor sets it around a chunk's forward and
+# the layers read it, so the model stays blind to pipelining instead of taking a mode argument in
+# every module; only the context managers below change it, and always restore it.
 _deferring: WeightGradWork | None = None  # set by defer_weight_grads
-_fusing = False  # set by fuse_grad_accumulation
+_fuse_min_numel: int | None = None  # set by fuse_grad_accumulation; None: not fusing
 # Fusion pays where the saved pass over .grad outweighs the custom autograd Function's Python overhead
-# (~60-100 us per forward + backward on the 2-vCPU CI machine): from about a million elements
+# (tens of us per forward + backward on the 2-vCPU CI machine): from about a million elements
 # (benchmarks/grad_accumulation.py: a 256 x 256 weight is slower fused, the 8192 x 256 head faster).
-# The test suite sets PIPETRAIN_FUSE_MIN_NUMEL=0 so that its tiny models take the fused path too.
-FUSE_MIN_NUMEL = int(os.environ.get("PIPETRAIN_FUSE_MIN_NUMEL", 1 << 20))
+FUSE_MIN_NUMEL = 1 << 20
 
 
 @contextlib.contextmanager
@@ -62,19 +64,25 @@ def defer_weight_grads(work: WeightGradWork) -> Iterator[WeightGradWork]:
 
 
 @contextlib.contextmanager
-def fuse_grad_accumulation(enabled: bool = True) -> Iterator[None]:
-    """Linear (and pipetrain.models.embedding) layers run forward inside add their weight gradients
-    straight into .grad at backward time."""
-    global _fusing
-    outer, _fusing = _fusing, enabled
+def fuse_grad_accumulation(enabled: bool = True, min_numel: int | None = None) -> Iterator[None]:
+    """Linear layers of at least min_numel weight elements (default FUSE_MIN_NUMEL), and every
+    pipetrain.models.embedding, run forward inside add their weight gradients straight into .grad at
+    backward time."""
+    global _fuse_min_numel
+    outer = _fuse_min_numel
+    _fuse_min_numel = (FUSE_MIN_NUMEL if min_numel is None else min_numel) if enabled else None
     try:
         yield
     finally:
-        _fusing = outer
+        _fuse_min_numel = outer
 
 
 def fusing() -> bool:
-    return _fusing
+    return _fuse_min_numel is not None
+
+
+def _fuses(weight: torch.Tensor) -> bool:
+    return _fuse_min_numel is not None and weight.numel() >= _fuse_min_numel
 
 
 def add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -169,12 +177,12 @@ class _LinearFn(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the weight gradients deferred or accumulated in place (module docstring)."""
     work = _deferring
-    if (work is None and not (_fusing and weight.numel() >= FUSE_MIN_NUMEL)) or not torch.is_grad_enabled() \
+    if (work is None and not _fuses(weight)) or not torch.is_grad_enabled() \
             or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
         return F.linear(x, weight, bias)
     if work is not None and x.requires_grad:
         return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), work)
-    if _fusing and weight.numel() >= FUSE_MIN_NUMEL:
+    if _fuses(weight):
         return _LinearFn.apply(x, weight, bias, (weight, bias), None)
     return F.linear(x, weight, bias)
 

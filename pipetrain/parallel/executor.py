@@ -19,8 +19,9 @@ anything is sent, instead of hanging the peer.
 
 Gradient accumulation fusion (on unless fuse_grad_accumulation=False, the recipe's
 train.grad_accumulation_fusion): the whole step runs inside fuse_grad_accumulation
-(pipetrain.models.linear), so linear and embedding layers add their weight gradients into .grad in
-place, microbatch after microbatch, instead of building each one and adding it afterwards.
+(pipetrain.models.linear), so embedding layers and linear layers of at least fuse_min_numel weight
+elements add their weight gradients into .grad in place, microbatch after microbatch, instead of
+building each one and adding it afterwards.
 
 Loss scaling: the last stage's F computes sum(CE) over the microbatch's targets divided by the
 target tokens of the whole global batch, so accumulated gradients equal the single-process
@@ -43,9 +44,10 @@ class Executor:
     """Runs schedules for one rank's chunks; holds no state between steps."""
 
     def __init__(self, chunks: Sequence[nn.Module], specs, dims, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 loss_fn: Callable, autocast=contextlib.nullcontext, fuse_grad_accumulation: bool = True):
+                 loss_fn: Callable, autocast=contextlib.nullcontext, fuse_grad_accumulation: bool = True,
+                 fuse_min_numel: int | None = None):
         self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
-        self.fuse_grad_accumulation = fuse_grad_accumulation
+        self.fuse_grad_accumulation, self.fuse_min_numel = fuse_grad_accumulation, fuse_min_numel
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
         self.post_one_by_one = dims.world_size > 1 and dist.get_backend() == "gloo"
@@ -62,7 +64,7 @@ class Executor:
 
     def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
         """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
-        with fuse_grad_accumulation(self.fuse_grad_accumulation):
+        with fuse_grad_accumulation(self.fuse_grad_accumulation, self.fuse_min_numel):
             return self._run(actions, microbatches, num_targets, forward_only)
 
     def _run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool):

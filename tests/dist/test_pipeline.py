@@ -56,7 +56,8 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     materialize(model, cfg, SEED, "cpu")
     tp_group = dims.tp_group if tp > 1 else None
     executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
-                        loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group))
+                        loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
+                        fuse_min_numel=0)  # the tiny model's weights are all below the default threshold
     executor.post_one_by_one = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
     # split: every rank but the first splits its backward (rank 0's W may all follow their B directly, and

@@ -41,13 +41,15 @@ def test_int_is_accepted_where_float_expected():
 
 
 def test_validation_reports_every_problem_at_once():
-    raw = _with(model={"d_model": 65, "n_heads": 4, "n_kv_heads": 3}, train={"seq_len": 4096})
+    raw = _with(model={"d_model": 65, "n_heads": 4, "n_kv_heads": 3},
+                train={"seq_len": 4096, "grad_accumulation_fusion_min_numel": -1})
     with pytest.raises(ConfigError) as info:
         build_recipe(raw)
     msg = str(info.value)
     assert "model.d_model=65 must be divisible by model.n_heads=4" in msg
     assert "model.n_heads=4 must be divisible by model.n_kv_heads=3" in msg
     assert "train.seq_len=4096 exceeds model.max_seq_len=1024" in msg
+    assert "train.grad_accumulation_fusion_min_numel=-1 must be >= 0 (0 fuses every weight)" in msg
 
 
 def test_overrides_apply_and_parse_yaml_scalars(tmp_path):

@@ -167,8 +167,7 @@ def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_inp
     torch.testing.assert_close(layer.bias.grad, torch.full((4,), 10.0))
 
 
-def test_fusion_is_bound_at_forward_time_off_by_default_and_only_for_large_weights(monkeypatch):
-    monkeypatch.setattr(linear_mod, "FUSE_MIN_NUMEL", 1 << 20)  # the default (the suite fuses everything)
+def test_fusion_is_bound_at_forward_time_off_by_default_and_only_for_large_weights():
     big, small = Linear(linear_mod.FUSE_MIN_NUMEL // 16, 16, bias=False), Linear(16, 16)
     with fuse_grad_accumulation():
         fused = big(torch.randn(2, big.in_features, requires_grad=True))

@@ -40,7 +40,8 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
     dims = dims or ParallelDims()
     recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, zero=zero, **parallel),
                     train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
-                                      warmup_steps=1, grad_clip=grad_clip, precision=precision),
+                                      warmup_steps=1, grad_clip=grad_clip, precision=precision,
+                                      grad_accumulation_fusion_min_numel=0),  # tiny weights: fuse them all
                     run=RunConfig(output_dir=out_dir, progress=False))
     rng = np.random.default_rng(0)
     num = 64 * (seq_len + 1)
