@@ -339,8 +339,8 @@ def _merge_first_stage_weight_grads(order: list[Compute], pp_rank: int) -> list[
     delays the rank's end (a W needs no input, so doing it earlier can only fill a wait), while the
     split costs time (operands kept and re-read, a Python autograd Function per linear layer:
     benchmarks/pipeline.py). That is every W of rank 0 in 1F1B (each directly after its B) and in
-    GPipe (all after the last B). W order is B order, so any W left between a B and its W would be
-    an earlier one: then that W stays split, which keeps weight gradients adding up in microbatch order.
+    GPipe (all after the last B). A W with an earlier, unmerged W between it and its B stays split,
+    so weight gradients still add up in microbatch order.
     """
     if pp_rank != 0:  # stage 0 is chunk 0 of rank 0
         return order
