@@ -98,7 +98,9 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
         if not moves:
             return counts
         value, c = min(moves, key=lambda m: m[0])
-        if not (value[0] < current[0] - 1e-9 or (abs(value[0] - current[0]) <= 1e-9 and value[1] < current[1] - 1e-9)):
+        lower_rank = value[0] < current[0] - 1e-9
+        same_rank_lower_stage = abs(value[0] - current[0]) <= 1e-9 and value[1] < current[1] - 1e-9
+        if not (lower_rank or same_rank_lower_stage):
             return counts
         counts, current = c, value
 

@@ -9,10 +9,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
 
-# The tiny recipe cut down to seconds: same corpus and tokenizer, a 2-layer d=64 model. Its weights are
+# The tiny recipe cut down to seconds: same corpus and tokenizer, a 4-layer d=64 model. Its weights are
 # far below the default fusion threshold: fuse them all, so that every run takes the in-place gradient
 # accumulation (plain F.linear is covered by the fusion-off e2e run and tests/unit/test_linear.py).
-SMALL = ["train.grad_accumulation_fusion_min_numel=0", "model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+SMALL = ["train.grad_accumulation_fusion_min_numel=0",
+         "model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
          "model.max_seq_len=32", "train.seq_len=32", "train.global_batch=8", "train.steps=20",
          "train.warmup_steps=2", "train.lr=3e-3", "run.eval_every=10", "run.eval_batches=2", "run.log_every=1",
          "run.sample_tokens=0", "run.progress=false"]
