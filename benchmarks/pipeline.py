@@ -69,8 +69,8 @@ from pipetrain.models import build, materialize  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.executor import Executor  # noqa: E402
 from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_layout  # noqa: E402
-from pipetrain.parallel.schedule_sim import ideal_bubble  # noqa: E402
-from pipetrain.parallel.schedules import B, F, W, build_all_schedules  # noqa: E402
+from pipetrain.parallel.schedules import B, F, W, build_all_schedules, ideal_bubble  # noqa: E402
+from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
 from pipetrain.trainer import loss_sum  # noqa: E402
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -383,8 +383,9 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     """Per-rank idle fraction of the action lists replayed with this partition's stage costs
     (pipeline.layer_costs; B + W = backward_ratio * F, W = weight_ratio * F) and free transfers, as the
     executor runs them on gloo: each compute starts once its rank is free and its input has been
-    produced (receives are waited for at the consuming compute, sends never block). The formula assumes
-    equal stages; uniform=True replays equal stages, where it holds for the unsplit schedules.
+    produced (receives are waited for at the consuming compute, sends never block), on the schedules'
+    own simulator (schedules/replay.py). The formula assumes equal stages; uniform=True replays equal
+    stages, where it holds for the unsplit schedules.
     """
     layout = stage_layout(CFG, ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v), SEQ)
     block, embed, head = layer_costs(CFG, SEQ)
@@ -392,34 +393,20 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
     if uniform:
         cost_f = [1.0] * len(layout)
-    lists = [[a for a in actions if a.kind in (F, B, W)]
-             for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split)]
+    orders = [[(a.kind, a.microbatch, a.chunk) for a in actions if a.kind in (F, B, W)]
+              for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split)]
     ratio = {F: 1.0, B: backward_ratio - weight_ratio, W: weight_ratio}
     # a B with no W of its own (every B unsplit; first-stage Bs merged back) does the whole backward
-    has_w = [{(a.microbatch, a.chunk) for a in actions if a.kind == W} for actions in lists]
-    done: dict[tuple, float] = {}  # (kind, microbatch, stage) -> end time
-    pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                stage = a.chunk * pp + r
-                start = clock[r]
-                src = (a.kind, a.microbatch, stage - 1 if a.kind == F else stage + 1)
-                if a.kind != W and 0 <= src[2] <= last:
-                    if src not in done:
-                        break
-                    start = max(start, done[src])
-                dt = cost_f[stage] * (backward_ratio if a.kind == B and (a.microbatch, a.chunk) not in has_w[r]
-                                      else ratio[a.kind])
-                clock[r] = done[(a.kind, a.microbatch, stage)] = start + dt
-                busy[r] += dt
-                pos[r] += 1
-                progress = True
-    assert all(pos[r] == len(lists[r]) for r in range(pp)), f"replay_idle: {schedule} deadlocked"
-    return [1 - b / max(clock) for b in busy]
+    has_w = [{(mb, c) for kind, mb, c in order if kind == W} for order in orders]
+
+    def duration(r: int, x: tuple[str, int, int]) -> float:
+        kind, mb, c = x
+        return cost_f[c * pp + r] * (backward_ratio if kind == B and (mb, c) not in has_w[r] else ratio[kind])
+
+    sim = replay_computes(orders, v, duration)
+    assert all(len(sim.ends[r]) == len(orders[r]) for r in range(pp)), f"replay_idle: {schedule} deadlocked"
+    busy = [sum(duration(r, x) for x in order) for r, order in enumerate(orders)]
+    return [1 - b / max(sim.clock) for b in busy]
 
 
 def median_ci(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:

@@ -1,96 +1,19 @@
-"""Timing simulator, ASCII/PNG timelines and the CLI for the schedules in schedules.py.
+"""The timeline command: build, validate and simulate a schedule, then draw it as ASCII (or a PNG).
 
-The simulator replays every rank's action list under the "async" semantics of schedules.py: F and B
-take time, a SEND_* is posted instantly and its data lands cost_comm later, a RECV_* waits until the
-data has landed. Costs are per microbatch for a rank's whole share of the layers, so a chunk of an
-interleaved schedule costs 1/v of them and makespans compare across schedules.
-
-CLI (also `python -m pipetrain.parallel.schedules ...`):
-    python -m pipetrain.parallel.schedule_sim --schedule 1f1b --pp 4 --microbatches 8 \\
-        [--virtual-stages 2] [--cost-f 1 --cost-b 2 --cost-comm 0] [--png out.png]
+    python -m pipetrain.parallel.schedules --schedule 1f1b --pp 4 --microbatches 8 \\
+        [--virtual-stages 2] [--cost-f 1 --cost-b 2 --cost-comm 0] [--split-backward [--cost-w 1]] [--png out.png]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Sequence
 
-from pipetrain.parallel.schedules import (B, COMPUTE_KINDS, F, W, RECV_ACT, RECV_GRAD, SCHEDULES, SEND_ACT, SEND_GRAD,
-                                          Action, _pair_messages, build_all_schedules, peak_in_flight,
-                                          validate_schedule)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """Per-rank start/end time of every action (same indexing as `schedules`) and the derived figures."""
-    schedules: list[list[Action]]
-    starts: list[list[float]]
-    ends: list[list[float]]
-    makespan: float               # time at which the last rank finishes
-    bubble_per_rank: list[float]  # fraction of the makespan each rank spends not computing
-    bubble: float                 # idle fraction over all ranks: 1 - total compute / (p * makespan)
-    peak_in_flight: list[int]     # most (microbatch, chunk) activations held at once, per rank
-    virtual_stages: int
-
-
-def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b: float = 2.0,
-             cost_comm: float = 0.0, virtual_stages: int | None = None, cost_w: float | None = None) -> SimResult:
-    """Replay all ranks' actions with the given costs; raises ValueError if sends and receives do not pair
-    up or the schedule deadlocks. virtual_stages defaults to 1 + the largest chunk used. A B with a W
-    action of its own (split backward) costs cost_b - cost_w and the W cost_w (default cost_b / 2), so a
-    microbatch costs cost_f + cost_b either way."""
-    p = len(schedules)
-    v = virtual_stages or 1 + max((a.chunk for actions in schedules for a in actions), default=0)
-    cost_w = cost_b / 2 if cost_w is None else cost_w
-    if not 0 <= cost_w <= cost_b:
-        raise ValueError(f"simulate: cost_w={cost_w} must be in [0, cost_b={cost_b}]")
-    split = [{(a.microbatch, a.chunk) for a in actions if a.kind == W} for actions in schedules]
-
-    def cost(r: int, a: Action) -> float:
-        if a.kind == F:
-            return cost_f / v
-        if a.kind == W:
-            return cost_w / v
-        return (cost_b - cost_w if (a.microbatch, a.chunk) in split[r] else cost_b) / v
-    match = _pair_messages(schedules, p)
-    starts = [[0.0] * len(actions) for actions in schedules]
-    ends = [[0.0] * len(actions) for actions in schedules]
-    landed: dict[tuple[int, int], float] = {}  # (rank, index) of a RECV -> time its data is there
-    pos, clock = [0] * p, [0.0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(schedules):
-            while pos[r] < len(actions):
-                i, a = pos[r], actions[pos[r]]
-                start = end = clock[r]
-                if a.kind in COMPUTE_KINDS:
-                    end = start + cost(r, a)
-                elif a.kind in (SEND_ACT, SEND_GRAD):
-                    landed[match[(r, i)]] = start + cost_comm
-                elif (r, i) in landed:
-                    end = max(start, landed[(r, i)])
-                else:
-                    break  # its send has not been posted yet: let the other ranks run
-                starts[r][i], ends[r][i], clock[r] = start, end, end
-                pos[r] += 1
-                progress = True
-    stuck = [f"rank {r} at action {pos[r]} {schedules[r][pos[r]]}" for r in range(p) if pos[r] < len(schedules[r])]
-    if stuck:
-        raise ValueError("simulate: deadlock: " + "; ".join(stuck))
-    makespan = max(clock, default=0.0)
-    busy = [sum(cost(r, a) for a in actions if a.kind in COMPUTE_KINDS) for r, actions in enumerate(schedules)]
-    return SimResult(schedules=[list(a) for a in schedules], starts=starts, ends=ends, makespan=makespan,
-                     bubble_per_rank=[1 - b / makespan if makespan else 0.0 for b in busy],
-                     bubble=1 - sum(busy) / (p * makespan) if makespan else 0.0,
-                     peak_in_flight=[peak_in_flight(a) for a in schedules], virtual_stages=v)
-
-
-def ideal_bubble(pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Textbook bubble fraction (p-1)/(v*m + p-1) of GPipe/1F1B (v=1) and interleaved 1F1B."""
-    return (pp_size - 1) / (virtual_stages * num_microbatches + pp_size - 1)
+from pipetrain.parallel.schedules.actions import B, COMPUTE_KINDS, F, SCHEDULES, W, Action
+from pipetrain.parallel.schedules.builders import build_all_schedules, schedule_problems
+from pipetrain.parallel.schedules.timing import SimResult, ideal_bubble, simulate
+from pipetrain.parallel.schedules.validate import validate_schedule
 
 
 def _label(a: Action, virtual_stages: int) -> str:
@@ -126,6 +49,7 @@ def render_timeline(result: SimResult, cols_per_unit: float | None = None) -> st
 
 def write_png(result: SimResult, path: str, title: str = "") -> None:
     """Gantt chart of the compute actions; needs matplotlib, which is optional (ImportError if missing)."""
+    # Deferred: matplotlib is a heavy optional dependency that only --png needs.
     import matplotlib
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
@@ -173,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (args.cost_f > 0 and args.cost_b > 0 and args.cost_comm >= 0):
             raise ValueError(f"--cost-f and --cost-b must be > 0 and --cost-comm >= 0, got "
                              f"{args.cost_f:g}, {args.cost_b:g}, {args.cost_comm:g}")
+        problems = schedule_problems(args.schedule, args.pp, args.microbatches, v)
+        if problems:
+            raise ValueError("; ".join(problems))
         # Place receives for the B/F ratio being simulated (see build_all_schedules).
         with warnings.catch_warnings(record=True) as caught:  # printed as one line, not with source
             warnings.simplefilter("always")
@@ -204,6 +131,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.png}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The schedules: each rank's compute order for GPipe, 1F1B and interleaved 1F1B, and the entry points.
+
+A builder fixes every rank's order of F and B; placement.place then adds W (split backward) and the
+SEND/RECV actions. The arguments are checked by the user-facing layout check before they get here;
+schedule_problems states this module's rules, and the builders assert them.
+"""
+from __future__ import annotations
+
+import difflib
+import warnings
+
+from pipetrain.parallel.schedules.actions import B, F, SCHEDULES, Action, Compute
+from pipetrain.parallel.schedules.placement import place
+
+
+def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
+    """Every reason schedule `name` cannot be built for these sizes (empty when it can)."""
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    problems = [f"schedule: {what} must be >= 1, got {value}"
+                for what, value in (("pp_size", p), ("num_microbatches", m), ("virtual_stages", v)) if value < 1]
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, SCHEDULES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"schedule: unknown schedule {name!r}, expected one of {', '.join(SCHEDULES)}{hint}")
+    elif v > 1 and name != "interleaved-1f1b":
+        problems.append(f"schedule: virtual_stages={v} needs schedule interleaved-1f1b, got {name!r}; "
+                        f"set virtual_stages=1 or use interleaved-1f1b")
+    elif v > 1 and p == 1:
+        problems.append(f"interleaved-1f1b: virtual_stages={v} needs pp_size >= 2, got 1; one rank has no "
+                        f"bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
+    elif v > 1 and p > 1 and m % p:
+        problems.append(f"interleaved-1f1b: num_microbatches={m} must be a multiple of pp_size={p} "
+                        f"(microbatches pass through the chunks in groups of pp_size); use {m + p - m % p}")
+    return problems
+
+
+def _gpipe_order(num_microbatches: int) -> list[Compute]:
+    return [(F, i, 0) for i in range(num_microbatches)] + [(B, i, 0) for i in range(num_microbatches)]
+
+
+def _one_f_one_b_order(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Compute]:
+    # Warmup fills the pipe below this rank; each later F is followed by the oldest pending B, so at most
+    # num_warmup + 1 = pp_size - pp_rank microbatches hold activations here at once.
+    num_warmup = min(pp_size - pp_rank - 1, num_microbatches)
+    order = [(F, i, 0) for i in range(num_warmup)]
+    for k in range(num_microbatches - num_warmup):
+        order += [(F, num_warmup + k, 0), (B, k, 0)]
+    return order + [(B, k, 0) for k in range(num_microbatches - num_warmup, num_microbatches)]
+
+
+def _interleaved_order(pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int) -> list[Compute]:
+    p, v = pp_size, virtual_stages
+    total = num_microbatches * v
+
+    # Virtual microbatch k runs chunk ((k mod p*v) // p) on microbatch (k // (p*v))*p + k mod p: groups of p
+    # microbatches go through chunk 0, then chunk 1, ..., then the next group. Backward visits chunks in
+    # reverse. This is Narayanan et al. (2021) as implemented in Megatron-LM.
+    def unit(k: int, kind: str) -> Compute:
+        chunk = (k % (p * v)) // p
+        return (kind, (k // (p * v)) * p + k % p, chunk if kind == F else v - 1 - chunk)
+
+    # Warmup: (v-1)*p forwards bring the first group of microbatches to the last chunk; 2 more per rank
+    # below this one cover the round trip (activation down, gradient back) before its first backward.
+    num_warmup = min(2 * (p - pp_rank - 1) + (v - 1) * p, total)
+    order = [unit(k, F) for k in range(num_warmup)]
+    for k in range(total - num_warmup):
+        order += [unit(num_warmup + k, F), unit(k, B)]
+    return order + [unit(k, B) for k in range(total - num_warmup, total)]
+
+
+def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
+                        backward_cost: float = 2.0, split_backward: bool = False) -> list[list[Action]]:
+    """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator).
+
+    backward_cost is B's time relative to F's, used only to place receives and W actions (placement.py):
+    about 2 normally, 3 with full activation recomputation; with split_backward half of it is taken as
+    B's input-gradient part and half as W. Any positive value gives a deadlock-free schedule.
+    """
+    problems = schedule_problems(name, pp_size, num_microbatches, virtual_stages)
+    assert not problems, "; ".join(problems)
+    assert backward_cost > 0, f"schedule: backward_cost must be > 0, got {backward_cost}"
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    if name == "gpipe":
+        return place([_gpipe_order(m)] * p, 1, backward_cost, split_backward)
+    if v == 1:  # 1f1b, and interleaved-1f1b with one chunk per rank, which is the same thing
+        if m < p:
+            warnings.warn(f"1f1b: num_microbatches={m} < pp_size={p}; the pipeline never reaches steady state "
+                          f"and idles {(p - 1) / (m + p - 1):.0%} of the step; use num_microbatches >= pp_size "
+                          f"(4*pp_size or more keeps the bubble small)")
+        return place([_one_f_one_b_order(r, p, m) for r in range(p)], 1, backward_cost, split_backward)
+    return place([_interleaved_order(r, p, m, v) for r in range(p)], v, backward_cost, split_backward)
+
+
+def build_schedule(name: str, pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
+                   backward_cost: float = 2.0, split_backward: bool = False) -> list[Action]:
+    """Action list of `pp_rank` for schedule `name` (one of SCHEDULES); keywords: build_all_schedules."""
+    assert 0 <= pp_rank < pp_size, f"schedule: pp_rank must be in [0, {pp_size}), got {pp_rank}"
+    return build_all_schedules(name, pp_size, num_microbatches, virtual_stages, backward_cost=backward_cost,
+                               split_backward=split_backward)[pp_rank]
+
+
+def gpipe(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
+    """GPipe: all forwards, then all backwards; holds all m microbatches in flight. Proven: async, rendezvous."""
+    return build_schedule("gpipe", pp_rank, pp_size, num_microbatches)
+
+
+def one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
+    """1F1B (PipeDream-Flush): min(p - r - 1, m) warmup forwards, then alternate F and B, then drain the Bs.
+
+    Holds at most p - pp_rank microbatches in flight. num_microbatches < pp_size is allowed (the schedule is
+    still correct and deadlock-free; it degenerates towards GPipe with the same bubble) but warns, since
+    the bubble (p-1)/(m+p-1) is then at least half the step. Proven: async, rendezvous.
+    """
+    return build_schedule("1f1b", pp_rank, pp_size, num_microbatches)
+
+
+def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int, *,
+                            backward_cost: float = 2.0) -> list[Action]:
+    """Interleaved 1F1B: v model chunks per rank shrink the bubble to about (p-1)/(v*m + p-1).
+
+    Needs num_microbatches % pp_size == 0 (microbatches move through the chunks in groups of pp_size) and
+    pp_size >= 2 when virtual_stages >= 2; virtual_stages == 1 is plain 1F1B. Holds at most
+    min(2*(p - r - 1) + (v-1)*p + 1, m*v) (microbatch, chunk) units in flight, each 1/v of a rank's layers.
+    Unlike GPipe and 1F1B its bubble depends on backward_cost matching the real B/F ratio (see
+    build_all_schedules). Proven: async, rendezvous.
+    """
+    return build_schedule("interleaved-1f1b", pp_rank, pp_size, num_microbatches, virtual_stages,
+                          backward_cost=backward_cost)
