@@ -1,0 +1,86 @@
+"""Step time of train.py at two commits, measured in one run: did a change cost speed?
+
+    python benchmarks/step_time_ab.py --ref 7803dd2 [--rounds 3] [--steps 8] [--layouts single,pp2,tp2]
+
+The reference commit is checked out into a temporary git worktree; both trees run the same
+command (the tiny recipe, one process, or torchrun with 2 processes at pp 2 / tp 2), alternating
+round by round so machine noise hits both alike. Each run's step time is the median of
+`step_time_s` in its metrics.jsonl after the first two steps; the figure quoted is the median over
+rounds, and the ratio is new / ref (below 1 is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "recipes/tiny.yaml"
+LAYOUTS = {  # name: (processes, --set overrides)
+    "single": (1, []),
+    "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
+    "tp2": (2, ["parallel.tp=2"]),
+}
+
+
+def _checkout(rev: str, where: str) -> str:
+    """A detached worktree of rev. The venv's editable install maps pipetrain.kernels to this
+    checkout's kernels/; a link inside the reference tree makes it import its own kernels instead."""
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", where, rev], check=True,
+                   capture_output=True)
+    os.symlink(os.path.join(where, "kernels"), os.path.join(where, "pipetrain", "kernels"))
+    return where
+
+
+def _run(tree: str, layout: str, steps: int, out: str, cache: str) -> float:
+    nproc, sets = LAYOUTS[layout]
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={nproc}"]
+    args = ["--recipe", os.path.join(tree, RECIPE), "--set", f"train.steps={steps}", "--set", f"run.output_dir={out}",
+            "--set", "run.sample_tokens=0", "--set", "run.eval_every=0", "--set", "run.eval_batches=1",
+            "--set", "run.progress=false", "--set", "run.log_every=1", "--set", f"data.cache_dir={cache}"]
+    for s in sets:
+        args += ["--set", s]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)), PYTHONPATH=tree)
+    proc = subprocess.run(launch + [os.path.join(tree, "train.py")] + args, cwd=tree, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree} {layout} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        times = [r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r]
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", required=True, help="the commit to compare with (e.g. the one before a change)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layouts", default="single,pp2,tp2")
+    a = ap.parse_args()
+    layouts = a.layouts.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _checkout(a.ref, os.path.join(tmp, "ref"))
+        trees = {"ref": ref, "new": ROOT}
+        times = {(name, lay): [] for name in trees for lay in layouts}
+        try:
+            for rnd in range(a.rounds):
+                for lay in layouts:
+                    for name, tree in trees.items():
+                        out = os.path.join(tmp, f"{name}-{lay}-{rnd}")
+                        times[name, lay].append(_run(tree, lay, a.steps, out, os.path.join(tmp, f"cache-{name}")))
+                        print(f"round {rnd} {lay:6s} {name}: {times[name, lay][-1]:.3f} s/step", flush=True)
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", ref], capture_output=True)
+    print(f"\n| layout | ref {a.ref} s/step | new s/step | new / ref |\n|---|---|---|---|")
+    for lay in layouts:
+        r, n = statistics.median(times["ref", lay]), statistics.median(times["new", lay])
+        print(f"| {lay} | {r:.3f} | {n:.3f} | {n / r:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
