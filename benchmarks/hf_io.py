@@ -116,7 +116,7 @@ def measure(kind: str, workdir: str) -> dict:
     import torch
 
     from pipetrain.hf import load_hf_weights, model_config_from_hf
-    from pipetrain.hf_export import export_model, export_state
+    from pipetrain.hf.export import export_model, export_state
     from pipetrain.models import build, materialize
 
     hf_dir = os.path.join(workdir, "hf_sharded" if kind == "import_sharded" else "hf")
