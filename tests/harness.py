@@ -7,12 +7,17 @@ models that the import/export tests in tests/unit and tests/dist share.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# This checkout's own code; frames from anywhere else (torchrun, the venv) are not ours.
+OUR_CODE = tuple(os.path.realpath(os.path.join(ROOT, p)) for p in ("pipetrain", "kernels", "train.py"))
 
 # fp32 tolerances used across the parallel tests, each with the reason it is needed.
 EXACT_FP32 = dict(rtol=1e-5, atol=1e-6)  # pp / dp: same ops, only gradient-accumulation order differs
@@ -33,6 +38,14 @@ def run_ranks(world_size: int, fn, *args) -> None:
     """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), fn, args), nprocs=world_size)
+
+
+def our_traceback_frames(text: str) -> list[str]:
+    """Files of the Python traceback frames in text that lie in this checkout's code (pipetrain/, kernels/,
+    train.py), compared as real paths, so a checkout or venv whose path contains "pipetrain" is no false hit."""
+    frames = re.findall(r'^\s*File "([^"]+)", line \d+', text, flags=re.MULTILINE)
+    return [f for f in frames
+            if any(os.path.realpath(f) == ours or os.path.realpath(f).startswith(ours + os.sep) for ours in OUR_CODE)]
 
 
 # ---- tiny random Hugging Face models (tests/unit/test_hf.py, tests/dist/test_hf_parallel.py) ----
