@@ -24,20 +24,21 @@ EXACT_FP32 = dict(rtol=1e-5, atol=1e-6)  # pp / dp: same ops, only gradient-accu
 TP_FP32 = dict(rtol=1e-4, atol=1e-5)     # tp splits reductions over D and F, changing summation order
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn, args):
+def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test."""
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 300) -> None:
+    """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test.
+    timeout_s bounds each collective (a hang fails instead of blocking forever)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), fn, args), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, fn, args), nprocs=world_size)
 
 
 def our_traceback_frames(text: str) -> list[str]:
