@@ -12,23 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
+from common import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from pipetrain import checkpoint  # noqa: E402
-from pipetrain.config import build_recipe  # noqa: E402
-from pipetrain.data import Loader, PackedData  # noqa: E402
-from pipetrain.models import build, count_params, materialize  # noqa: E402
-from pipetrain.optim import build_optimizer  # noqa: E402
-from pipetrain.parallel.dims import ParallelDims  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
+from pipetrain import checkpoint
+from pipetrain.config import build_recipe
+from pipetrain.data import Loader, PackedData
+from pipetrain.models import build, count_params, materialize
+from pipetrain.optim import build_optimizer
+from pipetrain.parallel.dims import ParallelDims
 
 MODELS = {
     "tiny (recipes/tiny.yaml)": dict(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8,
@@ -45,7 +40,8 @@ class _State:
         self.model, self.optimizer, self.loader, self.step, self.tokens_seen = model, optimizer, loader, 1, 0
 
 
-def _bench(rank, world_size, model_kw, zero, reps, out_dir, results):
+def _bench(rank, world_size, model_kw, zero, reps, out_dir):
+    """(params, median save s, median load s, median unverified load s, bytes this rank wrote)."""
     torch.set_num_threads(1 if world_size > 1 else 2)
     recipe = build_recipe({"model": model_kw, "parallel": {"zero": zero}, "data": {"path": "x", "tokenizer": "y"},
                            "checkpoint": {"keep": 1}})
@@ -72,27 +68,23 @@ def _bench(rank, world_size, model_kw, zero, reps, out_dir, results):
             times.append(time.perf_counter() - t0)
         state.step += 1
     written = os.path.getsize(os.path.join(path, f"rank-{rank:05d}.safetensors"))
-    if rank == 0:
-        results.put((count_params(model), statistics.median(saves), statistics.median(loads),
-                     statistics.median(loads_noverify), written))
+    return (count_params(model), statistics.median(saves), statistics.median(loads),
+            statistics.median(loads_noverify), written)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
     print("| model | layout | params | save s | load s (verified) | load s (no verify) | bytes written by rank 0 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, kw in MODELS.items():
         for layout, world, zero in (("1 process", 1, 0), ("dp2 zero1", 2, 1)):
-            results = ctx.Queue()
             with tempfile.TemporaryDirectory() as tmp:
                 if world == 1:
-                    _bench(0, 1, kw, zero, args.reps, tmp, results)
+                    n, save, load, load_nv, written = _bench(0, 1, kw, zero, args.reps, tmp)
                 else:
-                    run_ranks(world, _bench, kw, zero, args.reps, tmp, results)
-                n, save, load, load_nv, written = results.get()
+                    n, save, load, load_nv, written = run_ranks(world, _bench, kw, zero, args.reps, tmp)
             print(f"| {label} | {layout} | {n / 1e6:.1f}M | {save:.2f} | {load:.2f} | {load_nv:.2f} | "
                   f"{written / 1e6:.1f} MB |", flush=True)
 

@@ -26,8 +26,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+from common import ROOT  # noqa: F401  (importing common puts the checkout on sys.path)
+from safetensors.torch import save_file
+
+from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.export import export_model, export_state
+from pipetrain.models import build, materialize
 
 MB = 1e6
 HF_MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
@@ -72,8 +77,6 @@ def _peak_bytes() -> int:
 def read_tensors_without_mmap(path: str):
     """(name, tensor) of a safetensors file, one plain read() per tensor: unlike safe_open, which maps
     the whole file, the process then holds only the tensor being handed out (a checkpoint reader's job)."""
-    import torch
-
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
@@ -91,12 +94,7 @@ def read_tensors_without_mmap(path: str):
 
 def setup(workdir: str) -> None:
     """Save the HF model (single file and sharded) and the pipetrain-named tensors once."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from pipetrain.hf import load_hf_weights, model_config_from_hf
-    from pipetrain.models import build
+    from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: heavy, timed separately below
 
     if os.path.isfile(os.path.join(workdir, "ckpt.safetensors")):
         return
@@ -113,12 +111,6 @@ def setup(workdir: str) -> None:
 
 def measure(kind: str, workdir: str) -> dict:
     """Run one measurement in this (fresh) process; returns seconds and bytes."""
-    import torch
-
-    from pipetrain.hf import load_hf_weights, model_config_from_hf
-    from pipetrain.hf_export import export_model, export_state
-    from pipetrain.models import build, materialize
-
     hf_dir = os.path.join(workdir, "hf_sharded" if kind == "import_sharded" else "hf")
     out_dir = tempfile.mkdtemp(dir=workdir)
     cfg = model_config_from_hf(os.path.join(workdir, "hf"))
@@ -160,7 +152,6 @@ def main() -> None:
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        import torch
         torch.set_num_threads(args.threads)
         print(json.dumps(measure(args.measure, args.workdir)))
         return

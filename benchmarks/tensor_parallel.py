@@ -18,7 +18,7 @@ small llama (D 256, 4 layers, 8 heads / 4 kv heads, V 8192):
            half an all-reduce's wire bytes, so the same total), plus the head input's all-gather /
            reduce-scatter and the norms' tp-partial gradient all-reduce.
 - the same model and layout under DTensor (ColwiseParallel / RowwiseParallel via parallelize_module
-  on a DeviceMesh built from dims.tp_group, SequenceParallel on the norms for sp, loss_parallel for the
+  on the tp dim of dims.mesh, SequenceParallel on the norms for sp, loss_parallel for the
   vocab-sharded loss); the ratio is pipetrain step time / DTensor step time, and the first-step losses of
   all four are printed to show they compute the same thing.
 
@@ -28,18 +28,17 @@ Shapes: B batch, T time, D model, L layers, V vocab.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import run_ranks
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.config import ModelConfig
@@ -131,13 +130,9 @@ def _pipetrain(dims: ParallelDims, tokens, targets, sp: bool):
 
 def _dtensor(dims: ParallelDims, tokens, targets, sp: bool):
     """(one training step, per-rank parameter bytes) for the same layout under DTensor."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel, parallelize_module)
     model = build(CFG)
     materialize(model, CFG, SEED, "cpu")
-    mesh = DeviceMesh.from_group(dims.tp_group, "cpu")  # dims stays the only creator of groups
+    mesh = dims.mesh["tp"]  # the tp dim of dims' device mesh: dims stays the only creator of groups
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
             "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)}
@@ -190,24 +185,15 @@ def _measure(steps_by_name: dict, num_steps: int, tp: int) -> dict:
     return out
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_path: str, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=600))
-    try:
-        dims = ParallelDims.from_degrees(tp=world_size)
-        tokens, targets = _batch(args.batch, args.seq)
-        impls = {"pipetrain": _pipetrain(dims, tokens, targets, sp=False)}
-        if world_size > 1:
-            impls["pipetrain_sp"] = _pipetrain(dims, tokens, targets, sp=True)
-            impls["dtensor"] = _dtensor(dims, tokens, targets, sp=False)
-            impls["dtensor_sp"] = _dtensor(dims, tokens, targets, sp=True)
-        results = _measure(impls, args.steps, world_size)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+def _tp_worker(rank: int, world_size: int, args) -> dict:
+    dims = ParallelDims.from_degrees(tp=world_size)
+    tokens, targets = _batch(args.batch, args.seq)
+    impls = {"pipetrain": _pipetrain(dims, tokens, targets, sp=False)}
+    if world_size > 1:
+        impls["pipetrain_sp"] = _pipetrain(dims, tokens, targets, sp=True)
+        impls["dtensor"] = _dtensor(dims, tokens, targets, sp=False)
+        impls["dtensor_sp"] = _dtensor(dims, tokens, targets, sp=True)
+    return _measure(impls, args.steps, world_size)
 
 
 def _row(tp: int, name: str, r: dict, ratio: str, expected: int | None) -> str:
@@ -232,11 +218,7 @@ def main() -> None:
           "Megatron payload MiB | ring wire MiB/rank | pipetrain/DTensor time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for tp in args.tp:
-        with tempfile.TemporaryDirectory() as tmp:
-            out_path = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(tp, os.path.join(tmp, "rdzv"), out_path, args), nprocs=tp)
-            with open(out_path) as f:
-                res = json.load(f)
+        res = run_ranks(tp, _tp_worker, args)
         if tp == 1:
             print(_row(tp, "pipetrain", res["pipetrain"], "-", 0))
             continue

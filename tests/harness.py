@@ -1,11 +1,13 @@
 """Run a function on several gloo processes on CPU, as STYLE.md section 6 describes.
 
 Rendezvous is through a file in a temporary directory: no ports, no retries. Any rank's exception
-fails the test (mp.spawn re-raises it with the rank's traceback).
+fails the test (mp.spawn re-raises it with the rank's traceback). Also the tiny random Hugging Face
+models that the import/export tests in tests/unit and tests/dist share.
 """
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from datetime import timedelta
 
@@ -13,22 +15,73 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# This checkout's own code; frames from anywhere else (torchrun, the venv) are not ours.
+OUR_CODE = tuple(os.path.realpath(os.path.join(ROOT, p)) for p in ("pipetrain", "kernels", "train.py"))
+
 # fp32 tolerances used across the parallel tests, each with the reason it is needed.
 EXACT_FP32 = dict(rtol=1e-5, atol=1e-6)  # pp / dp: same ops, only gradient-accumulation order differs
 TP_FP32 = dict(rtol=1e-4, atol=1e-5)     # tp splits reductions over D and F, changing summation order
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn, args):
+def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test."""
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 300) -> None:
+    """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test.
+    timeout_s bounds each collective (a hang fails instead of blocking forever)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), fn, args), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, fn, args), nprocs=world_size)
+
+
+def our_traceback_frames(text: str) -> list[str]:
+    """Files of the Python traceback frames in text that lie in this checkout's code (pipetrain/, kernels/,
+    train.py), compared as real paths, so a checkout or venv whose path contains "pipetrain" is no false hit."""
+    frames = re.findall(r'^\s*File "([^"]+)", line \d+', text, flags=re.MULTILINE)
+    return [f for f in frames
+            if any(os.path.realpath(f) == ours or os.path.realpath(f).startswith(ours + os.sep) for ours in OUR_CODE)]
+
+
+# ---- tiny random Hugging Face models (tests/unit/test_hf.py, tests/dist/test_hf_parallel.py) ----
+
+HF_FP32 = dict(rtol=1e-5, atol=1e-5)  # same math; gelu_new vs F.gelu(tanh) and fused matmuls differ in round-off
+B, T = 2, 16
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def hf_configs() -> dict:
+    """One tiny model per family, each exercising what that family adds."""
+    import transformers as tf  # deferred: heavy, and only the Hugging Face tests need it
+
+    return {
+        "llama": tf.LlamaConfig(num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-6, **SMALL),  # GQA
+        "qwen2": tf.Qwen2Config(num_key_value_heads=2, **SMALL),  # q/k/v biases
+        "mistral": tf.MistralConfig(num_key_value_heads=1, sliding_window=5, **SMALL),  # window < T, one kv head
+        "gpt2": tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                              bos_token_id=0, eos_token_id=0),  # tied, fused c_attn, Conv1D
+    }
+
+
+def save_tiny_hf(hf_config, out_dir: str, seed: int = 0, **save_kwargs):
+    """A transformers model with every parameter random (std 0.3), saved to out_dir; returns it (eval)."""
+    from transformers import AutoModelForCausalLM  # deferred: heavy, only the Hugging Face tests need it
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # norms stay near 1 but differ per layer and channel
+    model.save_pretrained(out_dir, **save_kwargs)
+    return model
+
+
+def tokens(vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(5))

@@ -5,17 +5,21 @@ Global ranks form a row-major mesh of shape (dp, pp, tp): tp varies fastest, the
     rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank,
 
 so the ranks of one tp group are neighbours (one node, the fastest links) and a pp stage's peers are
-tp ranks apart. This module is the ONLY caller of dist.new_group: everything else receives `dims` and
-reads its groups. Every rank creates every group in the same order (tp, pp, dp, embed), as
-torch.distributed requires even of the ranks that are not members.
+tp ranks apart. This module is the ONLY creator of process groups (the device mesh and
+dist.new_group): everything else receives `dims` and reads its groups.
+
+The groups come from a torch.distributed DeviceMesh over that (dp, pp, tp) grid with the dim names
+"dp", "pp", "tp" (`dims.mesh`), the object DCP, FSDP2 and context parallelism take; splitting dp into
+dp_replicate x dp_shard later is a reshape of the grid plus two names. The embedding group (first and
+last pp stage, for tied embeddings) is no mesh dim: it is created with dist.new_group after the mesh,
+in the same order on every rank, as torch.distributed requires even of the ranks that are not members.
 
 Group convention: a group attribute is None when its degree is 1 (or torch.distributed is not
 initialised) and a real ProcessGroup otherwise. The collectives in pipetrain.parallel.comm treat None
-as "a group of one: no communication", never as the default world group.
+as "a group of one: no communication", never as the default world group. Without a process group
+(one process, no torchrun) there is no mesh either: `dims.mesh` is None and every group is None.
 
-The mesh is described by named axes (`mesh_shape`), and groups are built by `mesh_rank_lists` over one
-or more axes, so splitting dp into replica x shard later (HSDP) is a new axis name plus two groups,
-not new arithmetic.
+`mesh_rank_lists` computes the same groups with no processes, for tests and tools.
 """
 from __future__ import annotations
 
@@ -25,8 +29,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from pipetrain.config import ConfigError, ParallelConfig
+from pipetrain.config import ParallelConfig
+
+# Mesh dims, slowest-varying first; ranks are row-major over them.
+MESH_DIM_NAMES = ("dp", "pp", "tp")
 
 
 def mesh_rank_lists(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
@@ -63,7 +71,9 @@ class ParallelDims:
     """Degrees, this rank's coordinates, and the process groups of the dp x pp x tp mesh.
 
     Construct it directly for rank arithmetic (no groups), or with `init` / `from_degrees`, which also
-    create the groups when torch.distributed is initialised.
+    build the device mesh and the groups when torch.distributed is initialised. The layout rules a user
+    can break (degrees that do not fit the world) are checked before, in the CLI's layout check; here
+    they are internal invariants and fail as assertions.
     """
 
     dp: int = 1
@@ -71,6 +81,8 @@ class ParallelDims:
     pp: int = 1
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The (dp, pp, tp) DeviceMesh with MESH_DIM_NAMES; None without a process group.
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
@@ -78,13 +90,11 @@ class ParallelDims:
     embed_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp"):
+        for name in MESH_DIM_NAMES:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name}={value!r} must be an integer >= 1")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}="
-                              f"{self.world_size}; launch exactly {self.world_size} processes")
+            assert isinstance(value, int) and value >= 1, f"{name}={value!r} must be an integer >= 1"
+        assert 0 <= self.rank < self.world_size, \
+            f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}={self.world_size}"
 
     # ---- rank arithmetic (no communication) ----
     @property
@@ -94,7 +104,7 @@ class ParallelDims:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes, slowest-varying first."""
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {name: getattr(self, name) for name in MESH_DIM_NAMES}
 
     @property
     def tp_rank(self) -> int:
@@ -169,39 +179,33 @@ class ParallelDims:
     @classmethod
     def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1,
                      world_size: int | None = None) -> "ParallelDims":
-        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), creating every process group."""
+        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), building the mesh and every group."""
         initialised = dist.is_available() and dist.is_initialized()
         actual = dist.get_world_size() if initialised else 1
-        if world_size is not None and world_size != actual:
-            how = "launched" if initialised else "running in one process (torch.distributed not initialised)"
-            raise ConfigError(f"world size {world_size} was requested but {actual} processes are {how}; "
-                              f"launch {world_size} processes with torchrun")
-        rank = dist.get_rank() if initialised else 0
-        for name, value in (("tp", tp), ("pp", pp)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name}={value!r} must be an integer >= 1")
-        if actual % (tp * pp):
-            raise ConfigError(f"world size {actual} is not divisible by parallel.tp*parallel.pp={tp}*{pp}="
-                              f"{tp * pp}; launch a multiple of {tp * pp} processes")
+        assert isinstance(tp, int) and tp >= 1 and isinstance(pp, int) and pp >= 1, f"tp={tp!r}, pp={pp!r}"
+        assert world_size is None or world_size == actual, \
+            f"world size {world_size} was requested but {actual} processes are running"
+        assert actual % (tp * pp) == 0, f"world size {actual} is not divisible by tp*pp={tp}*{pp}"
         dp = actual // (tp * pp) if dp is None else dp
-        if dp * tp * pp != actual:
-            raise ConfigError(f"parallel.dp*tp*pp={dp}*{tp}*{pp}={dp * tp * pp} does not equal the world size "
-                              f"{actual}; launch {dp * tp * pp} processes or drop parallel.dp")
-        dims = cls(dp=dp, tp=tp, pp=pp, rank=rank, device=default_device())
+        assert dp * tp * pp == actual, f"dp*tp*pp={dp}*{tp}*{pp} does not equal the world size {actual}"
+        dims = cls(dp=dp, tp=tp, pp=pp, rank=dist.get_rank() if initialised else 0, device=default_device())
         if dims.device.type == "cuda":
-            torch.cuda.set_device(dims.device)
+            torch.cuda.set_device(dims.device)  # before the mesh, so nccl binds this rank's device
         if initialised:
-            dims._create_groups()
+            dims._build_mesh()
         return dims
 
-    def _create_groups(self) -> None:
-        """Call dist.new_group for every group of every kind, in the same order on every rank, and keep
-        the ones this rank belongs to. The backend is the default group's (nccl or gloo)."""
-        for kind, rank_lists in self.group_rank_lists().items():
-            for ranks in rank_lists:
-                pg = dist.new_group(ranks)
-                if self.rank in ranks:
-                    setattr(self, f"{kind}_group", pg)
-            # every rank is in one group of each mesh axis; middle pipeline stages are in no embed group
-            if rank_lists and kind != "embed":
-                assert getattr(self, f"{kind}_group") is not None, f"{self.coords} is in no {kind} group"
+    def _build_mesh(self) -> None:
+        """Build the (dp, pp, tp) device mesh and read this rank's groups from it, then create the embed
+        groups; every rank makes the same calls in the same order. The backend is the default group's."""
+        grid = torch.arange(self.world_size).reshape(*self.mesh_shape.values())  # row-major: tp fastest
+        self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=MESH_DIM_NAMES)
+        assert self.mesh.get_coordinate() == (self.dp_rank, self.pp_rank, self.tp_rank), \
+            f"{self.coords} sits at {self.mesh.get_coordinate()} of the device mesh"
+        for name in MESH_DIM_NAMES:
+            if getattr(self, name) > 1:  # degree 1 keeps None: comm's "group of one"
+                setattr(self, f"{name}_group", self.mesh.get_group(name))
+        for ranks in self.group_rank_lists()["embed"]:
+            pg = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.embed_group = pg

@@ -1,6 +1,6 @@
 """Hugging Face import into tensor- and pipeline-parallel layouts, against transformers' logits.
 
-The parent process builds tiny random HF models (tests/unit/test_hf.py's builders), computes
+The parent process builds tiny random HF models (tests/harness.py's builders), computes
 transformers' logits once and hands both to the ranks, so no rank imports transformers. Under tp the
 logits are vocab-sharded (B, T, V/tp): each rank compares its slice. Under pp, stage 0 runs its
 chunk and sends the hidden state to stage 1, which compares the logits. One spawn covers every
@@ -16,8 +16,7 @@ from pipetrain.models import build, param_layout
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.tensor import ReplicatedKVLinear, apply_tensor_parallel
-from tests.harness import TP_FP32, run_ranks
-from tests.unit.test_hf import B, T, HF_FP32, hf_configs, save_tiny_hf, tokens
+from tests.harness import B, HF_FP32, T, TP_FP32, hf_configs, run_ranks, save_tiny_hf, tokens
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ import time
 
 import pytest
 from safetensors import safe_open
+from safetensors.torch import load_file
 
-from pipetrain.checkpoint import find_resumable, read_manifest, verify_files
+from pipetrain.checkpoint import find_resumable, iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.tools import consolidate, inspect
 from pipetrain.config import ConfigError
 from tests.e2e.common import ROOT, SMALL, TINY, read_metrics, run_train, step_losses
 from tests.harness import TP_FP32
@@ -254,10 +256,6 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, toke
 
 
 def test_inspect_and_consolidate_without_the_original_world(reference_run, tmp_path):
-    from safetensors.torch import load_file
-
-    from pipetrain.checkpoint import iter_full_tensors
-    from pipetrain.checkpoint_tools import consolidate, inspect
     ckpt = str(reference_run[0] / "checkpoints" / "step-00000006")
     text = inspect(ckpt)
     assert "step 6" in text and "layout dp=1 tp=1 pp=1 zero=0" in text and "model/embed.weight" in text

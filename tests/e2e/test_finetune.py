@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from pipetrain.config import DataConfig
+from pipetrain import checkpoint
+from pipetrain.config import DataConfig, ModelConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, tokenize_corpus
+from pipetrain.models import build, materialize
 from tests.e2e.common import ROOT, run_train
 
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
@@ -78,9 +80,6 @@ def test_finetune_then_export_gives_transformers_the_same_logits(tmp_path, hf_mo
     with torch.no_grad():
         assert not torch.allclose(tuned(x).logits, base(x).logits), "fine-tuning changed nothing"
     # pipetrain's own model from the same checkpoint gives the same logits
-    from pipetrain import checkpoint
-    from pipetrain.config import ModelConfig
-    from pipetrain.models import build, materialize
     cfg = ModelConfig(**json.load(open(ckpt / "manifest.json"))["recipe"]["model"])
     model = materialize(build(cfg), cfg, 0, "cpu")
     with torch.no_grad():

@@ -2,58 +2,33 @@
 
 Every HF parameter (norm weights and biases included) is drawn at random with a large std, so a
 mapping mistake (two norms swapped, q/k/v out of order, a missing transpose) changes the logits.
-The multi-process layouts (tp 2, pp 2) are in tests/dist/test_hf_parallel.py, which reuses the
-builders here.
+The multi-process layouts (tp 2, pp 2) are in tests/dist/test_hf_parallel.py; both build their
+tiny models with tests/harness.py.
 """
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from pipetrain.checkpoint import Checkpointer
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe
+from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
 from pipetrain.hf import load_hf_tokenizer, load_hf_weights, model_config_from_hf
-from pipetrain.hf_export import export_model, export_state, main as export_main, parse_size
+from pipetrain.hf.export import export_model, export_state, main as export_main, parse_size
+from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
+from pipetrain.optim import build_optimizer
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.sft import encode_record
+from tests.harness import HF_FP32, hf_configs, save_tiny_hf, tokens
 
-HF_FP32 = dict(rtol=1e-5, atol=1e-5)  # same math; gelu_new vs F.gelu(tanh) and fused matmuls differ in round-off
-B, T = 2, 16
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64)
-
-
-def hf_configs() -> dict:
-    """One tiny model per family, each exercising what that family adds."""
-    import transformers as tf
-
-    return {
-        "llama": tf.LlamaConfig(num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-6, **SMALL),  # GQA
-        "qwen2": tf.Qwen2Config(num_key_value_heads=2, **SMALL),  # q/k/v biases
-        "mistral": tf.MistralConfig(num_key_value_heads=1, sliding_window=5, **SMALL),  # window < T, one kv head
-        "gpt2": tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                              bos_token_id=0, eos_token_id=0),  # tied, fused c_attn, Conv1D
-    }
-
-
-def save_tiny_hf(hf_config, out_dir: str, seed: int = 0, **save_kwargs):
-    """A transformers model with every parameter random (std 0.3), saved to out_dir; returns it (eval)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)  # norms stay near 1 but differ per layer and channel
-    model.save_pretrained(out_dir, **save_kwargs)
-    return model
-
-
-def tokens(vocab: int = 64) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.fixture(scope="module")
@@ -306,21 +281,13 @@ def test_export_rejects_bad_input(tmp_path):
 
 def _save_checkpoint(model, recipe, out_dir: str) -> str:
     """A real pipetrain checkpoint (pipetrain.checkpoint.Checkpointer) of model, saved by one process."""
-    from types import SimpleNamespace
-
-    from pipetrain.checkpoint import Checkpointer
-    from pipetrain.optim import build_optimizer
-    from pipetrain.parallel.dims import ParallelDims
-
     dims = ParallelDims()
     trainer = SimpleNamespace(model=model, optimizer=build_optimizer(model, dims, recipe.train), step=3,
                               tokens_seen=0, loader=SimpleNamespace(state_dict=lambda: {"samples": 0}))
     return Checkpointer(out_dir, recipe, dims).save(trainer)
 
 
-def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tmp_path, monkeypatch, capsys):
-    import sys
-
+def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -337,9 +304,6 @@ def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tm
     with torch.no_grad():
         torch.testing.assert_close(hf_model(x).logits, model(x), **HF_FP32)
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size == 8192
-    monkeypatch.setitem(sys.modules, "pipetrain.checkpoint", None)  # a pipetrain without checkpoints
-    assert export_main(["export", ckpt, str(tmp_path / "out2")]) == 2
-    assert "checkpoint export needs pipetrain.checkpoint" in capsys.readouterr().err
 
 
 # ---- fine-tuning data (pipetrain/sft.py, pipetrain/data.py) with a chat-template tokenizer ----
@@ -354,8 +318,6 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
     """The shipped BPE tokenizer plus role markers and a Jinja chat template, saved and reloaded."""
-    from pipetrain.data import load_tokenizer
-
     tok = load_tokenizer(TOKENIZER)
     tok.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
     tok.chat_template = CHAT_TEMPLATE
@@ -365,8 +327,6 @@ def chat_tokenizer(tmp_path_factory):
 
 
 def test_chat_records_train_only_the_assistant_turns(chat_tokenizer):
-    from pipetrain.sft import encode_record
-
     ids, mask = encode_record({"messages": CHAT}, chat_tokenizer)
     rendered = chat_tokenizer.apply_chat_template(CHAT, tokenize=False)
     assert chat_tokenizer.decode(ids) == rendered + "<|endoftext|>"
@@ -382,9 +342,6 @@ def _sft_jsonl(path, n: int = 40) -> None:
 
 
 def test_chat_jsonl_is_tokenised_with_the_assistant_mask(tmp_path, chat_tokenizer):
-    from pipetrain.data import tokenize_corpus
-    from pipetrain.sft import encode_record
-
     path = tmp_path / "chat.jsonl"
     _sft_jsonl(path, 6)
     tokens, mask = tokenize_corpus(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")), chat_tokenizer)
@@ -395,11 +352,6 @@ def test_chat_jsonl_is_tokenised_with_the_assistant_mask(tmp_path, chat_tokenize
 
 
 def test_fine_tuning_loss_is_the_mean_over_trained_tokens_of_the_whole_global_batch(tmp_path, chat_tokenizer):
-    import torch.nn.functional as F
-
-    from pipetrain.data import IGNORE_INDEX, Loader, PackedData, tokenize_corpus
-    from pipetrain.kernels import cross_entropy
-
     path = tmp_path / "chat.jsonl"
     _sft_jsonl(path)
     tokens, mask = tokenize_corpus(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")), chat_tokenizer)

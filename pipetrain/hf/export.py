@@ -33,9 +33,10 @@ from typing import Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
+from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources
-from pipetrain.models.init import param_layout
+from pipetrain.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_tokenizer
+from pipetrain.models import build, param_layout
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9  # transformers' own default for save_pretrained ("2GB", decimal)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -59,7 +60,7 @@ def parse_size(text: str) -> int:
 
 def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float32):
     """The transformers config object for cfg (see the module docstring for the architecture rule)."""
-    import transformers
+    import transformers  # deferred: a heavy import that only export needs
 
     special = {k: getattr(tokenizer, k, None) if tokenizer is not None else None
                for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -204,7 +205,6 @@ def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     time. head.weight is skipped when the embedding is tied. Returns the files written."""
     tokenizer = None
     if tokenizer_dir:
-        from pipetrain.hf import load_hf_tokenizer
         tokenizer = load_hf_tokenizer(tokenizer_dir, model_cfg)
     config = hf_config(model_cfg, tokenizer, dtype)  # fails before any file is written
     sources, shapes = hf_sources(model_cfg), hf_shapes(model_cfg)
@@ -249,8 +249,6 @@ def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
 
 
 def _meta_model(cfg: ModelConfig) -> nn.Module:
-    from pipetrain.models import build
-
     return build(cfg, device="meta")
 
 
@@ -269,12 +267,6 @@ def export_model(model: nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir
 def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
     """Export a pipetrain checkpoint (any layout) through pipetrain.checkpoint's full-tensor reader."""
-    try:
-        from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
-    except ImportError as exc:
-        raise ConfigError(f"export: checkpoint export needs pipetrain.checkpoint (read_manifest, verify_files, "
-                          f"iter_full_tensors), got ImportError: {exc}; use a pipetrain version with checkpoints, "
-                          "or pipetrain.hf_export.export_model for a model in memory") from None
     manifest = read_manifest(ckpt_dir)
     verify_files(ckpt_dir, manifest)  # sizes and SHA-256 of every file, before anything is written
     recipe = manifest["recipe"]

@@ -34,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.models.init import param_layout
+from pipetrain.data import load_tokenizer
+from pipetrain.models import build, param_layout
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -210,8 +212,6 @@ def check_tokenizer_vocab(tokenizer, cfg: ModelConfig, where: str = "data.tokeni
 
 def load_hf_tokenizer(path: str, cfg: ModelConfig):
     """The tokenizer at path (usually model.init_from), checked against cfg.vocab_size."""
-    from pipetrain.data import load_tokenizer
-
     tokenizer = load_tokenizer(path)
     check_tokenizer_vocab(tokenizer, cfg)
     return tokenizer
@@ -270,8 +270,6 @@ def hf_sources(cfg: ModelConfig) -> dict[str, HFSource]:
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of the checkpoint cfg describes (fused tensors included once)."""
-    from pipetrain.models import build
-
     layout = param_layout(build(cfg, device="meta"))
     sources = hf_sources(cfg)
     transposed = {src.hf_name for src in sources.values() if src.transpose}
@@ -316,8 +314,6 @@ class HFWeights:
 
     @staticmethod
     def _open(path: str):
-        from safetensors import safe_open
-
         if not os.path.isfile(path):
             raise ConfigError(f"model.init_from: weight file {path} listed in {INDEX_FILE} not found; "
                               "copy every shard of the model")
@@ -382,10 +378,3 @@ def load_hf_weights(model: nn.Module, hf_dir: str, cfg: ModelConfig,
         params[name].copy_(weights.read(src, slices, shapes[src.hf_name]))
     return model
 
-
-if __name__ == "__main__":
-    import sys
-
-    from pipetrain.hf_export import main
-
-    sys.exit(main())

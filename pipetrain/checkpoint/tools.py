@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from pipetrain.checkpoint import TensorReader, model_tensors, read_manifest, verify_files
+from pipetrain.checkpoint import TensorReader, model_tensors, read_manifest
 from pipetrain.config import ConfigError
-from pipetrain.hf_export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size
+from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size
 
 def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write the checkpoint's full model weights (pipetrain names) to out_dir; returns the file names."""

@@ -6,7 +6,7 @@ tensors replicated over tp only from tp rank 0) and its optimizer state (ZeRO sh
 rank). Loading assembles, for each tensor a rank holds, the box it needs from whichever pieces
 overlap it, reading only those slices (safetensors slicing), so any layout loads any other.
 
-Directory (DESIGN.md): checkpoints/step-00000100/{manifest.json, rank-00000.safetensors, ...} and
+Directory (docs/checkpoints.md): checkpoints/step-00000100/{manifest.json, rank-00000.safetensors, ...} and
 checkpoints/latest naming the newest complete one. A save writes into checkpoints/.tmp-step-...,
 fsyncs every file, then renames; a crash mid-save leaves the previous checkpoint as latest.
 Nothing is pickled: tensors are safetensors, everything else JSON.
@@ -235,9 +235,6 @@ class TensorReader:
         except Exception as exc:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
 
-    def has(self, name: str) -> bool:
-        return name in self.manifest["tensors"]
-
     def read(self, name: str, offsets, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.manifest["tensors"].get(name)
         if info is None:
@@ -343,8 +340,3 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
         torch.manual_seed(recipe.train.seed * 1_000_003 + manifest["step"] * 1009 + dims.rank)
     return manifest
 
-
-if __name__ == "__main__":
-    from pipetrain.checkpoint_tools import main
-
-    sys.exit(main())
