@@ -42,8 +42,8 @@ import torch.nn as nn
 
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import param_layout
-from pipetrain.optim import (MOMENTS, ReadBox, adamw_state_bytes, adamw_state_items, build_adamw, decays, is_tied,
-                             load_adamw_state, set_lr)
+from pipetrain.parallel.adamw import (MOMENTS, ReadBox, adamw_state_bytes, adamw_state_items, build_adamw, decays,
+                                      is_tied, load_adamw_state, set_lr)
 from pipetrain.parallel.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
