@@ -7,11 +7,12 @@ machine's noise hits both alike:
    1024 x 1024 weight, with
    .grad already holding the earlier microbatches' sum, i.e. every microbatch of a step but the first.
    plain = nn.Linear / nn.Embedding (autograd builds dW, then adds it to .grad); fused = pipetrain's
-   Linear / Embedding inside fuse_grad_accumulation (pipetrain.models.linear), here for every shape
-   (min_numel=0): the table is what the default threshold FUSE_MIN_NUMEL is chosen from.
+   WeightGradLinear / WeightGradEmbedding with fuse set (pipetrain.parallel.weight_grads), here for
+   every shape: the table is what the default threshold (train.grad_accumulation_fusion_min_numel) is
+   chosen from.
 2. a whole step: forward + backward of 8 microbatches of that model through pipetrain's Executor
-   (one process, the single-stage schedule), train.grad_accumulation_fusion on (default threshold)
-   against off; median step time over --rounds and the paired ratio, plus the largest gradient
+   (one process, the single-stage schedule), apply_grad_accumulation_fusion at the default threshold
+   against fusion off; median step time over --rounds and the paired ratio, plus the largest gradient
    difference between the two.
 
 Usage: python benchmarks/grad_accumulation.py [--rounds 15] [--repeats 30]
@@ -29,8 +30,9 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipetrain.models.embedding import Embedding  # noqa: E402
-from pipetrain.models.linear import Linear, fuse_grad_accumulation  # noqa: E402
+from pipetrain.config import TrainConfig  # noqa: E402
+from pipetrain.parallel.weight_grads import (WeightGradEmbedding, WeightGradLinear,  # noqa: E402
+                                             apply_grad_accumulation_fusion)
 
 TOKENS = (2, 128)
 LAYERS = [("q / o (D x D)", 256, 256), ("k, v (D x D/2)", 256, 128), ("gate, up (D -> F)", 256, 704),
@@ -52,6 +54,7 @@ def _time(fn, repeats: int) -> float:
 
 def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) -> tuple[float, float]:
     fused.load_state_dict(plain.state_dict())
+    fused.fuse = True  # every shape, whatever the threshold
     x = make_input()
     dy = torch.randn_like(plain(x))
     for m in (plain, fused):
@@ -62,9 +65,7 @@ def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) ->
         plain(x).backward(dy)
 
     def run_fused():
-        with fuse_grad_accumulation(min_numel=0):
-            out = fused(x)
-        out.backward(dy)
+        fused(x).backward(dy)
 
     times = {"plain": [], "fused": []}
     for _ in range(3):
@@ -77,10 +78,10 @@ def per_layer(repeats: int) -> None:
     print("| layer (one microbatch, 256 tokens) | plain autograd ms | fused ms | plain / fused |")
     print("|---|---|---|---|")
     for name, d_in, d_out in LAYERS:
-        plain, fused = nn.Linear(d_in, d_out, bias=False), Linear(d_in, d_out, bias=False)
+        plain, fused = nn.Linear(d_in, d_out, bias=False), WeightGradLinear(d_in, d_out, bias=False)
         t_plain, t_fused = _layer_case(plain, fused, lambda: torch.randn(*TOKENS, d_in, requires_grad=True), repeats)
         print(f"| {name} | {t_plain * 1e3:.2f} | {t_fused * 1e3:.2f} | {t_plain / t_fused:.2f} |", flush=True)
-    plain, fused = nn.Embedding(VOCAB, 256), Embedding(VOCAB, 256)
+    plain, fused = nn.Embedding(VOCAB, 256), WeightGradEmbedding(VOCAB, 256)
     t_plain, t_fused = _layer_case(plain, fused, lambda: torch.randint(0, VOCAB, TOKENS), repeats)
     print(f"| embedding (V x D) | {t_plain * 1e3:.2f} | {t_fused * 1e3:.2f} | {t_plain / t_fused:.2f} |", flush=True)
 
@@ -106,7 +107,7 @@ def whole_step(rounds: int) -> None:
 
     def step(fuse: bool):
         model.zero_grad(set_to_none=True)
-        executor.fuse_grad_accumulation = fuse
+        apply_grad_accumulation_fusion(model, TrainConfig().grad_accumulation_fusion_min_numel if fuse else None)
         t0 = time.perf_counter()
         executor.run(actions, micro, batch.targets.numel())
         return time.perf_counter() - t0, {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -54,7 +54,7 @@ def _cases(s: dict, device, dtype):
         ("swiglu", [rand(N, s["F"]), rand(N, s["F"])], [],
          lambda g, u: SwiGLUFn.apply(g, u), swiglu_ref),
         ("cross_entropy", [rand(N, s["V"], scale=3.0)], [targets],
-         lambda x, t: CrossEntropyFn.apply(x, t, -100, None), cross_entropy_ref),
+         lambda x, t: CrossEntropyFn.apply(x, t, -100, 0, None), cross_entropy_ref),
         ("linear_cross_entropy", [rand(N, s["D"]), rand(s["V"], s["D"], scale=s["D"] ** -0.5)], [targets],
          lambda h, w, t: LinearCrossEntropyFn.apply(h, w, t, -100, True, True, True), linear_cross_entropy_ref),
     ]

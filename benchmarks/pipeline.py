@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import pipetrain.parallel.executor as executor_mod  # noqa: E402
-from pipetrain.config import ModelConfig, ParallelConfig  # noqa: E402
+from pipetrain.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from pipetrain.data import Batch  # noqa: E402
 from pipetrain.models import build, materialize  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
@@ -71,6 +71,7 @@ from pipetrain.parallel.executor import Executor  # noqa: E402
 from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_layout  # noqa: E402
 from pipetrain.parallel.schedules import B, F, W, build_all_schedules, ideal_bubble  # noqa: E402
 from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
+from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
 from pipetrain.trainer import loss_sum  # noqa: E402
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -163,7 +164,7 @@ class SavedBytes:
     def count_deferred_weight_work(self) -> None:
         """Also hold the operands pipetrain keeps for its deferred weight gradients (x and dy of each
         linear, from its B until its W): autograd has released them by then, the work list has not."""
-        import pipetrain.models.linear as linear_mod
+        import pipetrain.parallel.weight_grads as linear_mod
         backward, apply = linear_mod._LinearFn.backward, executor_mod.apply_weight_grads
 
         def held_backward(ctx, dy):
@@ -236,7 +237,8 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
 
     def pipetrain_step(framework: str):
         def step():
-            executor.fuse_grad_accumulation = SPLIT[framework][1]
+            fuse = SPLIT[framework][1]  # the recipe's default threshold, or off
+            apply_grad_accumulation_fusion(model, TrainConfig().grad_accumulation_fusion_min_numel if fuse else None)
             return float(executor.run(actions[framework], microbatches, num_targets)) / num_targets
         return step
 
@@ -263,6 +265,7 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     has_first, has_last = any(s.is_first for s in specs), any(s.is_last for s in specs)
 
     def torch_step() -> float:
+        apply_grad_accumulation_fusion(model, None)  # plain autograd, as nn.Linear
         losses: list[torch.Tensor] = []
         args = (batch.inputs,) if has_first else ()
         sched.step(*args, target=batch.targets if has_last else None, losses=losses, return_outputs=False)

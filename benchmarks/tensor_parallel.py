@@ -42,8 +42,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.config import ModelConfig
-from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
+from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.tensor import apply_tensor_parallel, sync_tp_partial_grads
 
@@ -119,7 +119,7 @@ def _pipetrain(dims: ParallelDims, tokens, targets, sp: bool):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = cross_entropy(model(tokens), targets, tp_group=dims.tp_group)
+        loss = vocab_parallel_cross_entropy(model(tokens), targets, tp_group=dims.tp_group)
         loss.backward()
         sync_tp_partial_grads(model, dims)
         opt.step()

@@ -1,19 +1,19 @@
 """Cross-entropy over the last dim, mean over targets != ignore_index, returned as an fp32 scalar.
-
-Vocab-parallel mode (tp_group given): each tp rank holds the logits of the vocabulary ids
-[tp_rank * V/tp, (tp_rank + 1) * V/tp) (the head's weight rows it owns); the row max, the sum of exponentials and the target logit are
-all-reduced over tp_group, so the loss and the gradient of each shard equal the unsharded ones without
-ever gathering the logits. All-ignored input gives NaN (0/0), as F.cross_entropy does.
+All-ignored input gives NaN (0/0), as F.cross_entropy does.
 
 Triton path: a forward kernel makes one pass over each row (online max and sum-exp) and writes three
-fp32 numbers per row; torch combines them (all-reducing over tp_group when given) into the row's
-log-sum-exp. The backward kernel recomputes softmax(x) - onehot from the saved logits and that
+fp32 numbers per row; torch turns them into the row's log-sum-exp. The backward kernel recomputes softmax(x) - onehot from the saved logits and that
 log-sum-exp, so nothing of size (N, V) but the logits themselves is kept between forward and backward.
 The gradient goes into a fresh buffer in the logits dtype rather than over the logits: the kernels
 write through raw pointers, invisible to autograd's version counter, so overwriting a tensor that
 another op saved (a soft-capping tanh, a user's copy of the logits) would corrupt it silently.
 
-Shapes: logits (..., V) or (..., V/tp) flattened to (N, V/tp), targets (...,) -> (N,), loss ().
+Vocabulary shards: CrossEntropyFn also takes logits that hold only the columns [vocab_start,
+vocab_start + V_local) of the vocabulary, with a `combine` function that merges the three per-row
+numbers over all shards; pipetrain.parallel.cross_entropy builds the vocab-parallel loss from it
+(kernels know nothing of processes).
+
+Shapes: logits (..., V) or a shard (..., V_local) flattened to (N, V_local), targets (...,) -> (N,), loss ().
 """
 from __future__ import annotations
 
@@ -32,52 +32,14 @@ if HAS_TRITON:
 _MAX_BLOCK = 4096
 
 
-class _AllReduceSumFn(torch.autograd.Function):
-    """forward: all-reduce sum over tp_group; backward: identity.
-
-    The loss is replicated on every tp rank and each rank back-propagates it once, so the gradient
-    reaching a rank's summand is the gradient of the one shared loss: no reduction in backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp_group):
-        import torch.distributed as dist  # lazy: see cross_entropy(); kernels never import it at load time
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp_group)
-        return x
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
+def as_fp32_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) as (N, V) in fp32 math (float64 stays float64, so gradcheck can run on a reference)."""
+    return logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _vocab_parallel_ref(x, t, ignore_index, tp_group):
-    """x (N, V/tp) fp32 or float64, t (N,): the mean loss of the unsharded logits, from torch ops + all-reduces."""
-    import torch.distributed as dist  # lazy: see cross_entropy()
-    v_local = x.shape[-1]
-    vocab_start = dist.get_rank(tp_group) * v_local
-    # The max only keeps exp() in range: lse = m + log(sum exp(x - m)) for any m, so its gradient
-    # through m is zero and it is detached (a MAX all-reduce has no useful derivative anyway).
-    row_max = x.detach().amax(dim=-1)
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    sum_exp = _AllReduceSumFn.apply((x - row_max[:, None]).exp().sum(-1), tp_group)  # (N,)
-    local_t = t - vocab_start
-    in_shard = (local_t >= 0) & (local_t < v_local) & (t != ignore_index)
-    target_logit = x.gather(1, local_t.clamp(0, v_local - 1)[:, None]).squeeze(1)
-    target_logit = _AllReduceSumFn.apply(torch.where(in_shard, target_logit, 0.0), tp_group)  # (N,)
-    valid = t != ignore_index
-    loss_rows = row_max + sum_exp.log() - target_logit
-    return torch.where(valid, loss_rows, 0.0).sum() / valid.sum()
-
-
-def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                      tp_group=None) -> torch.Tensor:
+def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The spec (CPU path and test oracle): fp32 cross-entropy, mean over non-ignored targets."""
-    # fp32 math (float64 stays float64, so gradcheck can run on the reference)
-    x = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))  # (N, V/tp)
-    t = targets.reshape(-1)
-    if tp_group is None:
-        return F.cross_entropy(x, t, ignore_index=ignore_index)
-    return _vocab_parallel_ref(x, t, ignore_index, tp_group)
+    return F.cross_entropy(as_fp32_rows(logits), targets.reshape(-1), ignore_index=ignore_index)
 
 
 if HAS_TRITON:
@@ -135,7 +97,7 @@ def _flatten(logits: torch.Tensor, targets: torch.Tensor):
     V = logits.shape[-1]
     if V == 0:
         raise ValueError("cross_entropy: logits have an empty last dim")
-    return logits.reshape(-1, V).contiguous(), targets.reshape(-1).contiguous()  # (N, V/tp), (N,)
+    return logits.reshape(-1, V).contiguous(), targets.reshape(-1).contiguous()  # (N, V_local), (N,)
 
 
 def cross_entropy_fwd(x2: torch.Tensor, t: torch.Tensor, ignore_index: int, vocab_start: int = 0):
@@ -162,23 +124,17 @@ def cross_entropy_bwd(x2: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scal
 
 
 class CrossEntropyFn(torch.autograd.Function):
-    """Mean cross-entropy on the Triton kernels; vocab-parallel when tp_group is given (the loss is the
-    same on every tp rank and each rank's backward yields its shard's gradient: no communication)."""
+    """Mean cross-entropy on the Triton kernels. For a vocabulary shard (columns from vocab_start),
+    combine(row_max, sum_exp, target_logit) returns the three per-row numbers over the whole
+    vocabulary (None: the logits hold all of it); the loss is then the full one, and the backward
+    yields this shard's gradient with no further combining."""
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, tp_group):
+    def forward(ctx, logits, targets, ignore_index, vocab_start, combine):
         x2, t = _flatten(logits, targets)
-        vocab_start = 0
-        if tp_group is not None:
-            import torch.distributed as dist  # lazy: see cross_entropy()
-            vocab_start = dist.get_rank(tp_group) * x2.shape[1]
         row_max, sum_exp, target_logit = cross_entropy_fwd(x2, t, ignore_index, vocab_start)
-        if tp_group is not None:
-            global_max = row_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-            sums = torch.stack((sum_exp * torch.exp(row_max - global_max), target_logit))  # (2, N): one call
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-            row_max, (sum_exp, target_logit) = global_max, sums
+        if combine is not None:
+            row_max, sum_exp, target_logit = combine(row_max, sum_exp, target_logit)
         lse = row_max + torch.log(sum_exp)  # (N,)
         valid = t != ignore_index
         n_valid = valid.sum()
@@ -192,19 +148,19 @@ class CrossEntropyFn(torch.autograd.Function):
         x2, t, lse, n_valid = ctx.saved_tensors
         scale = (dloss.float() / n_valid).reshape(1)  # a device tensor: no host sync for the scale
         dx = cross_entropy_bwd(x2, t, lse, scale, ctx.ignore_index, ctx.vocab_start)
-        return dx.view(ctx.shape), None, None, None
+        return dx.view(ctx.shape), None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  tp_group=None) -> torch.Tensor:
-    """Mean cross-entropy of logits (..., V) against targets (...); vocab-parallel when tp_group is given.
-
-    tp_group is a torch.distributed process group. This fixed signature is the documented exception to
-    "kernels never import torch.distributed": it is imported lazily, only when tp_group is passed, so
-    importing pipetrain.kernels stays free of it."""
+def check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Raise ValueError unless targets has the shape of logits without its last dim."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          "must agree on all but the last dim")
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V) against targets (...)."""
+    check_targets(logits, targets)
     if use_triton(logits):
-        return CrossEntropyFn.apply(logits, targets, ignore_index, tp_group)
-    return cross_entropy_ref(logits, targets, ignore_index, tp_group)
+        return CrossEntropyFn.apply(logits, targets, ignore_index, 0, None)
+    return cross_entropy_ref(logits, targets, ignore_index)

@@ -17,12 +17,13 @@ import torch.nn as nn
 
 from pipetrain.config import Recipe
 from pipetrain.data import IGNORE_INDEX, Batch, Loader
-from pipetrain.kernels import cross_entropy
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
 from pipetrain.models import flops_per_token
 from pipetrain.optim import lr_at
+from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.schedules import build_schedule, gpipe
+from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
 
 
 class TrainingDiverged(RuntimeError):
@@ -36,7 +37,7 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
     if count == 0:
         return logits.sum() * 0.0
     targets = targets.to(logits.device, non_blocking=True)
-    return cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
+    return vocab_parallel_cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
 
 
 class Trainer:
@@ -61,11 +62,11 @@ class Trainer:
         micro = recipe.train.global_batch // dims.dp // p.microbatches
         seq = recipe.train.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
         act_dtype = next(model.parameters()).dtype
+        t = recipe.train
+        apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
         self.executor = Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
                                  loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
-                                 autocast=self._autocast,
-                                 fuse_grad_accumulation=recipe.train.grad_accumulation_fusion,
-                                 fuse_min_numel=recipe.train.grad_accumulation_fusion_min_numel)
+                                 autocast=self._autocast)
         # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
         backward_cost = 3.0 if p.recompute == "full" else 2.0
         self.actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,

@@ -15,8 +15,6 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import rms_norm, rope, swiglu
-from pipetrain.models.embedding import Embedding
-from pipetrain.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -77,10 +75,10 @@ class Attention(nn.Module):
         self.head_dim = K
         self.use_rope = cfg.family != "gpt2"
         self.rope_theta = cfg.rope_theta
-        self.wq = Linear(D, cfg.n_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
-        self.wk = Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
-        self.wv = Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
-        self.wo = Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
+        self.wq = nn.Linear(D, cfg.n_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wk = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wv = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
+        self.wo = nn.Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
         self.core = AttentionCore(cfg.sliding_window)
 
     def forward(self, x):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
@@ -103,9 +101,9 @@ class MLP(nn.Module):
         self.gated = cfg.family != "gpt2"
         bias = cfg.family == "gpt2"
         if self.gated:
-            self.gate = Linear(D, Fh, bias=False)
-        self.up = Linear(D, Fh, bias=bias)
-        self.down = Linear(Fh, D, bias=bias)
+            self.gate = nn.Linear(D, Fh, bias=False)
+        self.up = nn.Linear(D, Fh, bias=bias)
+        self.down = nn.Linear(Fh, D, bias=bias)
 
     def forward(self, x):
         if self.gated:
@@ -126,7 +124,7 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class PositionEmbedding(Embedding):
+class PositionEmbedding(nn.Embedding):
     """Learned absolute positions (gpt2). forward(T) returns the (T, D) table rows for 0..T-1."""
 
     def forward(self, seq_len: int):
@@ -137,11 +135,11 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = PositionEmbedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = build_norm(cfg)
-        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.head.weight = self.embed.weight
 

@@ -1,12 +1,11 @@
-"""Collectives for tensor and sequence parallelism, as autograd Functions (Megatron's f and g).
+"""Every collective and point-to-point transfer; those of tensor and sequence parallelism as autograd
+Functions (Megatron's f and g).
 
 Each Function is the conjugate of another: the forward of one is the backward of the other, so a
 tensor-parallel region is entered and left with matching communication in both directions.
 
     copy_to_tp           forward: identity                  backward: all-reduce over tp      (f)
     reduce_from_tp       forward: all-reduce over tp        backward: identity                (g)
-    split_last_dim       forward: keep this rank's chunk    backward: all-gather along -1
-    gather_last_dim      forward: all-gather along -1       backward: keep this rank's chunk
     gather_sequence      forward: all-gather along T        backward: reduce-scatter along T
     reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
 
@@ -14,12 +13,14 @@ Shapes: B batch, T time (dim 1 of activations), D model; under sequence parallel
 (B, T/tp, D). A group of None means a group of one: every operator is then the identity and no
 collective is issued (None never means the default world group here).
 
-The three primitives (all_reduce_, all_gather, reduce_scatter) are the only places that call
-torch.distributed collectives, so a benchmark can wrap them to count bytes. reduce_scatter probes the
-backend at first use: older gloo builds lack reduce_scatter, and then it falls back to all_reduce +
-slice (same result, tp times the received bytes). The probe result is cached per (backend, dtype) in
+Every torch.distributed collective and point-to-point transfer of pipetrain goes through this module:
+the blocking primitives (all_reduce_, all_reduce_max_, all_gather, reduce_scatter), their async
+variants for overlapping with compute (all_reduce_async, all_gather_async, reduce_scatter_async: ZeRO's
+buckets) and post_p2p (the pipeline executor's sends and receives). reduce_scatter probes the backend
+at first use: older gloo builds lack reduce_scatter, and then it falls back to all_reduce + slice
+(same result, n times the received bytes). The probe result is cached per (backend, dtype) in
 _NATIVE_REDUCE_SCATTER, the module's only mutable state; it is a fact about the installed backend, not
-run configuration. Point-to-point helpers for pipelining live with the pipeline code.
+run configuration.
 """
 from __future__ import annotations
 
@@ -34,13 +35,14 @@ ProcessGroup = Optional[dist.ProcessGroup]
 _NATIVE_REDUCE_SCATTER: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _all_gather_into(out, x, group):
+def _all_gather_into(out, x, group, async_op=False):
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only the former.
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
 
 
-def _reduce_scatter_into(out, x, op, group):
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, op=op, group=group)
+def _reduce_scatter_into(out, x, group, async_op=False):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, op=dist.ReduceOp.SUM,
+                                                                              group=group, async_op=async_op)
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
@@ -58,12 +60,38 @@ def group_rank(pg: ProcessGroup) -> int:
     return 0 if pg is None else dist.get_rank(pg)
 
 
+class _Done:
+    """The Work of a collective over a group of one: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _ThenCopy:
+    """A Work whose wait() also copies src into dst once the collective finished (the reduce-scatter fallback)."""
+
+    def __init__(self, work, dst: torch.Tensor, src: torch.Tensor):
+        self.work, self.dst, self.src = work, dst, src
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.dst.copy_(self.src)
+        return True
+
+
 # ---- primitives: the only callers of torch.distributed collectives ----
 
 def all_reduce_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
     """Sum x over pg in place and return it."""
     if group_size(pg) > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg)
+    return x
+
+
+def all_reduce_max_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
+    """Elementwise maximum of x over pg, in place; returns x."""
+    if group_size(pg) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=pg)
     return x
 
 
@@ -78,6 +106,28 @@ def all_gather(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def _start_native_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg: ProcessGroup, async_op: bool,
+                                 native: bool | None):
+    """Start the backend's reduce_scatter of x (dim 0) into out: its Work (or _Done when blocking), or
+    None when the backend lacks it or native=False (then the caller falls back to all_reduce + slice)."""
+    key = (str(dist.get_backend(pg)), x.dtype)
+    if native is None:
+        native = _NATIVE_REDUCE_SCATTER.get(key, True)
+    if not native:
+        return None
+    try:
+        work = _reduce_scatter_into(out, x, group=pg, async_op=async_op)
+    except (RuntimeError, NotImplementedError):
+        # The backend rejects the op locally before any data moves, identically on every rank of
+        # the group (same backend, same dtype), so all of them take the fallback together.
+        if key in _NATIVE_REDUCE_SCATTER:
+            raise
+        _NATIVE_REDUCE_SCATTER[key] = False
+        return None
+    _NATIVE_REDUCE_SCATTER[key] = True
+    return work if async_op else _Done()
+
+
 def reduce_scatter(x: torch.Tensor, dim: int, pg: ProcessGroup, native: bool | None = None) -> torch.Tensor:
     """Sum x over pg and keep this rank's chunk of x.shape[dim] / n along dim.
 
@@ -90,34 +140,65 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ProcessGroup, native: bool | N
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible by the "
                          f"group size {n}; make the sequence length a multiple of tp")
-    key = (str(dist.get_backend(pg)), x.dtype)
-    if native is None:
-        native = _NATIVE_REDUCE_SCATTER.get(key, True)
-    if native:
-        moved = x.movedim(dim, 0).contiguous()
-        out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-        try:
-            _reduce_scatter_into(out, moved, op=dist.ReduceOp.SUM, group=pg)
-            _NATIVE_REDUCE_SCATTER[key] = True
-            return out.movedim(0, dim).contiguous()
-        except (RuntimeError, NotImplementedError):
-            # The backend rejects the op locally before any data moves, identically on every rank of
-            # the group (same backend, same dtype), so all of them take the fallback together.
-            if key in _NATIVE_REDUCE_SCATTER:
-                raise
-            _NATIVE_REDUCE_SCATTER[key] = False
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    if _start_native_reduce_scatter(out, moved, pg, async_op=False, native=native) is not None:
+        return out.movedim(0, dim).contiguous()
     # Fallback: the full sum on every rank, then this rank's slice.
     summed = all_reduce_(_fresh(x), pg)
     chunk = x.shape[dim] // n
     return summed.narrow(dim, group_rank(pg) * chunk, chunk).contiguous()
 
 
-def _chunk(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
+# ---- async primitives: start a collective, wait() on the returned Work before reading the result ----
+
+def all_reduce_async(x: torch.Tensor, pg: ProcessGroup):
+    """Start summing x over pg in place."""
+    if group_size(pg) == 1:
+        return _Done()
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+
+
+def all_gather_async(out: torch.Tensor, x: torch.Tensor, pg: ProcessGroup):
+    """Start gathering every rank's flat x into out (n * x.numel(),), in rank order."""
+    if group_size(pg) == 1:
+        out.copy_(x)
+        return _Done()
+    return _all_gather_into(out, x, group=pg, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroup):
+    """Start summing flat (n * P,) over pg into out (P,), this rank's part. flat is scratch: the
+    fallback for backends without reduce_scatter all-reduces it in place and copies the part at wait()."""
     n = group_size(pg)
-    if x.shape[dim] % n:
-        raise ValueError(f"split: dim {dim} of shape {tuple(x.shape)} is not divisible by the group size {n}")
-    chunk = x.shape[dim] // n
-    return x.narrow(dim, group_rank(pg) * chunk, chunk).contiguous()
+    if n == 1:
+        out.copy_(flat)
+        return _Done()
+    work = _start_native_reduce_scatter(out, flat, pg, async_op=True, native=None)
+    if work is not None:
+        return work
+    part = out.numel()
+    me = group_rank(pg)
+    return _ThenCopy(all_reduce_async(flat, pg), out, flat[me * part:(me + 1) * part].view_as(out))
+
+
+# ---- point-to-point (the pipeline executor) ----
+
+def batches_p2p_by_default() -> bool:
+    """Whether the default backend's sends and receives can be posted as one batch_isend_irecv: not on
+    gloo, where a send completes only once the peer posts its receive, so they are posted one by one."""
+    return not (dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo")
+
+
+def post_p2p(ops: list[tuple[bool, torch.Tensor, int]], batched: bool) -> list[list]:
+    """Post sends (True, tensor, peer global rank) and receives (False, buffer, peer) in order; returns,
+    per op, the Works to wait for before its buffer is read (batched: the batch's, which NCCL may
+    coalesce into one)."""
+    if batched:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer)
+                                        for send, t, peer in ops])
+        return [works] * len(ops)
+    return [[(dist.isend if send else dist.irecv)(t, peer)] for send, t, peer in ops]
 
 
 # ---- autograd Functions ----
@@ -146,32 +227,6 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return dy, None
-
-
-class _SplitLastDim(torch.autograd.Function):
-    """forward: keep this rank's chunk of the last dim; backward: all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return _chunk(x, -1, pg)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather(dy, -1, ctx.pg), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """forward: all-gather along the last dim; backward: keep this rank's chunk of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return all_gather(x, -1, pg)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _chunk(dy, -1, ctx.pg), None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -210,16 +265,6 @@ def copy_to_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
     """g: forward all-reduce over tp, backward identity."""
     return x if group_size(tp_group) == 1 else _ReduceFromTP.apply(x, tp_group)
-
-
-def split_last_dim(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
-    """forward: this rank's chunk of the last dim; backward: all-gather along the last dim."""
-    return x if group_size(tp_group) == 1 else _SplitLastDim.apply(x, tp_group)
-
-
-def gather_last_dim(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
-    """forward: all-gather along the last dim; backward: this rank's chunk of the last dim."""
-    return x if group_size(tp_group) == 1 else _GatherLastDim.apply(x, tp_group)
 
 
 def gather_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:

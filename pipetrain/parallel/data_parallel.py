@@ -8,8 +8,8 @@ divide by dp a second time).
 Gradients are flattened into buckets of at most bucket_bytes (a parameter larger than that gets a
 bucket of its own), one all-reduce per bucket, in the order the parameters are given. That order is
 the same on every rank, so the same collectives pair up and the summation is deterministic.
-Overlapping the all-reduces with backward (per-bucket hooks) is left for later; this runs after the
-last backward of a step.
+This runs after the last backward of a step (parallel.zero = 0, and tp-partial gradients over tp);
+pipetrain.parallel.zero overlaps its bucketed reductions with backward instead.
 
 Shapes: a bucket is a flat (N,) tensor of one dtype and device.
 """

@@ -1,27 +1,24 @@
 """run_schedule: execute one rank's pipeline action list (pipetrain.parallel.schedules).
 
 The executor knows nothing of any particular schedule: it walks the list, runs F, B and W on the
-chunk modules, and posts point-to-point transfers. Each maximal run of consecutive communication
-actions is posted together: with one batch_isend_irecv on NCCL (the "rendezvous" semantics the
-schedules are proven deadlock-free under); on gloo, where a send only completes once the peer posts
-its receive, one by one. Each receive is waited for right before the compute that consumes it (so it
+chunk modules, and posts point-to-point transfers (pipetrain.parallel.comm.post_p2p). Each maximal
+run of consecutive communication actions is posted together: with one batch_isend_irecv (batch_p2p=True,
+the default except on gloo; the "rendezvous" semantics the schedules are proven deadlock-free under),
+or one by one (batch_p2p=False, the default on gloo, where a send only completes once the peer posts
+its receive). Each receive is waited for right before the compute that consumes it (so it
 can arrive while this rank computes, and a W placed before that compute fills the wait) and sends
 only at the end of the step. Waiting later than the schedule's receive point never adds a wait-for
 edge, so the schedules' deadlock-freedom carries over (docs/pipeline.md measures the difference).
 
 Split backward: the F and B of a (microbatch, chunk) that has a W action in the list run inside
-defer_weight_grads (pipetrain.models.linear), so B computes the input gradient the previous stage
-waits for and records the linear layers' weight-gradient work; the W action does that work.
+deferring (pipetrain.parallel.weight_grads), so B computes the input gradient the previous stage
+waits for and the chunk's WeightGradModules record their weight-gradient work; the W action does that
+work. Linears that apply_grad_accumulation_fusion did not make WeightGradModules do their whole
+backward in B.
 
 Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
 anything is sent, instead of hanging the peer.
-
-Gradient accumulation fusion (on unless fuse_grad_accumulation=False, the recipe's
-train.grad_accumulation_fusion): the whole step runs inside fuse_grad_accumulation
-(pipetrain.models.linear), so embedding layers and linear layers of at least fuse_min_numel weight
-elements add their weight gradients into .grad in place, microbatch after microbatch, instead of
-building each one and adding it afterwards.
 
 Loss scaling: the last stage's F computes sum(CE) over the microbatch's targets divided by the
 target tokens of the whole global batch, so accumulated gradients equal the single-process
@@ -33,24 +30,24 @@ import contextlib
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from pipetrain.models.linear import apply_weight_grads, defer_weight_grads, fuse_grad_accumulation
+from pipetrain.parallel.comm import batches_p2p_by_default, post_p2p
 from pipetrain.parallel.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
+from pipetrain.parallel.weight_grads import apply_weight_grads, deferring, weight_grad_modules
 
 
 class Executor:
     """Runs schedules for one rank's chunks; holds no state between steps."""
 
     def __init__(self, chunks: Sequence[nn.Module], specs, dims, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 loss_fn: Callable, autocast=contextlib.nullcontext, fuse_grad_accumulation: bool = True,
-                 fuse_min_numel: int | None = None):
+                 loss_fn: Callable, autocast=contextlib.nullcontext, batch_p2p: bool | None = None):
+        """batch_p2p: post each run of sends and receives as one batch_isend_irecv (True) or one by one
+        (False); None picks by backend (comm.batches_p2p_by_default: one by one on gloo)."""
         self.chunks, self.specs, self.dims = list(chunks), list(specs), dims
-        self.fuse_grad_accumulation, self.fuse_min_numel = fuse_grad_accumulation, fuse_min_numel
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
-        self.post_one_by_one = dims.world_size > 1 and dist.get_backend() == "gloo"
+        self.batch_p2p = batches_p2p_by_default() if batch_p2p is None else batch_p2p
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
@@ -64,18 +61,18 @@ class Executor:
 
     def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
         """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
-        with fuse_grad_accumulation(self.fuse_grad_accumulation, self.fuse_min_numel):
-            return self._run(actions, microbatches, num_targets, forward_only)
-
-    def _run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool):
         device = self.dims.device
         inputs, outputs, losses, grads_in, grads_out, weight_work = {}, {}, {}, {}, {}, {}
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}
         total = torch.zeros((), device=device)
         posted, pending_recvs = [], {}  # every Work of the step, kept alive to its end so ids stay unique
 
+        deferrable = [weight_grad_modules(chunk) for chunk in self.chunks] if split else None
+
         def deferral(key):  # F and B of a split (microbatch, chunk): linears record their weight work
-            return defer_weight_grads(weight_work.setdefault(key, [])) if key in split else contextlib.nullcontext()
+            if key not in split:
+                return contextlib.nullcontext()
+            return deferring(deferrable[key[1]], weight_work.setdefault(key, []))
 
         waited: set[int] = set()
 
@@ -97,28 +94,21 @@ class Executor:
                 key, peer = (a.microbatch, a.chunk), self._peer(a.peer)
                 if a.kind == SEND_ACT:
                     out = outputs.pop(key) if forward_only else outputs[key]  # training keeps it for B
-                    ops.append(dist.P2POp(dist.isend, self._check(out.detach(), "send activation"), peer))
+                    ops.append((True, self._check(out.detach(), "send activation"), peer))
                 elif a.kind == SEND_GRAD:
-                    ops.append(dist.P2POp(dist.isend, self._check(grads_in.pop(key), "send gradient"), peer))
+                    ops.append((True, self._check(grads_in.pop(key), "send gradient"), peer))
                 else:
                     buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
-                    ops.append(dist.P2POp(dist.irecv, buf, peer))
-                    recvs.append((a, buf))
-            if self.post_one_by_one:
-                recv_iter = iter(recvs)
-                for op in ops:
-                    work = op.op(op.tensor, op.peer)
-                    posted.append(work)
-                    if op.op is dist.irecv:  # waited for right before the compute that consumes it
-                        a, _ = next(recv_iter)
-                        pending_recvs[(a.kind, a.microbatch, a.chunk)] = [work]
-            else:  # one batch (NCCL may coalesce it into one Work): each receive waits for all of it
-                works = dist.batch_isend_irecv(ops)
-                posted.extend(works)
-                for a, _ in recvs:
-                    pending_recvs[(a.kind, a.microbatch, a.chunk)] = works
-            for a, buf in recvs:
+                    recvs.append((a, buf, len(ops)))
+                    ops.append((False, buf, peer))
+            # Batched, a receive waits for the whole batch (NCCL may coalesce it into one Work); one by
+            # one, for its own Work. Either way right before the compute that consumes it.
+            op_works = post_p2p(ops, self.batch_p2p)
+            for works in op_works:
+                posted.extend(works)  # a batch's Works repeat per op: wait() takes each once
+            for a, buf, index in recvs:
                 key = (a.microbatch, a.chunk)
+                pending_recvs[(a.kind, *key)] = op_works[index]
                 if a.kind == RECV_ACT:
                     inputs[key] = buf.requires_grad_(not forward_only)
                 else:

@@ -15,10 +15,12 @@ every gradient, so the partial sums are also summed over dp (global_grad_norm(..
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from pipetrain.models.init import param_layout
+from pipetrain.parallel.comm import all_reduce_
+from pipetrain.parallel.data_parallel import allreduce_grads
+from pipetrain.parallel.tensor import sync_tp_partial_grads, tp_partial_params
 
 
 def tied_copy_names(model: nn.Module) -> set[str]:
@@ -40,7 +42,6 @@ def model_parallel_synced_params(model: nn.Module, dims) -> list[nn.Parameter]:
     tied embedding split across pipeline stages (pp > 1). A dp reduction of these must come after it."""
     out = []
     if dims.tp > 1:
-        from pipetrain.parallel.tensor import tp_partial_params
         out += [p for _, p in tp_partial_params(model)]
     tied = _tied_param(model) if dims.pp > 1 else None
     if tied is not None and all(tied is not p for p in out):
@@ -51,19 +52,17 @@ def model_parallel_synced_params(model: nn.Module, dims) -> list[nn.Parameter]:
 def sync_model_parallel_grads(model: nn.Module, dims) -> None:
     """Sum tp-partial gradients over tp and the split tied embedding's over the embed group."""
     if dims.tp > 1:
-        from pipetrain.parallel.tensor import sync_tp_partial_grads
         sync_tp_partial_grads(model, dims)
     if dims.pp > 1 and getattr(dims, "embed_group", None) is not None:
         tied = _tied_param(model)
         if tied is not None and tied.grad is not None:
-            dist.all_reduce(tied.grad, group=dims.embed_group)
+            all_reduce_(tied.grad, dims.embed_group)
 
 
 def sync_grads(model: nn.Module, dims) -> None:
     """Make every gradient the full single-process gradient of its (shard of the) parameter."""
     sync_model_parallel_grads(model, dims)
-    if dims.dp > 1 and not getattr(model, "grads_reduced_by_optimizer", False):
-        from pipetrain.parallel.data_parallel import allreduce_grads
+    if dims.dp > 1:
         allreduce_grads([p for p in model.parameters() if p.grad is not None], dims.dp_group)
 
 
@@ -105,15 +104,13 @@ def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_s
     dp_sharded: each dp rank holds different rows (ZeRO), so both sums are first summed over dp;
     without it every dp rank holds the same full gradients and dp is not summed (no double count)."""
     if dp_sharded and dims.dp > 1:
-        both = torch.stack([sharded, replicated])
-        dist.all_reduce(both, group=dims.dp_group)
+        both = all_reduce_(torch.stack([sharded, replicated]), dims.dp_group)
         sharded, replicated = both[0], both[1]
     if dims.tp > 1:
-        sharded = sharded.clone()
-        dist.all_reduce(sharded, group=dims.tp_group)
+        sharded = all_reduce_(sharded.clone(), dims.tp_group)
     total = sharded + replicated
     if dims.pp > 1:
-        dist.all_reduce(total, group=dims.pp_group)
+        all_reduce_(total, dims.pp_group)
     return float(total.sqrt())
 
 

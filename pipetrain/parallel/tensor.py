@@ -6,12 +6,16 @@ every global parameter name (layers.0.attn.wq.weight) survives. Sharded modules 
 `param_shards = {"weight": (dim, index, count)}`; pipetrain.models.init.materialize and the checkpoint
 code read it. Build on meta, apply TP, then materialize: every shard is cut from the full tensor.
 
+The sharded linears and the vocab embedding are WeightGradModules (pipetrain.parallel.weight_grads):
+apply_grad_accumulation_fusion, called after this, sets their fusion; the executor defers their
+weight gradients under the split backward.
+
 Attention and MLP blocks are entered once (a forward pre-hook on `attn` / `mlp`): the block input is
 copied into the tp region (f: backward all-reduce) or, with sequence parallelism, all-gathered along
 T (backward reduce-scatter); wq/wk/wv (or gate/up) then share that one collective. Row-parallel
 wo / down leave the region with an all-reduce (g), or a reduce-scatter along T under sequence
 parallelism. The LM head enters the region itself and its logits stay vocab-sharded (B, T, V/tp) for
-the vocab-parallel loss, pipetrain.kernels.cross_entropy(..., tp_group=dims.tp_group).
+the vocab-parallel loss, pipetrain.parallel.cross_entropy.vocab_parallel_cross_entropy(..., dims.tp_group).
 
 Rules (docs/tensor_parallel.md explains them):
 - heads: tp divides n_heads; kv heads are split when tp divides n_kv_heads, replicated (each rank
@@ -35,11 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.models.embedding import embedding
-from pipetrain.models.linear import linear
 from pipetrain.parallel.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data_parallel import allreduce_grads
 from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.weight_grads import WeightGradModule, embedding, linear
 
 # Module name (with any "layers.<i>." prefix removed) -> how it is parallelised.
 TP_PLAN: dict[str, str] = {
@@ -111,7 +114,7 @@ def _copy_shards(module: nn.Module, source: nn.Module) -> None:
         p.copy_(full)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(WeightGradModule, nn.Module):
     """y = x W^T + b with W's output rows split over tp: (B, T, D_in) -> (B, T, D_out/tp).
 
     enter_region=True applies f to the input (copy_to_tp, or gather_sequence under sequence
@@ -141,13 +144,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.enter_region:
             x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return linear(x, self.weight, self.bias)  # (B, T, D_out/tp)
+        return linear(x, self.weight, self.bias, self.fuse, self.deferred)  # (B, T, D_out/tp)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}/tp, sp={self.sequence_parallel}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(WeightGradModule, nn.Module):
     """y = x W^T + b with W's input columns split over tp: (B, T, D_in/tp) -> (B, T, D_out), the partial
     products summed over tp (reduce-scattered to (B, T/tp, D_out) under sequence parallelism). The bias
     is replicated and added after the reduction; under sequence parallelism its gradient is tp-partial."""
@@ -173,7 +176,7 @@ class RowParallelLinear(nn.Module):
         return out
 
     def forward(self, x):  # x (B, T, D_in/tp)
-        y = linear(x, self.weight)  # (B, T, D_out): this rank's partial sum
+        y = linear(x, self.weight, None, self.fuse, self.deferred)  # (B, T, D_out): this rank's partial sum
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp_group)  # (B, T/tp, D_out)
         else:
@@ -184,7 +187,7 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features}/tp, out_features={self.out_features}, sp={self.sequence_parallel}"
 
 
-class ReplicatedKVLinear(nn.Module):
+class ReplicatedKVLinear(WeightGradModule, nn.Module):
     """wk / wv when n_kv_heads divides tp (fewer kv heads than tp ranks): the full (Hkv*K, D) weight is
     replicated, and each rank computes only the kv head its query heads use, kv_head = tp_rank //
     (tp / Hkv): (B, T, D) -> (B, T, K). Each rank's gradient covers only its head's rows and only its
@@ -212,13 +215,14 @@ class ReplicatedKVLinear(nn.Module):
 
     def forward(self, x):  # x (B, T, D), already in the tp region
         lo, hi = self.rows
-        return linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])  # (B, T, K)
+        bias = None if self.bias is None else self.bias[lo:hi]
+        return linear(x, self.weight[lo:hi], bias, self.fuse, self.deferred)  # (B, T, K)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(WeightGradModule, nn.Module):
     """Token embedding with vocab rows split over tp: ids (B, T) -> (B, T, D), or (B, T/tp, D) under
     sequence parallelism. Each rank looks up the ids in its row range [tp_rank*V/tp, (tp_rank+1)*V/tp),
     zeroes the others, and the partial sums are all-reduced (reduce-scattered along T)."""
@@ -244,7 +248,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids):  # ids (B, T)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D): this rank's rows only
+        h = embedding(local.masked_fill(outside, 0), self.weight, self.fuse)  # (B, T, D): this rank's rows only
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_sequence(h, self.tp_group)  # (B, T/tp, D)

@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import param_layout
-from pipetrain.optim import (MOMENTS, ReadBox, adamw_state_bytes, adamw_state_items, build_adamw, decays, is_tied,
-                             load_adamw_state, set_lr)
+from pipetrain.parallel.adamw import (MOMENTS, ReadBox, adamw_state_bytes, adamw_state_items, build_adamw, decays,
+                                      is_tied, load_adamw_state, set_lr)
+from pipetrain.parallel.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
                                       model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
@@ -145,7 +145,6 @@ class ZeroOptimizer:
                 groups[0 if decays(name, p, is_tied(model)) else 1]["params"].append(self.views[i])
         self.inner = build_adamw(groups, cfg)
         self.steps_taken = 0
-        self._native_reduce_scatter: Optional[bool] = None  # probed at first use (older gloo lacks it)
         self._expected: Optional[list[int]] = None  # accumulations per parameter per step, learned at step 1
         self._counts = [0] * len(self.params)
         self._next_launch = 0
@@ -153,7 +152,8 @@ class ZeroOptimizer:
         self._grad_shards: dict[int, torch.Tensor] = {}  # this rank's gradient rows, set by reduce_grads
         self._grad_buffers: list[torch.Tensor] = []  # stage 2: the tensors those rows live in
         self._had_grad: dict[int, bool] = {}  # stage 2: whether a parameter had a gradient when reduced
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # ---- layout ----
     def _rows(self, t: torch.Tensor, i: int, dp_rank: int | None = None) -> torch.Tensor:
@@ -228,13 +228,11 @@ class ZeroOptimizer:
             flat[r * P + used:(r + 1) * P].zero_()  # padding: reduced like the rest, never read
         bucket.flat = flat
         self._in_flight.append(bucket)
-        if self.dp_size == 1:
-            bucket.work = None
-        elif self.stage == 1:
-            bucket.work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        if self.stage == 1:
+            bucket.work = all_reduce_async(flat, self.dp_group)
         else:
             bucket.out = torch.empty(P, dtype=dtype, device=device)
-            bucket.work = self._reduce_scatter_async(bucket.out, flat)
+            bucket.work = reduce_scatter_async(bucket.out, flat, self.dp_group)
         if self.stage == 2:
             for i in bucket.members:
                 self._had_grad[i] = self.params[i].grad is not None
@@ -242,25 +240,9 @@ class ZeroOptimizer:
         while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers alive at once
             self._finish(self._in_flight.pop(0))
 
-    def _reduce_scatter_async(self, out: torch.Tensor, flat: torch.Tensor):
-        if self._native_reduce_scatter is not False:
-            try:
-                fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                work = fn(out, flat, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
-                self._native_reduce_scatter = True
-                return work
-            except (RuntimeError, NotImplementedError):
-                # Rejected locally before any data moves, identically on every dp rank (same backend
-                # and dtype), so all of them fall back together: all-reduce, then slice in _finish.
-                if self._native_reduce_scatter:
-                    raise
-                self._native_reduce_scatter = False
-        return dist.all_reduce(flat, group=self.dp_group, async_op=True)
-
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for a bucket's reduction and point this rank's gradient shards at the result."""
-        if bucket.work is not None:
-            bucket.work.wait()
+        bucket.work.wait()
         P, me = bucket.part, self.dp_rank
         if self.stage == 1:
             for j, i in enumerate(bucket.members):
@@ -273,9 +255,7 @@ class ZeroOptimizer:
                 if i in self.views:
                     self._grad_shards[i] = self._rows(grad, i)
         else:
-            mine = bucket.out
-            if self.dp_size == 1 or not self._native_reduce_scatter:
-                mine = bucket.flat[me * P:(me + 1) * P].clone()
+            mine = bucket.out  # (P,)
             self._grad_buffers.append(mine)
             for j, i in enumerate(bucket.members):
                 if i in self.views and self._had_grad[i]:
@@ -351,7 +331,6 @@ class ZeroOptimizer:
     def _all_gather_params(self) -> None:
         if self.dp_size == 1:
             return
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         in_flight: list[tuple[_Bucket, torch.Tensor, object]] = []
         for bucket in self.buckets:
             p0 = self.params[bucket.members[0]]
@@ -361,7 +340,7 @@ class ZeroOptimizer:
                 start = bucket.starts[self.dp_rank][j]
                 mine[start:start + self.shards[i].numel(self.dp_rank)].copy_(
                     self._rows(self.params[i].detach(), i).reshape(-1))
-            in_flight.append((bucket, flat, fn(flat, mine, group=self.dp_group, async_op=True)))
+            in_flight.append((bucket, flat, all_gather_async(flat, mine, self.dp_group)))
             if len(in_flight) > 1:  # keep at most two buckets' buffers alive
                 self._scatter_rows(*in_flight.pop(0))
         for args in in_flight:
@@ -413,8 +392,3 @@ class ZeroOptimizer:
         bucket padding at stage 2)."""
         held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         return held + sum(t.numel() * t.element_size() for t in self._grad_buffers)
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []

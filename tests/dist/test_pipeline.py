@@ -8,13 +8,14 @@ import torch.distributed as dist
 
 from pipetrain.config import ConfigError, ModelConfig, ParallelConfig
 from pipetrain.data import Batch
-from pipetrain.models import build, materialize
+from pipetrain.models import build, materialize, param_layout
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.grads import clip_grad_norm, sync_grads
 from pipetrain.parallel.pipeline import build_stage, layer_costs, partition_layers, stage_layout, validate_pipeline
 from pipetrain.parallel.schedules import build_schedule
 from pipetrain.parallel.tensor import apply_tensor_parallel
+from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import loss_sum
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
 
@@ -54,11 +55,11 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     apply_tensor_parallel(model, dims)
     model, chunks, specs = build_stage(model, dims, pcfg, T)
     materialize(model, cfg, SEED, "cpu")
+    apply_grad_accumulation_fusion(model, 0)  # the tiny model's weights are all below the default threshold
     tp_group = dims.tp_group if tp > 1 else None
+    # batched: NCCL's path (one batch_isend_irecv per run), here on gloo; else gloo's default, one by one
     executor = Executor(chunks, specs, dims, (MB, T, cfg.d_model), torch.float32,
-                        loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
-                        fuse_min_numel=0)  # the tiny model's weights are all below the default threshold
-    executor.post_one_by_one = not batched  # batched: NCCL's path (one batch_isend_irecv per run), here on gloo
+                        loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), batch_p2p=batched)
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward)
     # split: every rank but the first splits its backward (rank 0's W may all follow their B directly, and
     # then B does the whole backward: schedules._merge_first_stage_weight_grads)
@@ -74,7 +75,6 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
     tol = TP_FP32 if tp > 1 else EXACT_FP32
     torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{dims.coords} loss: {m}")
     torch.testing.assert_close(norm, ref_norm, **tol, msg=lambda m: f"{dims.coords} grad norm: {m}")
-    from pipetrain.models import param_layout
     params = dict(model.named_parameters())
     for name, (shape, slices) in param_layout(model).items():
         ref_name = "embed.weight" if name == "head.weight" and cfg.tied else name

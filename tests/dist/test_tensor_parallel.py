@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels import cross_entropy
+from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.models import build, materialize, param_layout
 from pipetrain.parallel import comm
 from pipetrain.parallel.data_parallel import allreduce_model_grads, grad_buckets
@@ -133,7 +134,7 @@ def _layers_worker(rank, world_size):
     ref.backward()
     vrows = slice(tp_rank * V // world_size, (tp_rank + 1) * V // world_size)
     shard = logits.detach()[..., vrows].clone().requires_grad_()
-    loss = cross_entropy(shard, targets, ignore_index=-100, tp_group=tp_group)
+    loss = vocab_parallel_cross_entropy(shard, targets, -100, tp_group)
     loss.backward()
     _check(loss, ref.detach(), "vocab-parallel cross-entropy", dims)
     _check(shard.grad, logits.grad[..., vrows], "vocab-parallel cross-entropy grad", dims)
@@ -169,7 +170,7 @@ def _model_worker(rank, world_size, case, sequence_parallel):
     assert isinstance(model.layers["0"].attn.wk, ReplicatedKVLinear) == kv_replicated
     logits = model(tokens)
     assert logits.shape == (B, T, cfg.vocab_size // world_size), f"{dims.coords} logits {tuple(logits.shape)}"
-    loss = cross_entropy(logits, targets, tp_group=dims.tp_group)
+    loss = vocab_parallel_cross_entropy(logits, targets, tp_group=dims.tp_group)
     loss.backward()
     sync_tp_partial_grads(model, dims)
     _check(loss.detach(), ref_loss, "loss", dims)
@@ -202,7 +203,7 @@ def _pruned_stage_check(cfg, dims, sequence_parallel):
     materialize(stage, cfg, SEED, "cpu")
     t_rows = slice(dims.tp_rank * T // dims.tp, (dims.tp_rank + 1) * T // dims.tp)
     h = (hidden[:, t_rows] if sequence_parallel else hidden).clone().requires_grad_()
-    loss = cross_entropy(stage(h), targets, tp_group=dims.tp_group)
+    loss = vocab_parallel_cross_entropy(stage(h), targets, tp_group=dims.tp_group)
     loss.backward()
     sync_tp_partial_grads(stage, dims)
     _check(loss.detach(), ref_loss.detach(), "pruned stage loss", dims)
@@ -242,7 +243,7 @@ def _dp_worker(rank, world_size, case, tp, sequence_parallel):
     rows = slice(dims.dp_rank * 2, (dims.dp_rank + 1) * 2)  # contiguous slice of the global batch
     local_targets = targets[rows]
     global_count = (targets != -100).sum()
-    mean = cross_entropy(model(tokens[rows]), local_targets, tp_group=dims.tp_group)
+    mean = vocab_parallel_cross_entropy(model(tokens[rows]), local_targets, tp_group=dims.tp_group)
     loss = mean * (local_targets != -100).sum() / global_count  # summands of the global mean
     loss.backward()
     sync_tp_partial_grads(model, dims)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from pipetrain.config import TrainConfig
 from pipetrain.models import param_layout
-from pipetrain.optim import MOMENTS, Optimizer, lr_at
+from pipetrain.optim import Optimizer, lr_at
+from pipetrain.parallel.adamw import MOMENTS
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.zero import ZeroOptimizer
 from tests.e2e.common import run_train, step_losses

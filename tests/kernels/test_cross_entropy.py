@@ -1,5 +1,6 @@
 """cross_entropy: Triton kernels (interpreted) and reference against F.cross_entropy, gradcheck, and
-the vocab-parallel path at tp=2 on both the reference and the Triton path."""
+the vocab-parallel loss built on them (pipetrain.parallel.cross_entropy) at tp=2 on both the reference
+and the Triton path."""
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from pipetrain.kernels import cross_entropy
 from pipetrain.kernels.cross_entropy import CrossEntropyFn, cross_entropy_ref
+from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
 from tests.harness import run_ranks
 from tests.kernels.common import fresh_seed, tol
 
@@ -46,7 +48,7 @@ def test_cross_entropy_triton_matches_torch(poisoned, shape, dtype):
     logits, targets = _problem(seed, *shape, dtype)
     logits = logits.view(1, *shape)  # (B, T, V) like the model's output
     targets = targets.view(1, shape[0])
-    got = _loss_and_grad(lambda x, t: CrossEntropyFn.apply(x, t, -100, None), logits, targets, dloss=0.7)
+    got = _loss_and_grad(lambda x, t: CrossEntropyFn.apply(x, t, -100, 0, None), logits, targets, dloss=0.7)
     want = _loss_and_grad(lambda x, t: F.cross_entropy(x.flatten(0, 1).float(), t.flatten()), logits, targets,
                           dloss=0.7)
     assert got[0].dtype == torch.float32 and got[0].shape == (), f"loss {got[0].dtype} {got[0].shape}"
@@ -60,7 +62,7 @@ def test_cross_entropy_triton_honours_custom_ignore_index_and_keeps_logits(poiso
     seed = fresh_seed()
     logits, targets = _problem(seed, 9, 21, torch.float32, ignore_index=4)  # 4 is also a real class id
     before = logits.clone()
-    got = _loss_and_grad(lambda x, t: CrossEntropyFn.apply(x, t, 4, None), logits, targets)
+    got = _loss_and_grad(lambda x, t: CrossEntropyFn.apply(x, t, 4, 0, None), logits, targets)
     want = _loss_and_grad(lambda x, t: F.cross_entropy(x, t, ignore_index=4), logits, targets)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TP_FP32, msg=lambda m: f"seed={seed}: {m}")
@@ -76,9 +78,9 @@ def test_cross_entropy_dispatch_takes_triton_path_when_forced(force_triton):
 @pytest.mark.triton
 def test_cross_entropy_triton_rejects_float_targets_and_float64_logits():
     with pytest.raises(ValueError, match="targets dtype"):
-        CrossEntropyFn.apply(torch.randn(2, 5), torch.zeros(2), -100, None)
+        CrossEntropyFn.apply(torch.randn(2, 5), torch.zeros(2), -100, 0, None)
     with pytest.raises(ValueError, match="dtype"):
-        CrossEntropyFn.apply(torch.randn(2, 5, dtype=torch.float64), torch.zeros(2, dtype=torch.long), -100, None)
+        CrossEntropyFn.apply(torch.randn(2, 5, dtype=torch.float64), torch.zeros(2, dtype=torch.long), -100, 0, None)
 
 
 def _check_vocab_parallel(rank, world_size, seed, n, vocab, ignore_index):
@@ -91,7 +93,7 @@ def _check_vocab_parallel(rank, world_size, seed, n, vocab, ignore_index):
     logits, targets = _problem(seed, 4, 9, torch.float64, ignore_index)
     x64 = logits.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda x: cross_entropy_ref(x, targets, ignore_index=ignore_index, tp_group=solo), (x64,)), f"seed={seed}"
+        lambda x: vocab_parallel_cross_entropy_ref(x, targets, ignore_index, solo), (x64,)), f"seed={seed}"
 
 
 def _check_vocab_parallel_dtype(rank, world_size, seed, n, vocab, dtype, ignore_index):
@@ -103,8 +105,8 @@ def _check_vocab_parallel_dtype(rank, world_size, seed, n, vocab, dtype, ignore_
     for path in ("torch", "triton"):
         os.environ["PIPETRAIN_KERNELS"] = path  # this rank's own process: nothing to restore
         shard = logits[:, cols].clone().requires_grad_()  # (N, V/tp)
-        got = cross_entropy(shard.view(1, n, v_local), targets.view(1, n), ignore_index=ignore_index,
-                            tp_group=dist.group.WORLD)
+        got = vocab_parallel_cross_entropy(shard.view(1, n, v_local), targets.view(1, n), ignore_index,
+                                           dist.group.WORLD)
         got.backward()
         where = f"[rank {rank} | tp {rank}] seed={seed} {dtype} {path}"
         expect_fn = "CrossEntropyFn" if path == "triton" else "DivBackward"

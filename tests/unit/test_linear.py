@@ -1,19 +1,15 @@
-"""Weight gradients of pipetrain.models.linear and .embedding.
+"""Weight gradients of pipetrain.parallel.weight_grads: the fused / deferred linear and embedding.
 
 Deferred (split backward): the same numbers as plain autograd for one microbatch, bit for bit; hooks
 fire once per W, never in the input pass. Fused (gradient accumulation fusion): added into .grad in
 place; equal to plain autograd to fp32 round-off (bit for bit under bf16 autocast, where the add is
 the same fp32 add), hooks fire once per backward after the add, a tied weight's too."""
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import pipetrain.models.linear as linear_mod
-from pipetrain.models.embedding import Embedding
-from pipetrain.models.linear import (Linear, apply_weight_grads, defer_weight_grads, fuse_grad_accumulation,
-                                     linear)
+from pipetrain.parallel.weight_grads import (WeightGradLinear, apply_grad_accumulation_fusion, apply_weight_grads,
+                                             deferring, linear)
 
 
 def _grads(x, weight, bias, dy, mode, autocast=False):
@@ -22,8 +18,8 @@ def _grads(x, weight, bias, dy, mode, autocast=False):
             t.grad = None
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     work = []
-    with ctx, defer_weight_grads(work) if mode == "deferred" else contextlib.nullcontext():
-        y = F.linear(x, weight, bias) if mode == "autograd" else linear(x, weight, bias)
+    with ctx:
+        y = F.linear(x, weight, bias) if mode == "autograd" else linear(x, weight, bias, work=work)
     y.backward(dy.to(y.dtype))
     if mode == "deferred":
         assert weight.grad is None and (bias is None or bias.grad is None) and len(work) == 1
@@ -49,20 +45,20 @@ def test_deferred_linear_equals_plain_autograd_bitwise(bias, autocast):
 
 def test_deferred_grads_accumulate_and_fire_post_accumulate_hooks():
     torch.manual_seed(0)
-    layer = Linear(8, 4)
+    layer = WeightGradLinear(8, 4)
     fired = []
     layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
     xs = [torch.randn(2, 8, requires_grad=True) for _ in range(2)]
     works = [[], []]
     for x, work in zip(xs, works):  # two microbatches: both input backward passes first, weight gradients later
-        with defer_weight_grads(work):
+        with deferring([layer], work):
             y = layer(x)
         y.sum().backward()
     assert layer.weight.grad is None and fired == []
     for work in works:
         apply_weight_grads(work)
     assert len(fired) == 2
-    ref = Linear(8, 4)
+    ref = torch.nn.Linear(8, 4)
     ref.load_state_dict(layer.state_dict())
     for x in xs:
         ref(x).sum().backward()
@@ -76,18 +72,17 @@ def test_deferred_grads_accumulate_and_fire_post_accumulate_hooks():
 def test_a_weight_that_is_not_a_leaf_or_an_input_without_grad_gets_its_gradient_at_once():
     weight = torch.randn(6, 4, requires_grad=True)
     work = []
-    with defer_weight_grads(work):
-        y = linear(torch.randn(2, 4, requires_grad=True), weight[2:4])  # a slice, as ReplicatedKVLinear uses
-        z = linear(torch.randn(2, 4), weight)  # no input gradient: deferring would cut the graph
+    y = linear(torch.randn(2, 4, requires_grad=True), weight[2:4], work=work)  # a slice, as ReplicatedKVLinear uses
+    z = linear(torch.randn(2, 4), weight, work=work)  # no input gradient: deferring would cut the graph
     (y.sum() + z.sum()).backward()
     assert work == [] and weight.grad is not None and weight.grad[:2].abs().sum() > 0
 
 
 def test_nested_deferral_restores_the_outer_list_and_nothing_is_recorded_outside():
-    outer, inner, layer = [], [], Linear(4, 4)
+    outer, inner, layer = [], [], WeightGradLinear(4, 4)
     x = torch.randn(1, 4, requires_grad=True)
-    with defer_weight_grads(outer):
-        with defer_weight_grads(inner):
+    with deferring([layer], outer):
+        with deferring([layer], inner):
             a = layer(x)
         b = layer(x)
     c = layer(x)  # outside: plain F.linear
@@ -100,22 +95,19 @@ def test_nested_deferral_restores_the_outer_list_and_nothing_is_recorded_outside
 
 
 # ---- gradient accumulation fusion -------------------------------------------------------------------
-@pytest.fixture
-def fuse_small(monkeypatch):
-    """Fuse these tests' small weights too (by default only weights of FUSE_MIN_NUMEL elements or more)."""
-    monkeypatch.setattr(linear_mod, "FUSE_MIN_NUMEL", 0)
-
 class _Tiny(torch.nn.Module):
-    """embedding -> linear -> head, optionally tied: every fused path in one graph."""
+    """embedding -> linear -> head, optionally tied, plain modules under GRAD_PLAN's names: every fused
+    path in one graph once apply_grad_accumulation_fusion swapped them."""
 
     def __init__(self, tied: bool):
         super().__init__()
-        self.embed, self.mid, self.head = Embedding(40, 16), Linear(16, 16), Linear(16, 40, bias=False)
+        self.embed, self.mlp, self.head = torch.nn.Embedding(40, 16), torch.nn.Module(), torch.nn.Linear(16, 40, bias=False)
+        self.mlp.up = torch.nn.Linear(16, 16)
         if tied:
             self.head.weight = self.embed.weight
 
     def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.embed(ids))))
+        return self.head(torch.tanh(self.mlp.up(self.embed(ids))))
 
 
 def _accumulate_microbatches(model, batches, fuse: bool, autocast: bool = False):
@@ -126,11 +118,11 @@ def _accumulate_microbatches(model, batches, fuse: bool, autocast: bool = False)
     handles = [p.register_post_accumulate_grad_hook(lambda p, n=n: seen[n].append(p.grad.clone()))
                for n, p in model.named_parameters()]
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    apply_grad_accumulation_fusion(model, 0 if fuse else None)  # 0: fuse these small weights too
     for ids in batches:
-        with fuse_grad_accumulation(fuse), ctx:
+        with ctx:
             out = model(ids)
-        with fuse_grad_accumulation(fuse):
-            out.float().square().mean().backward()
+        out.float().square().mean().backward()
     for h in handles:
         h.remove()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, seen
@@ -138,7 +130,7 @@ def _accumulate_microbatches(model, batches, fuse: bool, autocast: bool = False)
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_backward(tied, autocast, fuse_small):
+def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_backward(tied, autocast):
     torch.manual_seed(0)
     model = _Tiny(tied)
     batches = [torch.randint(0, 40, (3, 7)) for _ in range(4)]  # repeated ids within and across batches
@@ -154,27 +146,34 @@ def test_fused_accumulation_equals_plain_autograd_and_fires_each_hook_once_per_b
             torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
 
 
-def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_input_needs_none(fuse_small):
-    layer = Linear(8, 4)
+def test_fused_linear_adds_in_place_and_gives_the_weight_a_gradient_when_the_input_needs_none():
+    layer = WeightGradLinear(8, 4)
+    layer.fuse = True
     x = torch.randn(5, 8)  # no gradient: the layer is the first to need one
-    with fuse_grad_accumulation():
-        layer(x).sum().backward()
+    layer(x).sum().backward()
     first = layer.weight.grad
-    with fuse_grad_accumulation():
-        layer(x).sum().backward()
+    layer(x).sum().backward()
     assert layer.weight.grad is first  # the same tensor, added into
     torch.testing.assert_close(first, 2 * torch.ones(4, 1) * x.sum(0))
     torch.testing.assert_close(layer.bias.grad, torch.full((4,), 10.0))
 
 
-def test_fusion_is_bound_at_forward_time_off_by_default_and_only_for_large_weights():
-    big, small = Linear(linear_mod.FUSE_MIN_NUMEL // 16, 16, bias=False), Linear(16, 16)
-    with fuse_grad_accumulation():
-        fused = big(torch.randn(2, big.in_features, requires_grad=True))
-        unfused = small(torch.randn(2, 16, requires_grad=True))
-    plain = big(torch.randn(2, big.in_features, requires_grad=True))
+def test_fusion_is_off_by_default_only_for_weights_above_the_threshold_and_bound_at_forward_time():
+    model = _Tiny(tied=False)  # head 40 x 16 = 640 elements, mlp.up 16 x 16 = 256
+    ids = torch.randint(0, 40, (2, 3))
+    assert type(model.head(model.embed(ids)).grad_fn).__name__ != "_LinearFnBackward"  # plain modules
+    apply_grad_accumulation_fusion(model, 640)
+    assert model.head.fuse and not model.mlp.up.fuse and model.embed.fuse  # embeddings at any size
+    h = model.embed(ids)
+    assert type(h.grad_fn).__name__ == "_EmbeddingFnBackward"
+    fused, unfused = model.head(h), model.mlp.up(h)
     assert type(fused.grad_fn).__name__ == "_LinearFnBackward"
     assert type(unfused.grad_fn).__name__ != "_LinearFnBackward"
-    assert type(plain.grad_fn).__name__ != "_LinearFnBackward"
-    with torch.no_grad(), fuse_grad_accumulation():
-        assert big(torch.randn(2, big.in_features)).grad_fn is None
+    model.head.fuse = False  # a forward already run keeps its mode
+    fused.sum().backward()
+    assert model.head.weight.grad is not None and type(model.head(h).grad_fn).__name__ != "_LinearFnBackward"
+    apply_grad_accumulation_fusion(model, None)  # again: nothing fused
+    assert not any(getattr(m, "fuse", False) for m in model.modules())
+    with torch.no_grad():
+        model.head.fuse = True
+        assert model.head(h).grad_fn is None
