@@ -5,7 +5,7 @@ action lists the executor runs, by timing them once on the simulator (replay.py)
 
 Split backward (zero-bubble pipelining, Qi et al. 2023): with split_backward=True every B computes only
 what the previous stage waits for (the input gradient, sent at once) and a later W action of the same
-(microbatch, chunk) computes the weight gradients (pipetrain.models.linear). W needs nothing from another
+(microbatch, chunk) computes the weight gradients (pipetrain.parallel.weight_grads). W needs nothing from another
 rank, so _place_weight_grads puts each W where its rank would otherwise wait for a message, in B order
 (so every weight accumulates its gradients in microbatch order, as without the split), and never lets
 a rank hold more microbatches (forwarded, weight gradients not yet done) than the unsplit schedule's
