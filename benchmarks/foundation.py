@@ -20,12 +20,11 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import load_recipe  # noqa: E402
-from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus  # noqa: E402
+from pipetrain.data import Loader  # noqa: E402
 from pipetrain.models import build, count_params, flops_per_token, materialize  # noqa: E402
-from pipetrain.optim import build_adamw, build_optimizer, lr_at, param_groups, set_lr  # noqa: E402
-from pipetrain.parallel.dims import ParallelDims  # noqa: E402
-from pipetrain.trainer import Trainer  # noqa: E402
+from pipetrain.optim import build_adamw, lr_at, param_groups, set_lr  # noqa: E402
 
 
 def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
@@ -53,19 +52,13 @@ def main() -> None:
     recipe = load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"),
                          ["run.output_dir=/tmp/pipetrain-bench-foundation", "run.progress=false"])
     cfg, tcfg = recipe.model, recipe.train
-    tok = load_tokenizer(recipe.data.tokenizer)
-    tokens, mask = tokenize_corpus(recipe.data, tok)
-    data = PackedData(tokens, mask, tcfg.seq_len, recipe.data.val_fraction, recipe.data.seed)
-    dims = ParallelDims.init(recipe.parallel)
     os.makedirs(recipe.run.output_dir, exist_ok=True)
-
-    ours = materialize(build(cfg), cfg, tcfg.seed, "cpu")
-    trainer = Trainer(recipe, dims, ours, build_optimizer(ours, dims, tcfg), Loader(data, tcfg.global_batch, 0, 1),
-                      recipe.run.output_dir)
+    trainer = build_trainer(recipe)
+    ours = trainer.model
 
     plain = materialize(build(cfg), cfg, tcfg.seed, "cpu")
     plain_opt = build_adamw(param_groups(plain, tcfg.weight_decay), tcfg)
-    plain_loader = Loader(data, tcfg.global_batch, 0, 1)
+    plain_loader = Loader(trainer.loader.data, tcfg.global_batch, 0, 1)  # the same batches
 
     def plain_step() -> float:
         t0 = time.perf_counter()

@@ -27,17 +27,21 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pipetrain.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from pipetrain.build import build_trainer  # noqa: E402
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig  # noqa: E402
+from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.models import build, count_params, materialize  # noqa: E402
-from pipetrain.optim import build_optimizer, lr_at  # noqa: E402
+from pipetrain.optim import lr_at  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.recompute import apply_recompute  # noqa: E402
+from pipetrain.parallel.zero import ZeroOptimizer  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
                    ffn_hidden=704, max_seq_len=256)
@@ -63,8 +67,21 @@ def _model(cfg: ModelConfig, recompute: str = "none"):
 
 # ---- ZeRO model states ----
 
+def _zero_trainer(zero: int, overlap: bool, dims: ParallelDims, steps: int, out: str):
+    """The model and optimizer as a run builds them (the loop below feeds its own batches, not the loader's)."""
+    recipe = Recipe(model=TINY, parallel=ParallelConfig(zero=zero),
+                    train=TrainConfig(steps=steps, lr=1e-3, warmup_steps=1, global_batch=8, seq_len=64),
+                    run=RunConfig(output_dir=out, progress=False))
+    os.makedirs(out, exist_ok=True)  # rank 0's metrics file
+    tokens = np.zeros(8 * 64 + 1, dtype=np.int32)
+    loader = Loader(PackedData(tokens, np.ones(len(tokens), dtype=bool), 64, 0.0, 0), 8, dims.dp_rank, dims.dp)
+
+    def zero_optimizer(model, dims, recipe):
+        return ZeroOptimizer(model, dims, recipe.train, zero, overlap=overlap)
+    return build_trainer(recipe, dims, loader=loader, optimizer_factory=zero_optimizer if zero else None)
+
+
 def _zero_worker(rank: int, world_size: int, steps: int, out: str) -> None:
-    from pipetrain.parallel.zero import ZeroOptimizer
     dims = ParallelDims.from_degrees(tp=1, pp=1)
     tcfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=1)
     inputs, targets = _batch(TINY, 8, 64)
@@ -73,8 +90,8 @@ def _zero_worker(rank: int, world_size: int, steps: int, out: str) -> None:
     # The first configuration of a process pays page faults for every new buffer: a warm-up round
     # (not reported) keeps that out of the first reported row.
     for zero, overlap in ((0, True), (0, True), (1, True), (2, True), (2, False)):
-        model = _model(TINY)
-        opt = ZeroOptimizer(model, dims, tcfg, zero, overlap=overlap) if zero else build_optimizer(model, dims, tcfg)
+        trainer = _zero_trainer(zero, overlap, dims, steps, os.path.join(out, f"run-dp{world_size}-rank{rank}"))
+        model, opt = trainer.model, trainer.optimizer
         times = []
         for step in range(steps):
             t0 = time.perf_counter()
@@ -94,6 +111,7 @@ def _zero_worker(rank: int, world_size: int, steps: int, out: str) -> None:
         formula = {0: (4 * P, 4 * P, 8 * P), 1: (4 * P, 4 * P, 8 * P // dp), 2: (4 * P, 4 * P // dp, 8 * P // dp)}[zero]
         rows.append({"zero": zero, "overlap": overlap, "params": P * 4, "grads": grads, "optim": opt.state_bytes(),
                      "formula": formula, "step_s": statistics.median(times[2:]), "loss": float(loss.detach())})
+        trainer.logger.close()
     rows = rows[1:]
     with open(os.path.join(out, f"zero-dp{world_size}-rank{rank}.json"), "w") as f:
         json.dump(rows, f)

@@ -138,7 +138,6 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
     "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig,
@@ -278,8 +277,10 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
-def validate(r: Recipe, world_size: int | None = None) -> list[str]:
-    """Cross-field rules; returns every problem found (empty when the recipe is consistent)."""
+def validate(r: Recipe) -> list[str]:
+    """Cross-field rules that need no world size; returns every problem found (empty when consistent).
+    The layout rules (degrees against the world size, the model and the schedule) are
+    pipetrain.parallel.layout.layout_problems."""
     m, p, t, d = r.model, r.parallel, r.train, r.data
     problems = []
 
@@ -318,52 +319,11 @@ def validate(r: Recipe, world_size: int | None = None) -> list[str]:
     need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
     if p.dp is not None:
         need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")
-    problems += _not_implemented(r)
-    if world_size is not None:
-        problems += validate_layout(r, world_size)
     return problems
-
-
-# Values whose feature has not landed yet; each entry goes when its issue lands.
-_PENDING = {
-}
-
-
-def _not_implemented(r: Recipe) -> list[str]:
-    out = []
-    for (section, key), (ok, what) in _PENDING.items():
-        value = getattr(getattr(r, section), key)
-        if not ok(value):
-            out.append(f"{section}.{key}={value}: {what} is not implemented yet; remove the key or use the default")
-    return out
 
 
 def _sec(obj) -> str:
     return {v: k for k, v in _SECTION_CLASSES.items()}[type(obj)]
-
-
-def resolve_dp(r: Recipe, world_size: int) -> int:
-    tp_pp = r.parallel.tp * r.parallel.pp
-    return r.parallel.dp if r.parallel.dp is not None else max(1, world_size // tp_pp)
-
-
-def validate_layout(r: Recipe, world_size: int) -> list[str]:
-    """Rules that need the world size: the mesh must cover it and every degree must divide its dimension."""
-    m, p, t = r.model, r.parallel, r.train
-    problems = []
-    tp_pp = p.tp * p.pp
-    if world_size % tp_pp:
-        problems.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp_pp}; "
-                        f"launch a multiple of {tp_pp} processes")
-        return problems
-    dp = resolve_dp(r, world_size)
-    if dp * tp_pp != world_size:
-        problems.append(f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * tp_pp} does not equal the world size "
-                        f"{world_size}; launch {dp * tp_pp} processes or drop parallel.dp")
-    if t.global_batch % (dp * p.microbatches):
-        problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
-                        f"{dp}*{p.microbatches}={dp * p.microbatches}")
-    return problems
 
 
 def dump_recipe(r: Recipe, path: str) -> None:

@@ -7,23 +7,23 @@ microbatches and dp ranks gives exactly the single-process gradient whatever the
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from pipetrain.config import Recipe
 from pipetrain.data import IGNORE_INDEX, Batch, Loader
-from pipetrain.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
+from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
 from pipetrain.optim import lr_at
+from pipetrain.parallel.comm import any_over_world, sum_over_world_
 from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
-from pipetrain.parallel.schedules import build_schedule, gpipe
-from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
+from pipetrain.parallel.schedules import Action
 
 
 class TrainingDiverged(RuntimeError):
@@ -41,45 +41,26 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, dims, model: nn.Module, optimizer, loader: Loader, output_dir: str,
-                 chunks=None, specs=None, checkpointer=None, start_step: int = 0):
-        """model: this rank's (pruned, sharded) module; chunks/specs: its pipeline chunks (build_stage)."""
-        self.recipe, self.dims, self.model, self.optimizer = recipe, dims, model, optimizer
-        self.loader, self.output_dir, self.checkpointer = loader, output_dir, checkpointer
+    """Runs a built run (pipetrain.build.build_trainer assembles one); holds its state between steps."""
+
+    def __init__(self, recipe: Recipe, dims: ParallelDims, model: nn.Module, optimizer, loader: Loader,
+                 executor: Executor, actions: Sequence[Action], eval_actions: Sequence[Action],
+                 logger: MetricsLogger, *, checkpointer=None, start_step: int = 0,
+                 peak_tflops: float | None = None, tokenizer=None):
+        """model: this rank's (pruned, sharded) module, which executor runs chunk by chunk; actions /
+        eval_actions: this rank's schedule for a training step / an evaluation batch; peak_tflops: per
+        device, for MFU (None: no MFU); checkpointer None: save nothing."""
+        self.recipe, self.dims, self.model, self.optimizer, self.loader = recipe, dims, model, optimizer, loader
+        self.executor, self.actions, self.eval_actions = executor, list(actions), list(eval_actions)
+        self.logger, self.checkpointer, self.tokenizer = logger, checkpointer, tokenizer
         self.step = start_step
-        self.tokens_seen = start_step * recipe.train.global_batch * recipe.train.seq_len
+        self.peak = peak_tflops
         self.device = dims.device
-        self.stop_requested = False  # set by a SIGTERM handler: save and exit cleanly
-        self.logger = MetricsLogger(output_dir, enabled=dims.rank == 0, total_steps=recipe.train.steps,
-                                    progress=recipe.run.progress, start_step=start_step)
-        self.peak = peak_tflops(self.device, recipe.run.peak_tflops)
+        self.tokens_seen = start_step * recipe.train.global_batch * recipe.train.seq_len
         self.flops_per_token = flops_per_token(recipe.model, recipe.train.seq_len)
-        if chunks is None:
-            from pipetrain.parallel.pipeline import ChunkSpec
-            chunks, specs = [model], [ChunkSpec(0, tuple(range(recipe.model.n_layers)), True, True)]
-        p = recipe.parallel
-        tp_group = dims.tp_group if dims.tp > 1 else None
-        micro = recipe.train.global_batch // dims.dp // p.microbatches
-        seq = recipe.train.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
-        act_dtype = next(model.parameters()).dtype
-        t = recipe.train
-        apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
-        self.executor = Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
-                                 loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group),
-                                 autocast=self._autocast)
-        # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
-        backward_cost = 3.0 if p.recompute == "full" else 2.0
-        self.actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,
-                                      backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
-        self.eval_actions = gpipe(dims.pp_rank, dims.pp, p.microbatches) if p.virtual_stages == 1 else \
-            [a for a in self.actions if a.kind in ("F", "SEND_ACT", "RECV_ACT")]
+        self.stop_requested = False  # set by a SIGTERM handler: save and exit cleanly
 
     # -- one step ------------------------------------------------------------------------------
-    def _autocast(self):
-        if self.recipe.train.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def forward_backward(self, batch: Batch, num_targets: int) -> torch.Tensor:
         """Run the step's schedule over every microbatch; return this rank's summed loss (not averaged)."""
         return self.executor.run(self.actions, batch.split(self.recipe.parallel.microbatches), num_targets)
@@ -91,7 +72,7 @@ class Trainer:
             local_sum = local_sum.clone()
             if self.dims.tp_rank != 0:
                 local_sum.zero_()
-            dist.all_reduce(local_sum)
+            sum_over_world_(local_sum, self.dims.world_size)
         return float(local_sum) / num_targets
 
     def train_step(self) -> dict:
@@ -137,10 +118,9 @@ class Trainer:
             total.zero_()  # the token count is known everywhere; the loss only on the last stage
             count = 0
         stats = torch.tensor([float(total), float(count)], dtype=torch.float64, device=self.device)
-        if self.dims.world_size > 1:
-            if self.dims.tp_rank != 0:
-                stats.zero_()
-            dist.all_reduce(stats)
+        if self.dims.tp_rank != 0:
+            stats.zero_()
+        sum_over_world_(stats, self.dims.world_size)
         loss_total, tokens = float(stats[0]), int(stats[1])
         record = {"step": self.step, "eval_loss": loss_total / max(tokens, 1), "eval_tokens": tokens}
         self.logger.log(record)
@@ -149,11 +129,7 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """True when any rank was asked to stop: SIGTERM reaches ranks at different moments, and
         every rank must leave the loop after the same step or the next collective hangs."""
-        if self.dims.world_size == 1:
-            return self.stop_requested
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stop_requested = bool(flag.item())
+        self.stop_requested = any_over_world(self.stop_requested, self.dims.world_size, self.device)
         return self.stop_requested
 
     # -- the loop ------------------------------------------------------------------------------

@@ -275,3 +275,38 @@ def gather_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
 def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
     """forward: reduce-scatter along T, (B, T, D) -> (B, T/tp, D); backward: all-gather along T."""
     return x if group_size(tp_group) == 1 else _ReduceScatterSequence.apply(x, tp_group)
+
+
+# -- trainer-level reductions
+# Whole-world collectives of the training loop and of building a run (the default group: every rank).
+# With one process they return their input and issue nothing.
+
+def sum_over_world_(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Sum x over every rank, in place; returns x."""
+    if world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def any_over_world(flag: bool, world_size: int, device: torch.device) -> bool:
+    """True on every rank when flag is True on any rank."""
+    if world_size == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object_from_rank0(obj, world_size: int):
+    """Rank 0's obj (picklable) on every rank."""
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world_size: int) -> None:
+    """Wait until every rank reaches this point."""
+    if world_size > 1:
+        dist.barrier()

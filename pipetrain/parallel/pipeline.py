@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from pipetrain.config import ConfigError, ModelConfig, ParallelConfig
+from pipetrain.config import ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,7 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
     the last rank (pp 2, v 2, 8 layers: [2, 3, 2, 1] loads the ranks 5.0 / 6.7 blocks, [2, 2, 3, 1]
     6.0 / 5.7)."""
     L = cfg.n_layers
-    if num_stages > L:
-        raise ConfigError(f"parallel.pp*virtual_stages={num_stages} exceeds model.n_layers={L}; "
-                          "each stage needs at least one layer")
+    assert 1 <= num_stages <= L, f"partition_layers: {num_stages} stages for {L} layers; layout_problems rejects this"
     block, embed, head = layer_costs(cfg, seq_len)
 
     def cost(stage: int, n: int) -> float:
@@ -106,16 +104,13 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
 
 
 def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[list[int]]:
-    """Global layer indices of every stage."""
+    """Global layer indices of every stage, for a layout that layout_problems accepts."""
     num_stages = pcfg.pp * pcfg.virtual_stages
     if pcfg.stage_layers is not None:
         counts = list(pcfg.stage_layers)
-        if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts):
-            raise ConfigError(f"parallel.stage_layers={counts} must list {num_stages} positive layer counts "
-                              f"(one per stage: pp*virtual_stages={pcfg.pp}*{pcfg.virtual_stages})")
-        if sum(counts) != cfg.n_layers:
-            raise ConfigError(f"parallel.stage_layers={counts} sums to {sum(counts)} but model.n_layers="
-                              f"{cfg.n_layers}; make the counts add up to the number of layers")
+        assert len(counts) == num_stages and min(counts, default=0) >= 1 and sum(counts) == cfg.n_layers, \
+            f"stage_layout: stage_layers={counts} is not {num_stages} stages of {cfg.n_layers} layers; " \
+            "layout_problems rejects this"
     else:
         counts = partition_layers(cfg, num_stages, seq_len, pcfg.pp)
     out, start = [], 0
@@ -123,33 +118,6 @@ def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[l
         out.append(list(range(start, start + n)))
         start += n
     return out
-
-
-def validate_pipeline(cfg: ModelConfig, pcfg: ParallelConfig) -> list[str]:
-    """Recipe-level pipeline problems, reported with the other recipe errors."""
-    problems = []
-    num_stages = pcfg.pp * pcfg.virtual_stages
-    if num_stages > cfg.n_layers:
-        problems.append(f"parallel.pp*virtual_stages={pcfg.pp}*{pcfg.virtual_stages}={num_stages} exceeds "
-                        f"model.n_layers={cfg.n_layers}; each stage needs at least one layer")
-    if pcfg.virtual_stages > 1:
-        if pcfg.schedule != "interleaved-1f1b":
-            problems.append(f"parallel.virtual_stages={pcfg.virtual_stages} needs parallel.schedule="
-                            f"interleaved-1f1b, got {pcfg.schedule}")
-        if pcfg.pp < 2:
-            problems.append(f"parallel.virtual_stages={pcfg.virtual_stages} needs parallel.pp >= 2")
-        if pcfg.microbatches % pcfg.pp:
-            problems.append(f"parallel.microbatches={pcfg.microbatches} must be a multiple of parallel.pp="
-                            f"{pcfg.pp} for interleaved-1f1b")
-        if pcfg.stage_layers is None and cfg.n_layers % num_stages:
-            problems.append(f"model.n_layers={cfg.n_layers} is not divisible by pp*virtual_stages={num_stages} "
-                            "for interleaved-1f1b; change the layer count or give parallel.stage_layers")
-    if pcfg.stage_layers is not None:
-        counts = list(pcfg.stage_layers)
-        if len(counts) != num_stages or sum(counts) != cfg.n_layers or min(counts, default=0) < 1:
-            problems.append(f"parallel.stage_layers={counts} must list {num_stages} positive counts summing to "
-                            f"model.n_layers={cfg.n_layers}")
-    return problems
 
 
 def _chunk_view(model: nn.Module, spec: ChunkSpec) -> nn.Module:

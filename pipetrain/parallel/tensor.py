@@ -38,10 +38,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.config import ModelConfig
 from pipetrain.parallel.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data_parallel import allreduce_grads
 from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.layout import tensor_parallel_problems
 from pipetrain.parallel.weight_grads import WeightGradModule, embedding, linear
 
 # Module name (with any "layers.<i>." prefix removed) -> how it is parallelised.
@@ -63,38 +64,6 @@ TP_PLAN: dict[str, str] = {
     "head": "head",           # column-parallel entering the region itself; logits (B, T, V/tp)
 }
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def validate_tensor_parallel(model_cfg: ModelConfig, tp: int, seq_len: int | None = None,
-                             sequence_parallel: bool = False) -> list[str]:
-    """Every reason this model cannot be split tp ways (empty when it can), one message each."""
-    m = model_cfg
-    if tp < 1:
-        return [f"parallel.tp: must be >= 1, got {tp}; use 1 to disable tensor parallelism"]
-    problems = []
-    if m.n_heads % tp:
-        problems.append(f"parallel.tp: must divide model.n_heads={m.n_heads} (attention is split by heads), "
-                        f"got {tp}; use one of {_divisors(m.n_heads)}")
-    kv = m.kv_heads
-    if kv % tp and tp % kv:
-        problems.append(f"parallel.tp: must divide model.n_kv_heads={kv} (kv heads split) or be a multiple of "
-                        f"it (kv heads replicated), got {tp}; use a divisor or a multiple of {kv}")
-    if m.ffn % tp:
-        problems.append(f"parallel.tp: must divide model.ffn_hidden={m.ffn} (the MLP is split by columns), "
-                        f"got {tp}; set model.ffn_hidden to a multiple of {tp}")
-    if m.vocab_size % tp:
-        padded = -(-m.vocab_size // tp) * tp
-        problems.append(f"parallel.tp: must divide model.vocab_size={m.vocab_size} (embedding and head are "
-                        f"split by vocab rows), got {tp}; pad the vocabulary to {padded} or use one of "
-                        f"{_divisors(m.vocab_size)}")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        problems.append(f"train.seq_len: must be divisible by parallel.tp={tp} under sequence parallelism "
-                        f"(activations are split along T), got {seq_len}; use a multiple of {tp}")
-    return problems
 
 
 def _new_param(shape, like: torch.Tensor) -> nn.Parameter:
@@ -290,13 +259,13 @@ class _EnterRegion:
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> None:
     """Shard model (a Decoder, possibly pruned to a pipeline stage) over dims.tp_group, in place.
 
-    A no-op when dims.tp == 1. Raises ConfigError when the model cannot be split tp ways."""
+    A no-op when dims.tp == 1. The model must split tp ways (layout_problems checks the recipe)."""
     if dims.tp == 1:
         return
     cfg: ModelConfig = model.cfg
-    problems = validate_tensor_parallel(cfg, dims.tp)
-    if problems:
-        raise ConfigError("; ".join(problems))
+    problems = tensor_parallel_problems(cfg, dims.tp)
+    assert not problems, f"{dims.coords} apply_tensor_parallel: layout_problems rejects tp={dims.tp}: " \
+        f"{'; '.join(problems)}"
     if dims.tp_group is None:
         raise ValueError(f"{dims.coords} apply_tensor_parallel: tp={dims.tp} but dims has no tp_group; build "
                          "dims with ParallelDims.init / from_degrees after init_process_group")

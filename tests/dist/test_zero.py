@@ -27,7 +27,7 @@ from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.zero import ZeroOptimizer
 from tests.e2e.common import run_train, step_losses
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
-from tests.unit.test_memory import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from
+from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from
 
 GPT4 = dataclasses.replace(GPT2, n_layers=4)
 STEPS, BUCKET_BYTES = 3, 4096  # small buckets: several per rank, so ordering and overlap are exercised

@@ -1,9 +1,8 @@
-"""ParallelDims rank arithmetic and group layout, and tensor-parallel config validation, without processes."""
+"""ParallelDims rank arithmetic and group layout, without processes."""
 import pytest
 
-from pipetrain.config import ModelConfig, ParallelConfig
+from pipetrain.config import ParallelConfig
 from pipetrain.parallel.dims import ParallelDims, mesh_rank_lists
-from pipetrain.parallel.tensor import validate_tensor_parallel
 
 
 def test_global_rank_is_dp_major_then_pp_then_tp():
@@ -78,21 +77,3 @@ def test_requested_world_size_must_match_the_launched_processes():
 def test_rank_outside_the_mesh_fails_an_assertion():
     with pytest.raises(AssertionError, match="rank 4 is outside the mesh"):
         ParallelDims(dp=2, tp=2, rank=4)
-
-
-def test_validate_tensor_parallel_reports_every_problem_at_once():
-    cfg = ModelConfig(vocab_size=102, d_model=48, n_heads=6, n_kv_heads=3, ffn_hidden=90)
-    problems = validate_tensor_parallel(cfg, 4)
-    text = "\n".join(problems)
-    assert len(problems) == 4, problems
-    assert "model.n_heads=6" in text and "model.n_kv_heads=3" in text
-    assert "model.ffn_hidden=90" in text and "model.vocab_size=102" in text
-    assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 4) == []
-    assert validate_tensor_parallel(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 8) == []
-
-
-def test_sequence_parallel_needs_a_sequence_length_divisible_by_tp():
-    cfg = ModelConfig(n_heads=8, vocab_size=64)
-    (problem,) = validate_tensor_parallel(cfg, 4, seq_len=30, sequence_parallel=True)
-    assert problem.startswith("train.seq_len: must be divisible by parallel.tp=4") and "got 30" in problem
-    assert validate_tensor_parallel(cfg, 4, seq_len=30, sequence_parallel=False) == []

@@ -2,74 +2,25 @@
 state round trips, bf16 autocast with fp32 master weights, and activation recomputation (identical
 numbers, really recomputed, fewer bytes saved for backward).
 
-build_trainer assembles a run the way pipetrain.cli.build_run does, on synthetic token data, so the
-distributed tests (tests/dist/test_zero.py) reuse it.
+Trainers come from pipetrain.build.build_trainer on synthetic tokens (tests/unit/common.py), as the
+distributed tests (tests/dist/test_zero.py) build theirs.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
-from pipetrain.data import Loader, PackedData
+from pipetrain.config import ParallelConfig
 from pipetrain.models import build, materialize
-from pipetrain.optim import Optimizer, build_optimizer
+from pipetrain.optim import Optimizer
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.parallel.zero import MAX_IN_FLIGHT, ParamShard, ZeroOptimizer, dp_row_ranges
-from pipetrain.trainer import Trainer
-
-LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                    ffn_hidden=64, max_seq_len=32)
-GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)  # tied
-BF16_LOSS = dict(rtol=2e-2, atol=0.0)  # bf16 keeps 8 mantissa bits: ~0.4% per op, a few ops deep
-
-
-def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | None = None, *, zero: int = 0,
-                  bucket_bytes: int | None = None, learnable: bool = False, steps: int = 4, lr: float = 1e-2,
-                  global_batch: int = 8, seq_len: int = 16, precision: str = "fp32", grad_clip: float = 1.0,
-                  **parallel) -> Trainer:
-    """A Trainer assembled like cli.build_run (meta -> tp -> stage -> materialize -> recompute ->
-    optimizer) on synthetic tokens: random, or a fixed cycle a model learns in a few steps."""
-    dims = dims or ParallelDims()
-    recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, zero=zero, **parallel),
-                    train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
-                                      warmup_steps=1, grad_clip=grad_clip, precision=precision,
-                                      grad_accumulation_fusion_min_numel=0),  # tiny weights: fuse them all
-                    run=RunConfig(output_dir=out_dir, progress=False))
-    rng = np.random.default_rng(0)
-    num = 64 * (seq_len + 1)
-    tokens = (np.arange(num) * 5 % model_cfg.vocab_size if learnable
-              else rng.integers(0, model_cfg.vocab_size, num)).astype(np.int32)
-    data = PackedData(tokens, np.ones(num, dtype=bool), seq_len, 0.0, 1)
-    loader = Loader(data, global_batch, dims.dp_rank, dims.dp)
-    model = build(model_cfg, device="meta")
-    if dims.tp > 1:
-        from pipetrain.parallel.tensor import apply_tensor_parallel
-        apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
-    model, chunks, specs = build_stage(model, dims, recipe.parallel, seq_len)
-    materialize(model, model_cfg, recipe.train.seed, dims.device)
-    apply_recompute(model, recipe.parallel)
-    if zero and bucket_bytes is not None:
-        optimizer = ZeroOptimizer(model, dims, recipe.train, stage=zero, bucket_bytes=bucket_bytes)
-    else:
-        optimizer = build_optimizer(model, dims, recipe.train, zero)
-    return Trainer(recipe, dims, model, optimizer, loader, out_dir, chunks=chunks, specs=specs)
-
-
-def read_from(items) -> Callable[[str, tuple, tuple, tuple], torch.Tensor]:
-    """A read(name, global_shape, offsets, shape) over state_items that hold whole global tensors."""
-    full = {name: t for name, t, _, _ in items}
-
-    def read(name, global_shape, offsets, shape):
-        return full[name][tuple(slice(o, o + s) for o, s in zip(offsets, shape))].clone()
-    return read
+from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from
 
 
 # ---- ZeRO arithmetic ----

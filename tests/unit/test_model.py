@@ -80,8 +80,7 @@ def test_param_layout_reports_shards():
 def test_gpt_1b_recipe_builds_on_meta_with_expected_size():
     import os
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.unit.test_config import pending_feature_overrides
-    r = load_recipe(os.path.join(root, "recipes", "gpt-1b.yaml"), pending_feature_overrides())
+    r = load_recipe(os.path.join(root, "recipes", "gpt-1b.yaml"))
     model = build(r.model, device="meta")
     n = count_params(model)
     # 24 layers x 12 d^2 (gpt2 MLP 4d) + tied 50304 x 2048 embedding + 2048 positions, plus biases/norms

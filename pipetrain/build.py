@@ -1,0 +1,206 @@
+"""One function builds a run: build_trainer(recipe) -> Trainer. The CLI, the tests and the benchmarks call it.
+
+The order is DESIGN.md's run path:
+
+    recipe -> mesh (ParallelDims)            parallel/dims.py
+           -> tokenizer, data, loader        data.py
+           -> model on meta                  models/
+           -> tensor parallel                parallel/tensor.py
+           -> pipeline stage                 parallel/pipeline.py
+           -> weights: seed | Hugging Face | checkpoint   models/init.py, hf.py, checkpoint.py
+           -> recompute                      parallel/recompute.py
+           -> optimizer (ZeRO over dp)       optim.py, parallel/zero.py
+           -> executor and schedule          parallel/executor.py, parallel/schedules.py
+           -> metrics logger, checkpointer   metrics.py, checkpoint.py
+           -> Trainer                        trainer.py
+
+The recipe's layout must have passed pipetrain.parallel.layout.layout_problems (the CLI checks it
+before starting processes); the layers below only assert it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from pipetrain import checkpoint
+from pipetrain.config import ConfigError, Recipe, validate
+from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.metrics import MetricsLogger, peak_tflops
+from pipetrain.models import build, materialize
+from pipetrain.optim import build_optimizer
+from pipetrain.parallel.comm import barrier, broadcast_object_from_rank0
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.pipeline import build_stage
+from pipetrain.parallel.recompute import apply_recompute
+from pipetrain.parallel.schedules import build_schedule, gpipe
+from pipetrain.parallel.tensor import apply_tensor_parallel
+from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
+from pipetrain.trainer import Trainer, loss_sum
+
+OptimizerFactory = Callable[[nn.Module, ParallelDims, Recipe], object]
+
+
+def resolve_init_from(recipe: Recipe) -> Recipe:
+    """With model.init_from, the Hugging Face config defines the model (contradicting keys are errors)
+    and its directory is the default tokenizer."""
+    if not recipe.model.init_from:
+        return recipe
+    if not os.path.isdir(recipe.model.init_from):
+        raise ConfigError(f"model.init_from={recipe.model.init_from}: no such directory; point it at a local "
+                          "Hugging Face model folder (config.json + model.safetensors)")
+    model = model_config_from_hf(recipe.model.init_from, recipe.model)
+    data = recipe.data if recipe.data.tokenizer else dataclasses.replace(recipe.data,
+                                                                          tokenizer=recipe.model.init_from)
+    recipe = dataclasses.replace(recipe, model=model, data=data)
+    problems = validate(recipe)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return recipe
+
+
+def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: str | None = None,
+                  eval_only: bool = False, loader: Loader | None = None,
+                  optimizer_factory: OptimizerFactory | None = None) -> Trainer:
+    """Everything a run needs, assembled in DESIGN.md's order, as a Trainer ready to fit() or evaluate().
+
+    dims: the mesh (None: ParallelDims.init(recipe.parallel), creating the process groups).
+    resume: None (fresh), "auto" (the newest intact checkpoint in run.output_dir, else fresh) or a
+    checkpoint directory. eval_only: no checkpointer. loader: serve these batches instead of
+    recipe.data's (no tokenizer is loaded then). optimizer_factory(model, dims, recipe): instead of
+    optim.build_optimizer. Metrics go to run.output_dir, which must exist on global rank 0.
+    """
+    torch.manual_seed(recipe.train.seed)
+    dims = dims or ParallelDims.init(recipe.parallel)
+    if recipe.parallel.zero >= 1 and dims.dp == 1 and dims.rank == 0:
+        print(f"warning: parallel.zero={recipe.parallel.zero} has no effect with dp=1 (nothing to shard across); "
+              "launch more data-parallel ranks or set parallel.zero=0", file=sys.stderr)
+    tokenizer = None
+    if loader is None:
+        tokenizer = _build_tokenizer(recipe)
+        loader = _build_loader(recipe, dims, tokenizer)
+
+    model = build(recipe.model, device="meta")
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
+    # After tensor parallelism (which would replace the swapped modules); with fusion off it still
+    # swaps in the modules whose weight gradients the split backward defers.
+    t = recipe.train
+    apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
+    model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
+    ckpt_dir = _resume_dir(recipe, dims, resume)
+    if recipe.model.init_from and ckpt_dir is None:
+        load_hf_weights(model, recipe.model.init_from, recipe.model, device=dims.device)
+    else:  # a resumed run overwrites these weights from the checkpoint
+        materialize(model, recipe.model, recipe.train.seed, dims.device)
+    apply_recompute(model, recipe.parallel)
+    if optimizer_factory is None:
+        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
+    else:
+        optimizer = optimizer_factory(model, dims, recipe)
+    start = 0
+    if ckpt_dir is not None:
+        manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
+        start = manifest["step"]
+        if dims.rank == 0:
+            print(f"resumed from {ckpt_dir} at step {start}", flush=True)
+    metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
+    if resume is not None and dims.rank == 0:
+        _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending
+
+    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype)
+    actions, eval_actions = _build_schedules(recipe, dims)
+    logger = MetricsLogger(recipe.run.output_dir, enabled=dims.rank == 0, total_steps=recipe.train.steps,
+                           progress=recipe.run.progress, start_step=start)
+    checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    return Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
+                   checkpointer=checkpointer, start_step=start,
+                   peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer)
+
+
+def _build_tokenizer(recipe: Recipe):
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    if recipe.model.init_from:
+        check_tokenizer_vocab(tokenizer, recipe.model)
+    elif len(tokenizer) > recipe.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; raise model.vocab_size to at least {len(tokenizer)}")
+    return tokenizer
+
+
+def _build_loader(recipe: Recipe, dims: ParallelDims, tokenizer) -> Loader:
+    """This dp rank's loader over recipe.data, tokenised with tokenizer."""
+    # Local rank 0 tokenises (and caches) first so the other ranks on the machine read the cache.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if local_rank == 0:
+        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
+    barrier(dims.world_size)
+    if local_rank != 0:
+        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
+    data = PackedData(tokens, mask, recipe.train.seq_len, recipe.data.val_fraction, recipe.data.seed)
+    return Loader(data, recipe.train.global_batch, dims.dp_rank, dims.dp)
+
+
+def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype: torch.dtype) -> Executor:
+    """The executor of this rank's chunks: boundary activations (B/dp/microbatches, T or T/tp, D)."""
+    p, t = recipe.parallel, recipe.train
+    tp_group = dims.tp_group if dims.tp > 1 else None
+    micro = t.global_batch // dims.dp // p.microbatches
+    seq = t.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
+    if t.precision == "bf16":
+        def autocast():
+            return torch.autocast(dims.device.type, dtype=torch.bfloat16)
+    else:
+        autocast = contextlib.nullcontext
+    return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
+                    loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), autocast=autocast)
+
+
+def _build_schedules(recipe: Recipe, dims: ParallelDims) -> tuple[list, list]:
+    """This rank's actions for a training step and for an evaluation batch (forward only)."""
+    p = recipe.parallel
+    # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
+    backward_cost = 3.0 if p.recompute == "full" else 2.0
+    actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,
+                             backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
+    if p.virtual_stages == 1:
+        eval_actions = gpipe(dims.pp_rank, dims.pp, p.microbatches)
+    else:
+        eval_actions = [a for a in actions if a.kind in ("F", "SEND_ACT", "RECV_ACT")]
+    return actions, eval_actions
+
+
+def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str | None:
+    """The checkpoint to resume from: None (fresh), the newest intact one (auto), or DIR."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        if not os.path.isdir(resume):
+            raise ConfigError(f"--resume {resume}: no such checkpoint directory; pass a checkpoints/step-... "
+                              "folder or --resume auto")
+        return resume
+    # rank 0 verifies and chooses, so every rank resumes from the same checkpoint
+    choice = broadcast_object_from_rank0(
+        checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.world_size)
+    if choice is None and dims.rank == 0:
+        print(f"--resume auto: no complete checkpoint in {recipe.run.output_dir}; starting fresh", flush=True)
+    return choice
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """A resumed run rewrites history after its checkpoint: drop metric lines past that step."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,115 @@
+"""One check of a recipe's parallel layout: every reason it cannot run on a given number of processes.
+
+layout_problems(recipe, world_size) is what the CLI calls before starting anything; it lists every
+problem at once, one message each (`<where>: <what>, got <actual>; <fix>` or `key=value ...; fix`).
+The layers that build the run (ParallelDims, apply_tensor_parallel, build_stage, the schedule builders)
+assume a layout that passed this check and only assert it. The rules that need no world size and no
+layout (a degree is >= 1, lr > 0, ...) stay in config.validate.
+
+This module reads only the recipe's dataclasses: it imports nothing from the parallel code, so every
+layer can call it without an import cycle.
+"""
+from __future__ import annotations
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+
+
+def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
+    """Every problem with running recipe's dp x tp x pp layout on world_size processes (empty when it runs).
+
+    The recipe must have passed config.validate (load_recipe and build_recipe run it): degrees >= 1."""
+    p = recipe.parallel
+    assert min(p.tp, p.pp, p.microbatches, p.virtual_stages) >= 1 and world_size >= 1, \
+        f"layout_problems: run config.validate first (tp={p.tp}, pp={p.pp}, microbatches={p.microbatches}, " \
+        f"virtual_stages={p.virtual_stages}, world size {world_size})"
+    return (mesh_problems(recipe, world_size)
+            + tensor_parallel_problems(recipe.model, p.tp, recipe.train.seq_len, p.sequence_parallel)
+            + pipeline_problems(recipe.model, p))
+
+
+def resolve_dp(recipe: Recipe, world_size: int) -> int:
+    """parallel.dp, or world_size / (tp * pp) when the recipe leaves it out."""
+    tp_pp = recipe.parallel.tp * recipe.parallel.pp
+    return recipe.parallel.dp if recipe.parallel.dp is not None else max(1, world_size // tp_pp)
+
+
+def mesh_problems(recipe: Recipe, world_size: int) -> list[str]:
+    """The dp x tp x pp mesh must cover the world, and dp * microbatches must divide the global batch."""
+    p, t = recipe.parallel, recipe.train
+    tp_pp = p.tp * p.pp
+    if world_size % tp_pp:
+        return [f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp_pp}; "
+                f"launch a multiple of {tp_pp} processes"]
+    problems = []
+    dp = resolve_dp(recipe, world_size)
+    if dp * tp_pp != world_size:
+        problems.append(f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * tp_pp} does not equal the world size "
+                        f"{world_size}; launch {dp * tp_pp} processes or drop parallel.dp")
+    if t.global_batch % (dp * p.microbatches):
+        problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
+                        f"{dp}*{p.microbatches}={dp * p.microbatches}")
+    return problems
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, seq_len: int | None = None,
+                             sequence_parallel: bool = False) -> list[str]:
+    """Every reason this model cannot be split tp ways (empty when it can), one message each."""
+    m = model_cfg
+    problems = []
+    if m.n_heads % tp:
+        problems.append(f"parallel.tp: must divide model.n_heads={m.n_heads} (attention is split by heads), "
+                        f"got {tp}; use one of {_divisors(m.n_heads)}")
+    kv = m.kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"parallel.tp: must divide model.n_kv_heads={kv} (kv heads split) or be a multiple of "
+                        f"it (kv heads replicated), got {tp}; use a divisor or a multiple of {kv}")
+    if m.ffn % tp:
+        problems.append(f"parallel.tp: must divide model.ffn_hidden={m.ffn} (the MLP is split by columns), "
+                        f"got {tp}; set model.ffn_hidden to a multiple of {tp}")
+    if m.vocab_size % tp:
+        padded = -(-m.vocab_size // tp) * tp
+        problems.append(f"parallel.tp: must divide model.vocab_size={m.vocab_size} (embedding and head are "
+                        f"split by vocab rows), got {tp}; pad the vocabulary to {padded} or use one of "
+                        f"{_divisors(m.vocab_size)}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        problems.append(f"train.seq_len: must be divisible by parallel.tp={tp} under sequence parallelism "
+                        f"(activations are split along T), got {seq_len}; use a multiple of {tp}")
+    return problems
+
+
+def pipeline_problems(model_cfg: ModelConfig, pcfg: ParallelConfig) -> list[str]:
+    """Stages, explicit stage sizes and the schedule: every reason the layers cannot be staged this way."""
+    m, p = model_cfg, pcfg
+    problems = []
+    num_stages = p.pp * p.virtual_stages
+    if num_stages > m.n_layers:
+        problems.append(f"parallel.pp*virtual_stages={p.pp}*{p.virtual_stages}={num_stages} exceeds "
+                        f"model.n_layers={m.n_layers}; each stage needs at least one layer")
+    if p.virtual_stages > 1:
+        if p.schedule != "interleaved-1f1b":
+            problems.append(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule="
+                            f"interleaved-1f1b, got {p.schedule}; set parallel.virtual_stages=1 or use "
+                            "interleaved-1f1b")
+        if p.pp < 2:
+            problems.append(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2, got {p.pp}; one "
+                            "rank has no bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
+        if p.microbatches % p.pp:
+            problems.append(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} "
+                            "for interleaved-1f1b (microbatches pass through the chunks in groups of pp); use "
+                            f"{p.microbatches + p.pp - p.microbatches % p.pp}")
+        if p.stage_layers is None and m.n_layers % num_stages:
+            problems.append(f"model.n_layers={m.n_layers} is not divisible by pp*virtual_stages={num_stages} "
+                            "for interleaved-1f1b; change the layer count or give parallel.stage_layers")
+    if p.stage_layers is not None:
+        counts = list(p.stage_layers)
+        if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts):
+            problems.append(f"parallel.stage_layers={counts} must list {num_stages} positive layer counts "
+                            f"(one per stage: pp*virtual_stages={p.pp}*{p.virtual_stages})")
+        elif sum(counts) != m.n_layers:
+            problems.append(f"parallel.stage_layers={counts} sums to {sum(counts)}, not model.n_layers="
+                            f"{m.n_layers}; give {num_stages} positive counts summing to model.n_layers={m.n_layers}")
+    return problems

@@ -1,0 +1,86 @@
+"""layout_problems: every reason a recipe's dp x tp x pp layout cannot run on a world size, at once."""
+import dataclasses
+
+import pytest
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, build_recipe
+from pipetrain.parallel.layout import layout_problems, pipeline_problems, tensor_parallel_problems
+from pipetrain.parallel.pipeline import stage_layout
+
+BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
+LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=64, max_seq_len=32)
+
+
+def _recipe(model=LLAMA, **parallel) -> Recipe:
+    return Recipe(model=model, parallel=ParallelConfig(**parallel), train=TrainConfig(global_batch=8, seq_len=16))
+
+
+def test_layout_must_divide_world_and_batch():
+    r = build_recipe({**BASE, "train": {"global_batch": 6}, "parallel": {"microbatches": 4}})
+    problems = layout_problems(r, 2)
+    assert any("train.global_batch=6 must be divisible by dp*microbatches=2*4=8" in p for p in problems)
+
+
+def test_world_not_divisible_by_tp_pp_and_explicit_dp_that_misses_the_world():
+    (problem,) = layout_problems(_recipe(tp=2), 3)
+    assert problem.startswith("world size 3 is not divisible by parallel.tp*parallel.pp=2")
+    (problem,) = layout_problems(_recipe(dp=2, tp=2), 8)
+    assert "parallel.dp*tp*pp=2*2*1=4 does not equal the world size 8" in problem
+    assert layout_problems(_recipe(tp=2, pp=2), 8) == []  # dp = 8 / 4 = 2 divides the batch of 8
+
+
+def test_every_kind_of_problem_is_reported_at_once():
+    cfg = dataclasses.replace(LLAMA, n_heads=6, d_model=48)
+    problems = layout_problems(_recipe(cfg, tp=4, pp=8, microbatches=3), 3)
+    text = "\n".join(problems)
+    assert "world size 3 is not divisible" in text
+    assert "model.n_heads=6" in text
+    assert "exceeds model.n_layers=4" in text
+
+
+def test_tensor_parallel_problems_reports_every_problem_at_once():
+    cfg = ModelConfig(vocab_size=102, d_model=48, n_heads=6, n_kv_heads=3, ffn_hidden=90)
+    problems = tensor_parallel_problems(cfg, 4)
+    text = "\n".join(problems)
+    assert len(problems) == 4, problems
+    assert "model.n_heads=6" in text and "model.n_kv_heads=3" in text
+    assert "model.ffn_hidden=90" in text and "model.vocab_size=102" in text
+    assert tensor_parallel_problems(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 4) == []
+    assert tensor_parallel_problems(ModelConfig(n_heads=8, n_kv_heads=2, vocab_size=64), 8) == []
+
+
+def test_sequence_parallel_needs_a_sequence_length_divisible_by_tp():
+    cfg = ModelConfig(n_heads=8, vocab_size=64)
+    (problem,) = tensor_parallel_problems(cfg, 4, seq_len=30, sequence_parallel=True)
+    assert problem.startswith("train.seq_len: must be divisible by parallel.tp=4") and "got 30" in problem
+    assert tensor_parallel_problems(cfg, 4, seq_len=30, sequence_parallel=False) == []
+
+
+def test_bad_pipeline_layouts_are_reported():
+    assert "exceeds model.n_layers=4" in " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=8)))
+    msg = " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=2, stage_layers=[1, 1])))
+    assert "stage_layers=[1, 1]" in msg and "summing to model.n_layers=4" in msg
+    msg = " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=2, stage_layers=[1, 0])))
+    assert "must list 2 positive layer counts" in msg
+    msg = " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=2, virtual_stages=2, microbatches=3,
+                                                           schedule="interleaved-1f1b")))
+    assert "multiple of parallel.pp=2" in msg
+    msg = " ".join(pipeline_problems(ModelConfig(family="llama", n_layers=6, d_model=32, n_heads=4),
+                                     ParallelConfig(pp=2, virtual_stages=2, microbatches=2,
+                                                    schedule="interleaved-1f1b")))
+    assert "not divisible by pp*virtual_stages=4" in msg
+
+
+def test_virtual_stages_need_the_interleaved_schedule_and_two_ranks():
+    msg = " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=2, virtual_stages=2, microbatches=2)))
+    assert "needs parallel.schedule=interleaved-1f1b, got 1f1b" in msg
+    msg = " ".join(pipeline_problems(LLAMA, ParallelConfig(pp=1, virtual_stages=2, schedule="interleaved-1f1b")))
+    assert "needs parallel.pp >= 2, got 1" in msg
+
+
+def test_lower_layers_assert_what_layout_problems_reports():
+    pcfg = ParallelConfig(pp=2, stage_layers=[2, 3])
+    assert "sums to 5, not model.n_layers=4" in " ".join(layout_problems(_recipe(pp=2, stage_layers=[2, 3]), 2))
+    with pytest.raises(AssertionError, match="layout_problems rejects this"):
+        stage_layout(LLAMA, pcfg, 16)
