@@ -76,7 +76,7 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
 
 def build_run(recipe: Recipe, resume: str | None):
     """Everything a run needs: (dims, model, chunks, specs, optimizer, loader, tokenizer, checkpointer, start)."""
-    from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
+    from pipetrain.data import build_loader, load_tokenizer
     from pipetrain.models import build, materialize
     from pipetrain.optim import build_optimizer
     from pipetrain.parallel.dims import ParallelDims
@@ -94,15 +94,7 @@ def build_run(recipe: Recipe, resume: str | None):
     elif len(tokenizer) > recipe.model.vocab_size:
         raise ConfigError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
                           f"{len(tokenizer)} tokens; raise model.vocab_size to at least {len(tokenizer)}")
-    # Local rank 0 tokenises (and caches) first so the other ranks on the machine read the cache.
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
-    if dims.world_size > 1:
-        dist.barrier()
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
-        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
-    data = PackedData(tokens, mask, recipe.train.seq_len, recipe.data.val_fraction, recipe.data.seed)
-    loader = Loader(data, recipe.train.global_batch, dims.dp_rank, dims.dp)
+    loader = build_loader(recipe, dims, tokenizer)
 
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
