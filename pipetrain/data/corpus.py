@@ -188,6 +188,11 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     if is_prepared(out_dir):
         return out_dir
     builder, files = source_files(path)
+    if files and all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(f"data.path: {path!r} holds no documents (empty files); add data or remove this source")
+    empty = [f for f in files if builder != "text" and os.path.getsize(f) == 0]
+    if empty:  # the json/parquet readers cannot infer columns from an empty file
+        raise ConfigError(f"data.path: {empty[0]!r} is empty; remove it or add records")
     root = os.path.expanduser(cache_dir or "~/.cache/pipetrain")
     ds = _load_dataset(path, builder, files, root, progress)
     columns = set(ds.column_names)
@@ -228,6 +233,9 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
             bar.update(int(flat.size))
     if bar is not None:
         bar.close()
+    if num_tokens <= num_docs:  # nothing but the EOS closing each (empty) document
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"data.path: {path!r} holds no text (only empty documents); add data or remove this source")
     written = {"tokens.bin": tokens.close(), "documents.bin": docs.close()}
     if mask is not None:
         written["mask.bin"] = mask.close()
