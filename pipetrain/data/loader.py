@@ -61,15 +61,20 @@ class _Stream:
         return self.starts[run] + (virtual - self.vstarts[run])
 
 
+def _plain(array: np.ndarray) -> np.ndarray:
+    """A memmap as a plain ndarray over the same pages: no np.memmap Python overhead per index."""
+    return array.view(np.ndarray) if isinstance(array, np.memmap) else array
+
+
 class PackedData:
     """Fixed-length windows over one token stream, split by documents, in an O(1) layout-independent order."""
 
     def __init__(self, tokens: np.ndarray, mask: Optional[np.ndarray], seq_len: int, val_fraction: float, seed: int,
                  documents: Optional[np.ndarray] = None, document_mask: bool = False, name: str = "data"):
-        self.tokens, self.seq_len, self.seed, self.name = tokens, seq_len, seed, name
-        self.mask = None if mask is None or (mask.dtype == bool and mask.all()) else mask
+        self.tokens, self.seq_len, self.seed, self.name = _plain(tokens), seq_len, seed, name
+        self.mask = None if mask is None or (mask.dtype == bool and mask.all()) else _plain(mask)
         self.all_trained = self.mask is None  # plain text: every target counts, no need to look
-        self.documents, self.document_mask = documents, document_mask
+        self.documents, self.document_mask = (_plain(documents) if documents is not None else None), document_mask
         n_tok = len(tokens)
         num_docs = len(documents) - 1 if documents is not None else -(-n_tok // seq_len)
         num_val = int(round(num_docs * val_fraction))
@@ -115,26 +120,55 @@ class PackedData:
     def train_window(self, sample: int) -> int:
         return int(self.train_windows([sample])[0])
 
-    def _physical(self, stream: _Stream, windows: np.ndarray) -> np.ndarray:
+    def _pieces(self, stream: _Stream, windows: np.ndarray) -> list:
+        """Per window: a physical start p (its S+1 tokens are tokens[p:p+S+1], the usual case), or
+        the (S+1,) physical indices of a window that spans two runs of the stream."""
         S = self.seq_len
-        return stream.physical(windows[:, None] * S + np.arange(S + 1)[None, :])  # (k, S+1)
+        v0 = np.asarray(windows, dtype=np.int64) * S
+        run = np.searchsorted(stream.vstarts, v0, side="right") - 1
+        p0 = stream.starts[run] + (v0 - stream.vstarts[run])
+        inside = v0 + S < stream.vstarts[run] + stream.lengths[run]
+        return [int(p) if ok else stream.physical(v + np.arange(S + 1)) for p, ok, v in zip(p0, inside, v0)]
+
+    def _gather(self, array: np.ndarray, pieces: list) -> np.ndarray:
+        S = self.seq_len
+        return np.stack([array[p:p + S + 1] if isinstance(p, int) else array[p] for p in pieces])
 
     def _rows(self, stream: _Stream, windows: np.ndarray) -> Batch:
-        phys = self._physical(stream, windows)
-        win = torch.from_numpy(self.tokens[phys].astype(np.int64))
-        targets = win[:, 1:]
+        pieces = self._pieces(stream, windows)
+        win = self._gather(self.tokens, pieces)
+        # numpy builds the int64 copies: torch's copy kernels wake its thread pool for a few MB
+        inputs, targets = win[:, :-1].astype(np.int64), win[:, 1:].astype(np.int64)
         if self.mask is not None:
-            targets = targets.masked_fill(~torch.from_numpy(self.mask[phys[:, 1:]].astype(bool)), IGNORE_INDEX)
-        positions = torch.from_numpy(self._positions(phys[:, :-1])) if self.document_mask else None
-        return Batch(win[:, :-1].contiguous(), targets.contiguous(), positions)
+            targets[self._gather(self.mask, pieces)[:, 1:] == 0] = IGNORE_INDEX
+        positions = torch.from_numpy(self._positions(pieces)) if self.document_mask else None
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), positions)
 
-    def _positions(self, phys: np.ndarray) -> np.ndarray:
-        """Position of each input token in its document, restarting at the window start."""
-        if self.documents is not None:
-            start = np.asarray(self.documents[np.searchsorted(self.documents, phys, side="right") - 1])
-        else:
-            start = phys // self.seq_len * self.seq_len
-        return np.minimum(phys - start, np.arange(phys.shape[1])[None, :]).astype(np.int64)
+    def _positions(self, pieces: list) -> np.ndarray:
+        """(k, S) position of each input token in its document, restarting at the window start."""
+        S, k = self.seq_len, len(pieces)
+        cols = np.arange(S)
+        is_start = np.zeros((k, S), dtype=bool)
+        flat = np.array([isinstance(p, int) for p in pieces], dtype=bool)
+        rows = np.flatnonzero(flat)
+        p0 = np.array([pieces[r] for r in rows], dtype=np.int64)
+        if self.documents is None:
+            is_start[rows] = (p0[:, None] + cols) % S == 0
+        elif len(rows):  # the document starts inside [p0, p0 + S) of every contiguous window, all at once
+            lo = np.searchsorted(self.documents, p0, side="left")
+            hi = np.searchsorted(self.documents, p0 + S, side="left")
+            owner = np.repeat(np.arange(len(rows)), hi - lo)
+            first = np.repeat(lo - np.concatenate([[0], np.cumsum(hi - lo)[:-1]]), hi - lo)
+            starts = self.documents[first + np.arange(len(owner))] - p0[owner]
+            is_start[rows[owner], starts] = True
+        for r in np.flatnonzero(~flat):  # a window across held-out documents: look each index up
+            phys = pieces[r][:S]
+            if self.documents is None:
+                is_start[r] = phys % S == 0
+            else:
+                at = np.searchsorted(self.documents, phys).clip(max=len(self.documents) - 1)
+                is_start[r] = self.documents[at] == phys
+        return cols - np.maximum.accumulate(np.where(is_start, cols, 0), axis=1)
 
     def train_batch(self, first_sample: int, count: int) -> Batch:
         return self._rows(self.train, self.train_windows(np.arange(first_sample, first_sample + count)))
@@ -146,8 +180,8 @@ class PackedData:
     def count_sample_targets(self, samples: np.ndarray) -> int:
         if self.mask is None:
             return len(samples) * self.seq_len
-        phys = self._physical(self.train, self.train_windows(samples))
-        return int(self.mask[phys[:, 1:]].astype(bool).sum())
+        pieces = self._pieces(self.train, self.train_windows(samples))
+        return int(self._gather(self.mask, pieces)[:, 1:].astype(bool).sum())
 
     def val_batch(self, first: int, count: int) -> Batch:
         return self._rows(self.val, (np.arange(first, first + count) % self.num_val_windows).astype(np.int64))

@@ -62,11 +62,12 @@ def test_mask_is_causal_within_each_document():
     assert torch.equal(mask, expected)
 
 
-def test_loader_positions_restart_at_each_document_and_at_the_window_start():
-    lengths = [5, 9, 3, 20, 7, 12]
+@pytest.mark.parametrize("val_fraction", [0.0, 0.3])  # 0.3: windows span the gap left by held-out documents
+def test_loader_positions_restart_at_each_document_and_at_the_window_start(val_fraction):
+    lengths = [5, 9, 3, 20, 7, 12, 4, 6, 30, 2]
     documents = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = np.arange(documents[-1]).astype(np.uint16)
-    data = PackedData(tokens, None, 8, 0.0, seed=0, documents=documents, document_mask=True)
+    data = PackedData(tokens, None, 8, val_fraction, seed=0, documents=documents, document_mask=True)
     batch = data.train_batch(0, data.num_train_windows)
     for row_in, row_pos in zip(batch.inputs.numpy(), batch.positions.numpy()):
         doc = np.searchsorted(documents, row_in, side="right") - 1
