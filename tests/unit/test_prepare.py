@@ -151,3 +151,16 @@ def test_blended_batches_draw_from_each_source_and_resume_exactly():
     assert abs(share - 0.75) <= 1 / np.sqrt(400)
     assert (data.train_batch(123, 7).inputs == batch.inputs[123:130]).all()  # any slice is the same samples
     assert len(data.val_batch(0, 8).inputs) == 8
+
+
+def test_prepare_command_prepares_a_recipes_sources_and_exits_2_on_bad_input(tmp_path, capsys):
+    from pipetrain.data.__main__ import main
+
+    raw = _corpus(tmp_path / "raw")
+    recipe = os.path.join(ROOT, "recipes", "tiny.yaml")
+    sets = ["--set", f"data.path={raw}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["prepare", "--recipe", recipe] + sets) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert os.path.isfile(os.path.join(out, "manifest.json"))
+    assert main(["prepare", "--recipe", recipe, "--set", f"data.path={tmp_path / 'missing'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: data.path:")
