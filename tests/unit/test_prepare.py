@@ -164,3 +164,14 @@ def test_prepare_command_prepares_a_recipes_sources_and_exits_2_on_bad_input(tmp
     assert os.path.isfile(os.path.join(out, "manifest.json"))
     assert main(["prepare", "--recipe", recipe, "--set", f"data.path={tmp_path / 'missing'}"]) == 2
     assert capsys.readouterr().err.startswith("error: data.path:")
+
+
+def test_data_sources_blend_prepared_corpora_and_report_each_share(tmp_path, tokenizer, capsys):
+    a, b = _corpus(tmp_path / "a", 4), _corpus(tmp_path / "b", 5)
+    cfg = DataConfig(sources=[{"path": a, "weight": 3}, {"path": b, "weight": 1}], cache_dir=str(tmp_path / "c"),
+                     val_fraction=0.25)
+    data = build_data(cfg, tokenizer, 16, log=True)
+    assert isinstance(data, BlendedData) and data.num_val_windows > 0
+    out = capsys.readouterr().out
+    assert "data.sources[0]" in out and "75.0% of samples" in out and "25.0% of samples" in out
+    assert len(data.train_batch(0, 32).inputs) == 32
