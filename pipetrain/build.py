@@ -31,12 +31,12 @@ import torch.nn as nn
 
 from pipetrain import checkpoint
 from pipetrain.config import ConfigError, Recipe, validate
-from pipetrain.data import Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
 from pipetrain.optim import build_optimizer
-from pipetrain.parallel.comm import barrier, broadcast_object_from_rank0
+from pipetrain.parallel.comm import broadcast_object_from_rank0
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.pipeline import build_stage
@@ -137,16 +137,8 @@ def _build_tokenizer(recipe: Recipe):
 
 
 def _build_loader(recipe: Recipe, dims: ParallelDims, tokenizer) -> Loader:
-    """This dp rank's loader over recipe.data, tokenised with tokenizer."""
-    # Local rank 0 tokenises (and caches) first so the other ranks on the machine read the cache.
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if local_rank == 0:
-        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
-    barrier(dims.world_size)
-    if local_rank != 0:
-        tokens, mask = tokenize_corpus(recipe.data, tokenizer)
-    data = PackedData(tokens, mask, recipe.train.seq_len, recipe.data.val_fraction, recipe.data.seed)
-    return Loader(data, recipe.train.global_batch, dims.dp_rank, dims.dp)
+    """This dp rank's loader over recipe.data (prepared first when it is raw text; pipetrain.data)."""
+    return build_loader(recipe, dims, tokenizer)
 
 
 def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype: torch.dtype) -> Executor:

@@ -105,6 +105,10 @@ class DataConfig:
     val_fraction: float = 0.05
     seed: int = 1234
     cache_dir: Optional[str] = None  # tokenised-data cache; None = ~/.cache/pipetrain
+    sources: Optional[list] = None   # blend: [{path, weight}], each path raw data or a prepared dir; None = data.path
+    document_mask: bool = False      # block-causal attention per document and positions restarting at each
+    num_proc: int = 1                # processes tokenising in `prepare`
+    verify: bool = True              # check prepared files' sha256 against their manifest at start
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +236,9 @@ def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = No
         for key, value in body.items():
             if (section, key) in _PATH_KEYS and isinstance(value, str):
                 value = _resolve_path(value, base_dir)
+            if (section, key) == ("data", "sources") and isinstance(value, list):  # each source path as data.path
+                value = [{**s, "path": _resolve_path(s["path"], base_dir)}
+                         if isinstance(s, dict) and isinstance(s.get("path"), str) else s for s in value]
             values[section][key] = value
     for text in overrides:
         section, key, value = parse_override(text)
@@ -309,7 +316,16 @@ def validate(r: Recipe) -> list[str]:
     need(t.grad_accumulation_fusion_min_numel >= 0, f"train.grad_accumulation_fusion_min_numel="
          f"{t.grad_accumulation_fusion_min_numel} must be >= 0 (0 fuses every weight)")
     need(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
-    need(bool(d.path), "data.path is empty; set it to a text/jsonl/parquet file or folder")
+    need(bool(d.path) or bool(d.sources),
+         "data.path is empty; set it to a text/jsonl/parquet file or folder, a prepared directory, or data.sources")
+    need(not (d.path and d.sources), "data.path and data.sources are both set; list every path under data.sources")
+    for i, src in enumerate(d.sources or []):
+        ok = isinstance(src, dict) and set(src) <= {"path", "weight"} and isinstance(src.get("path"), str)
+        need(ok and bool(src["path"]), f"data.sources[{i}]={src!r} must be a mapping {{path: ..., weight: ...}}")
+        w = src.get("weight", 1.0) if ok else 1.0
+        need(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
+             f"data.sources[{i}].weight={w!r} must be a positive number; give every source a weight > 0")
+    need(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     need(bool(d.tokenizer) or bool(m.init_from),
          "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")
     need(r.checkpoint.every >= 0, f"checkpoint.every={r.checkpoint.every} must be >= 0")

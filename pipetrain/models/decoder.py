@@ -5,6 +5,11 @@ pipeline parallelism deletes layers (kept in a ModuleDict so global names surviv
 norm or head to None, which forward() skips. Head counts are read from tensor shapes, so a layer
 holding a shard of the heads needs no change here.
 
+Document masking: forward(x, positions) with positions (B, T), each token's position inside its own
+document (0 at every document start), makes attention block-causal (a token sees only earlier tokens of
+its document; a document starts wherever positions is 0) and indexes RoPE / learned positions by them.
+positions=None is plain causal attention over 0..T-1.
+
 Shapes: B batch, T time, D model, H heads (Hq query, Hkv key/value), K head dim, F ffn, V vocab.
 """
 from __future__ import annotations
@@ -55,17 +60,30 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.sliding_window = sliding_window
 
-    def forward(self, q, k, v):  # q (B, T, Hq, K), k/v (B, T, Hkv, K) -> (B, T, Hq*K)
+    def forward(self, q, k, v, positions=None):  # q (B, T, Hq, K), k/v (B, T, Hkv, K) -> (B, T, Hq*K)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         T = q.shape[2]
         gqa = q.shape[1] != k.shape[1]
-        if self.sliding_window and self.sliding_window < T:
+        if positions is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, self.sliding_window),
+                                                 enable_gqa=gqa)
+        elif self.sliding_window and self.sliding_window < T:
             i = torch.arange(T, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.sliding_window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).flatten(2)
+
+
+def document_mask(positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where query i may attend key j: j <= i, same document, inside the window."""
+    doc = torch.cumsum(positions == 0, dim=1)  # (B, T) document number inside the window
+    i = torch.arange(positions.shape[1], device=positions.device)
+    allowed = (i[None, :] <= i[:, None])[None] & (doc[:, :, None] == doc[:, None, :])
+    if sliding_window:
+        allowed = allowed & (i[:, None] - i[None, :] < sliding_window)[None]
+    return allowed[:, None]
 
 
 class Attention(nn.Module):
@@ -81,17 +99,25 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
         self.core = AttentionCore(cfg.sliding_window)
 
-    def forward(self, x):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
+    def forward(self, x, positions=None):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
         q = self.wq(x)  # (B, T, Hq/tp * K): read T and heads from the output, not the input
         q = q.view(*q.shape[:2], -1, self.head_dim)
         k = self.wk(x)
         k = k.view(*k.shape[:2], -1, self.head_dim)
         v = self.wv(x)
         v = v.view(*v.shape[:2], -1, self.head_dim)
-        if self.use_rope:
+        if self.use_rope and positions is None:
             cos, sin = rope_tables(q.shape[1], self.head_dim, self.rope_theta, q.device, q.dtype)
             q, k = rope(q, k, cos, sin)
-        return self.wo(self.core(q, k, v))
+        elif self.use_rope:  # per-sequence positions: rotate the (B*T) tokens as one sequence of gathered rows
+            B, T = positions.shape
+            cos, sin = rope_tables(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            flat = positions.to(q.device).reshape(-1)
+            q, k = rope(q.reshape(1, B * T, *q.shape[2:]), k.reshape(1, B * T, *k.shape[2:]), cos[flat], sin[flat])
+            q, k = q.view(B, T, *q.shape[2:]), k.view(B, T, *k.shape[2:])
+        if positions is None:
+            return self.wo(self.core(q, k, v))
+        return self.wo(self.core(q, k, v, positions.to(q.device)))
 
 
 class MLP(nn.Module):
@@ -119,15 +145,18 @@ class Block(nn.Module):
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        h = x + self.attn(self.attn_norm(x))
+    def forward(self, x, positions=None):
+        h = x + (self.attn(self.attn_norm(x)) if positions is None else self.attn(self.attn_norm(x), positions))
         return h + self.mlp(self.mlp_norm(h))
 
 
 class PositionEmbedding(nn.Embedding):
-    """Learned absolute positions (gpt2). forward(T) returns the (T, D) table rows for 0..T-1."""
+    """Learned absolute positions (gpt2). forward(T) returns the (T, D) table rows for 0..T-1;
+    forward(T, positions) the (B, T, D) rows of the given positions (document masking)."""
 
-    def forward(self, seq_len: int):
+    def forward(self, seq_len: int, positions: torch.Tensor | None = None):
+        if positions is not None:
+            return super().forward(positions.to(self.weight.device))
         return super().forward(torch.arange(seq_len, device=self.weight.device))
 
 
@@ -143,16 +172,17 @@ class Decoder(nn.Module):
         if cfg.tied:
             self.head.weight = self.embed.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V); a pipeline stage without embed takes and/or returns (B, T, D)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); a pipeline stage without embed takes and/or returns (B, T, D).
+        positions (B, T) of every token in its document, or None: see the module docstring."""
         if self.embed is not None:
             h = self.embed(x)  # (B, T, D), or (B, T/tp, D) under sequence parallelism
             if self.pos_embed is not None:
-                h = h + self.pos_embed(x.shape[1])
+                h = h + (self.pos_embed(x.shape[1]) if positions is None else self.pos_embed(x.shape[1], positions))
         else:
             h = x
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions)
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
@@ -187,5 +217,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (L * (proj + mlp + attn) + head)
 
 
-__all__ = ["Decoder", "Block", "Attention", "MLP", "RMSNorm", "LayerNorm", "count_params", "flops_per_token",
-           "rope_tables"]
+__all__ = ["Decoder", "Block", "Attention", "MLP", "RMSNorm", "LayerNorm", "count_params", "document_mask",
+           "flops_per_token", "rope_tables"]

@@ -130,7 +130,8 @@ class Executor:
                     arrived(RECV_ACT, key)
                 x = mb.inputs.to(device) if spec.is_first else inputs[key]
                 with self.autocast(), deferral(key) if not forward_only else contextlib.nullcontext():
-                    out = chunk(x)
+                    positions = getattr(mb, "positions", None)  # document masking: (B, T) for every stage
+                    out = chunk(x) if positions is None else chunk(x, positions)
                 if spec.is_last:
                     loss = self.loss_fn(out, mb.targets)  # targets stay on the CPU (see loss_sum)
                     total += loss.detach().float()

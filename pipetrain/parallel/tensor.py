@@ -236,11 +236,13 @@ class SequenceParallelPositionEmbedding(nn.Embedding):
         self.tp_rank, self.tp_size = dims.tp_rank, dims.tp
         self.tp_partial_grads = ("weight",)
 
-    def forward(self, seq_len: int):
+    def forward(self, seq_len: int, positions: torch.Tensor | None = None):
         if seq_len % self.tp_size:
             raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
                              f"tp={self.tp_size}; use a multiple of {self.tp_size}")
         chunk = seq_len // self.tp_size
+        if positions is not None:  # document positions (B, T): this rank's (B, T/tp, D) rows
+            return self.weight[positions[:, self.tp_rank * chunk:(self.tp_rank + 1) * chunk].to(self.weight.device)]
         return self.weight[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]  # (T/tp, D)
 
 
@@ -252,8 +254,8 @@ class _EnterRegion:
         self.tp_group, self.sequence_parallel = dims.tp_group, sequence_parallel
 
     def __call__(self, module, args):
-        (x,) = args
-        return (gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group),)
+        x, *rest = args  # rest: attention's document positions (B, T), already whole on every rank
+        return (gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group), *rest)
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> None:

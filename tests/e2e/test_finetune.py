@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from pipetrain import checkpoint
 from pipetrain.config import DataConfig, ModelConfig
-from pipetrain.data import IGNORE_INDEX, Loader, PackedData, tokenize_corpus
+from pipetrain.data import IGNORE_INDEX, Loader, build_data
 from pipetrain.models import build, materialize
 from tests.e2e.common import ROOT, run_train
 
@@ -54,8 +54,8 @@ def test_eval_of_imported_model_equals_transformers_loss(tmp_path, hf_model, sft
     ours = metrics[0]["eval_loss"]
     # the same validation windows, scored by transformers
     tok = AutoTokenizer.from_pretrained(hf_model)
-    tokens, mask = tokenize_corpus(DataConfig(path=str(sft_data), cache_dir=str(tmp_path / "cache")), tok)
-    batch = Loader(PackedData(tokens, mask, 32, 0.2, 1234), 4, 0, 1).val_batches(1)[0]
+    cfg = DataConfig(path=str(sft_data), cache_dir=str(tmp_path / "cache"), val_fraction=0.2, seed=1234)
+    batch = Loader(build_data(cfg, tok, 32), 4, 0, 1).val_batches(1)[0]
     ref = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
     with torch.no_grad():
         logits = ref(batch.inputs).logits

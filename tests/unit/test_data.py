@@ -63,14 +63,44 @@ def test_state_dict_resumes_at_the_exact_next_sample():
     assert torch.equal(expected.inputs, got.inputs)
 
 
-def test_epochs_visit_every_train_window_once():
+def test_epochs_visit_every_train_window_once_in_a_new_order():
     data = PackedData(*_stream(2000), 16, 0.1, seed=2)
-    n = len(data.train_ids)
-    seen = [data.train_window(i) for i in range(n)]
-    assert sorted(seen) == sorted(data.train_ids.tolist())
-    assert set(seen).isdisjoint(set(data.val_ids.tolist()))
-    second = [data.train_window(n + i) for i in range(n)]
+    n = data.num_train_windows
+    seen = data.train_windows(np.arange(n)).tolist()
+    assert sorted(seen) == list(range(n))
+    second = data.train_windows(np.arange(n, 2 * n)).tolist()
     assert sorted(second) == sorted(seen) and second != seen
+    assert [data.train_window(i) for i in range(5)] == seen[:5]  # one sample alone reads the same window
+
+
+def _documents(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def test_validation_holds_out_whole_documents():
+    lengths = np.random.default_rng(0).integers(5, 60, 200)
+    documents = _documents(lengths)
+    tokens = np.arange(documents[-1]).astype(np.uint32)  # token value = its position: rows name their source
+    data = PackedData(tokens, None, 16, 0.1, seed=3, documents=documents)
+    doc_of = np.searchsorted(documents, tokens, side="right") - 1
+    train = data.train_batch(0, data.num_train_windows)
+    val = data.val_batch(0, data.num_val_windows)
+    train_docs = set(doc_of[train.inputs.flatten().numpy()]) | set(doc_of[train.targets.flatten().numpy()])
+    val_docs = set(doc_of[val.inputs.flatten().numpy()]) | set(doc_of[val.targets.flatten().numpy()])
+    assert train_docs.isdisjoint(val_docs) and len(val_docs) >= 15
+    assert len(train_docs) + len(val_docs) >= 195  # only window tails are left unread
+
+
+def test_order_is_o1_per_sample_at_pre_training_scale():
+    import time
+
+    n = 2_500_000_000 // 2048
+    data = PackedData(np.zeros(n * 2048 + 1, dtype=np.uint8), None, 2048, 0.0, seed=1)  # never read
+    start = time.perf_counter()
+    windows = [data.train_window(10 * n + i) for i in range(200)]
+    per_sample = (time.perf_counter() - start) / 200
+    assert len(set(windows)) == 200 and max(windows) < n
+    assert per_sample < 2e-3, f"{per_sample * 1e6:.0f} us per sample"
 
 
 def test_resume_with_other_data_is_refused():
@@ -100,8 +130,8 @@ def test_text_folder_is_tokenised_once_and_cached(tmp_path, tokenizer):
     tokens, mask = tokenize_corpus(cfg, tokenizer)
     assert (tokens == tokenizer.eos_token_id).sum() == 2 and mask.all()
     assert tokenizer.decode(tokens[:6].tolist()).startswith("To be, or not")
-    cached = [f for f in os.listdir(tmp_path / "cache") if f.endswith(".npz")]
-    assert len(cached) == 1
+    cached = [f for f in os.listdir(tmp_path / "cache") if f.startswith("prepared-")]
+    assert len(cached) == 1 and os.path.isfile(tmp_path / "cache" / cached[0] / "manifest.json")
     again, _ = tokenize_corpus(cfg, tokenizer)
     assert np.array_equal(tokens, again)
 

@@ -1,0 +1,342 @@
+"""Prepared corpora: tokenise raw files once into memory-mappable token files with a manifest.
+
+A prepared directory holds
+- `tokens.bin`: every document's tokens, each document closed by EOS, concatenated; uint16 when the
+  tokenizer has at most 65535 ids, else uint32 (raw little-endian, read with np.memmap);
+- `documents.bin`: int64 offsets, documents[i]..documents[i+1] is document i (num_documents + 1 values);
+- `mask.bin`: uint8 loss mask, 1 where the token is a training target; only when records carry masks
+  (prompt/completion or chat fine-tuning data), absent for plain text (every target trains);
+- `manifest.json`: format, tokenizer fingerprint, dtype, token and document counts, the source files
+  (path, size, mtime, sha256) and every written file (size, sha256).
+
+Writing is atomic: everything goes into `<dir>.tmp-<host>-<pid>` and is renamed to its final name only
+once complete and fsynced, so a killed prepare leaves no directory that looks complete, and a directory
+in use is never written into. Preparing is idempotent: a directory whose manifest exists is returned as
+is. Raw data is prepared under `<cache_dir>/prepared-<key>`, the key hashing the source files (path,
+size, mtime), text field and tokenizer fingerprint, so edited data gets a new directory.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from pipetrain.config import ConfigError
+from pipetrain.sft import encode_record
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+               ".parquet": "parquet"}
+_HASH_BLOCK = 1 << 24
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from a local directory (or a hub name when online)."""
+    from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is needed
+
+    if not path:
+        raise ConfigError("data.tokenizer is empty; set it to a tokenizer directory such as pipetrain/assets/tokenizer")
+    if os.path.sep in path and not os.path.isdir(path):
+        raise ConfigError(f"data.tokenizer: directory {path!r} not found; point it at a folder with tokenizer.json")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"data.tokenizer: cannot load {path!r} ({first}); "
+                          "use a local directory with tokenizer.json") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"data.tokenizer: {path!r} has no EOS token; documents need one as separator")
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Identifies what tokenising means: vocabulary, EOS and chat template (chat data renders through it)."""
+    h = hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update(str(tokenizer.eos_token_id).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()[:16]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32)
+
+
+def is_prepared(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def source_files(path: str, where: str = "data.path") -> tuple[str, list[str]]:
+    """(builder, files) for a local file or folder; ("", []) for a dataset name."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if os.path.splitext(f)[1] in _EXTENSIONS)
+        if not files:
+            raise ConfigError(f"{where}: folder {path!r} has no .txt, .jsonl or .parquet files; "
+                              "point it at a data folder or a prepared directory")
+    elif os.path.isabs(path) or path.startswith("."):
+        raise ConfigError(f"{where}: {path!r} not found; point it at a text/jsonl/parquet file or folder")
+    else:
+        return "", []
+    kinds = {_EXTENSIONS.get(os.path.splitext(f)[1]) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(f"{where}: {path!r} must hold files of one kind (.txt, .jsonl or .parquet), "
+                          f"got extensions {sorted({os.path.splitext(f)[1] for f in files})}")
+    return kinds.pop(), files
+
+
+def prepared_dir_for(path: str, text_field: str, tokenizer, cache_dir: Optional[str]) -> str:
+    """Where raw data at `path` is (or will be) prepared; `path` itself when it is a prepared directory."""
+    if is_prepared(path):
+        return path
+    _, files = source_files(path)
+    h = hashlib.sha256(f"v{FORMAT_VERSION}|{path}|{text_field}|{tokenizer_fingerprint(tokenizer)}".encode())
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+    root = os.path.expanduser(cache_dir or "~/.cache/pipetrain")
+    return os.path.join(root, f"prepared-{h.hexdigest()[:20]}")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_dataset(path: str, builder: str, files: list[str], cache_dir: str, progress: bool):
+    """The documents as a datasets.Dataset (local files through the generic builders)."""
+    import datasets  # heavy: only preparing needs it
+
+    if progress:
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
+
+    if builder == "text":  # one document per file
+        return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
+                                     cache_dir=os.path.join(cache_dir, "datasets"))
+    if builder:
+        return datasets.load_dataset(builder, data_files=files, split="train",
+                                     cache_dir=os.path.join(cache_dir, "datasets"))
+    return datasets.load_dataset(path, split="train")
+
+
+class _EncodeText:
+    """datasets.map function (picklable for num_proc > 1): text column -> ids closed by EOS."""
+
+    def __init__(self, tokenizer, text_field: str):
+        self.tokenizer, self.text_field = tokenizer, text_field
+
+    def __call__(self, batch: dict) -> dict:
+        eos = self.tokenizer.eos_token_id
+        ids = self.tokenizer(batch[self.text_field], add_special_tokens=False)["input_ids"]
+        return {"ids": [x + [eos] for x in ids]}
+
+
+class _EncodeRecords:
+    """datasets.map function: prompt/completion or chat records -> ids and loss mask (sft.encode_record)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: dict) -> dict:
+        keys = list(batch)
+        out = {"ids": [], "mask": []}
+        for i in range(len(batch[keys[0]])):
+            ids, mask = encode_record({k: batch[k][i] for k in keys}, self.tokenizer)
+            out["ids"].append(ids)
+            out["mask"].append([int(m) for m in mask])
+        return out
+
+
+class _HashedWriter:
+    """A binary file written sequentially, hashed on the way (so the manifest costs no second read)."""
+
+    def __init__(self, path: str):
+        self.path, self.file, self.hash, self.size = path, open(path, "wb"), hashlib.sha256(), 0
+
+    def write(self, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array).tobytes()
+        self.file.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+
+    def close(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return {"size": self.size, "sha256": self.hash.hexdigest()}
+
+
+def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Optional[str] = None,
+            num_proc: int = 1, progress: bool = True, out_dir: Optional[str] = None) -> str:
+    """Tokenise the raw data at `path` into a prepared directory and return it (at once when it exists)."""
+    out_dir = out_dir or prepared_dir_for(path, text_field, tokenizer, cache_dir)
+    if is_prepared(out_dir):
+        return out_dir
+    builder, files = source_files(path)
+    if files and all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(f"data.path: {path!r} holds no documents (empty files); add data or remove this source")
+    empty = [f for f in files if builder != "text" and os.path.getsize(f) == 0]
+    if empty:  # the json/parquet readers cannot infer columns from an empty file
+        raise ConfigError(f"data.path: {empty[0]!r} is empty; remove it or add records")
+    root = os.path.expanduser(cache_dir or "~/.cache/pipetrain")
+    ds = _load_dataset(path, builder, files, root, progress)
+    columns = set(ds.column_names)
+    records = {"prompt", "completion"} <= columns or "messages" in columns
+    if not records and text_field not in columns:
+        raise ConfigError(f"data.text_field={text_field!r} is not a column of {path!r} (columns: {sorted(columns)}); "
+                          "set data.text_field or use prompt/completion or messages records")
+    if len(ds) == 0:
+        raise ConfigError(f"data.path: {path!r} holds no documents; add data or remove this source")
+    fn = _EncodeRecords(tokenizer) if records else _EncodeText(tokenizer, text_field)
+    start = time.perf_counter()
+    mapped = ds.map(fn, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
+                    remove_columns=ds.column_names, desc="tokenising")
+
+    tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    dtype = token_dtype(len(tokenizer))
+    tokens = _HashedWriter(os.path.join(tmp, "tokens.bin"))
+    docs = _HashedWriter(os.path.join(tmp, "documents.bin"))
+    mask = _HashedWriter(os.path.join(tmp, "mask.bin")) if records else None
+    docs.write(np.zeros(1, dtype=np.int64))
+    num_tokens = num_docs = 0
+    bar = _progress_bar(progress)
+    for table in mapped.with_format("arrow").iter(batch_size=1024):
+        ids = table.column("ids").combine_chunks()
+        flat = ids.flatten().to_numpy()
+        if flat.size and int(flat.max()) > np.iinfo(dtype).max:
+            raise ConfigError(f"data.tokenizer: token id {int(flat.max())} does not fit {dtype.name}")
+        tokens.write(flat.astype(dtype))
+        lengths = ids.value_lengths().to_numpy().astype(np.int64)
+        docs.write(num_tokens + np.cumsum(lengths))
+        if mask is not None:
+            mask.write(table.column("mask").combine_chunks().flatten().to_numpy().astype(np.uint8))
+        num_tokens += int(flat.size)
+        num_docs += len(lengths)
+        if bar is not None:
+            bar.update(int(flat.size))
+    if bar is not None:
+        bar.close()
+    if num_tokens <= num_docs:  # nothing but the EOS closing each (empty) document
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"data.path: {path!r} holds no text (only empty documents); add data or remove this source")
+    written = {"tokens.bin": tokens.close(), "documents.bin": docs.close()}
+    if mask is not None:
+        written["mask.bin"] = mask.close()
+    seconds = time.perf_counter() - start
+    manifest = {
+        "format": FORMAT_VERSION,
+        "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "name": tokenizer.name_or_path,
+                      "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id},
+        "dtype": dtype.name, "num_tokens": num_tokens, "num_documents": num_docs, "has_mask": mask is not None,
+        "text_field": text_field, "path": path,
+        "sources": [{"path": f, "size": os.stat(f).st_size, "mtime_ns": os.stat(f).st_mtime_ns,
+                     "sha256": _sha256(f)} for f in files] or [{"name": path}],
+        "files": written, "prepare_seconds": round(seconds, 3),
+    }
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:  # another process (another node on a shared disk) finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_prepared(out_dir):
+            raise
+    if progress:
+        print(f"prepared {out_dir}: {num_tokens:,} tokens in {num_docs:,} documents, {seconds:.1f} s "
+              f"({num_tokens / max(seconds, 1e-9):,.0f} tokens/s)", flush=True)
+    return out_dir
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm  # only the preparing rank draws a bar
+
+    return tqdm(desc="writing tokens", unit="tok", unit_scale=True, mininterval=1.0)
+
+
+@dataclass
+class Corpus:
+    """A prepared directory opened read-only: memory maps, shared with every process of the machine."""
+    path: str
+    tokens: np.ndarray              # (N,) uint16 | uint32 memmap
+    documents: np.ndarray           # (num_documents + 1,) int64 memmap of offsets
+    mask: Optional[np.ndarray]      # (N,) uint8 memmap, or None when every target trains
+    manifest: dict
+
+
+def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
+    """Open a prepared directory, checking it against the tokenizer and (verify) its file hashes."""
+    if not is_prepared(path):
+        raise ConfigError(f"data.path: {path!r} has no {MANIFEST}; run python -m pipetrain.data prepare --recipe R")
+    manifest_path = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.path: {manifest_path} cannot be read ({exc}); delete {path} and prepare again") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"data.path: {manifest_path} has format {manifest.get('format')}, this pipetrain reads "
+                          f"{FORMAT_VERSION}; delete {path} and prepare again")
+    if tokenizer is not None:
+        have, want = manifest["tokenizer"]["fingerprint"], tokenizer_fingerprint(tokenizer)
+        if have != want:
+            raise ConfigError(f"data.path: {path} was prepared with tokenizer {manifest['tokenizer']['name']!r} "
+                              f"(fingerprint {have}), but data.tokenizer {tokenizer.name_or_path!r} is {want}; "
+                              "set data.tokenizer to the one it was made with or prepare the raw data again")
+    dtype = np.dtype(manifest["dtype"])
+    n_tok, n_doc = manifest["num_tokens"], manifest["num_documents"]
+    expected = {"tokens.bin": n_tok * dtype.itemsize, "documents.bin": (n_doc + 1) * 8}
+    if manifest["has_mask"]:
+        expected["mask.bin"] = n_tok
+    for name, size in expected.items():
+        file = os.path.join(path, name)
+        actual = os.path.getsize(file) if os.path.exists(file) else None
+        if actual != size or manifest["files"][name]["size"] != size:
+            raise ConfigError(f"data.path: {file} is truncated or damaged ({actual} bytes, manifest says {size}); "
+                              f"delete {path} and prepare again")
+        if verify and _sha256(file) != manifest["files"][name]["sha256"]:
+            raise ConfigError(f"data.path: {file} does not match the sha256 in {manifest_path}; "
+                              f"delete {path} and prepare again")
+    if verify:
+        _check_sources(manifest, manifest_path, path)
+    if n_tok < 2:
+        raise ConfigError(f"data.path: {path} holds {n_tok} tokens; add data")
+    tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n_tok,))
+    documents = np.memmap(os.path.join(path, "documents.bin"), dtype=np.int64, mode="r", shape=(n_doc + 1,))
+    mask = (np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tok,))
+            if manifest["has_mask"] else None)
+    return Corpus(path, tokens, documents, mask, manifest)
+
+
+def _check_sources(manifest: dict, manifest_path: str, path: str) -> None:
+    """Sources still present must be what was tokenised (hashed only when size or mtime moved)."""
+    for src in manifest["sources"]:
+        file = src.get("path")
+        if not file or not os.path.exists(file):
+            continue  # prepared elsewhere or raw data removed: the prepared files stand alone
+        st = os.stat(file)
+        if st.st_size == src["size"] and st.st_mtime_ns == src["mtime_ns"]:
+            continue
+        if st.st_size != src["size"] or _sha256(file) != src["sha256"]:
+            raise ConfigError(f"data.path: source {file} changed since {path} was prepared (hash in {manifest_path} "
+                              f"does not match); prepare again or restore the file")

@@ -1,0 +1,177 @@
+"""Prepared corpora: atomic and idempotent prepare, memory maps, manifest checks, blends, bad input."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from pipetrain.config import ConfigError, DataConfig, build_recipe
+from pipetrain.data import (BlendedData, PackedData, build_data, load_tokenizer, open_prepared, prepare,
+                            prepared_dir_for)
+from pipetrain.data.order import BlendPattern, WindowOrder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+def _corpus(folder, n=6):
+    folder.mkdir(exist_ok=True)
+    for i in range(n):
+        (folder / f"doc{i}.txt").write_text(f"Document {i}. " + "To be, or not to be, that is the question. " * (5 + i))
+    return str(folder)
+
+
+def _files(path):
+    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+
+
+def test_prepare_writes_memory_maps_and_a_manifest(tmp_path, tokenizer):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    corpus = open_prepared(out, tokenizer, verify=True)
+    m = corpus.manifest
+    assert isinstance(corpus.tokens, np.memmap) and corpus.tokens.dtype == np.uint16  # 8192 ids fit 16 bits
+    assert m["num_documents"] == 6 and len(m["sources"]) == 6 and all(len(s["sha256"]) == 64 for s in m["sources"])
+    assert corpus.mask is None and not os.path.exists(os.path.join(out, "mask.bin"))  # plain text: no mask file
+    ends = np.asarray(corpus.documents[1:]) - 1
+    assert (np.asarray(corpus.tokens)[ends] == tokenizer.eos_token_id).all()
+    first = tokenizer.decode(np.asarray(corpus.tokens[corpus.documents[0]:corpus.documents[1] - 1]).tolist())
+    assert first == (tmp_path / "raw" / "doc0.txt").read_text()
+
+
+def test_prepare_is_idempotent_and_a_killed_prepare_leaves_nothing_that_looks_complete(tmp_path, tokenizer):
+    raw = _corpus(tmp_path / "raw")
+    cache = str(tmp_path / "cache")
+    out = prepared_dir_for(raw, "text", tokenizer, cache)
+    os.makedirs(out + ".tmp-otherhost-123")  # a prepare killed midway: half-written files under a temp name
+    (tmp_path / "cache" / (os.path.basename(out) + ".tmp-otherhost-123") / "tokens.bin").write_bytes(b"\0" * 10)
+    assert prepare(raw, tokenizer, cache_dir=cache, progress=False) == out
+    first = _files(out)
+    before = os.stat(os.path.join(out, "tokens.bin")).st_mtime_ns
+    assert prepare(raw, tokenizer, cache_dir=cache, progress=False) == out  # returns at once, writes nothing
+    assert os.stat(os.path.join(out, "tokens.bin")).st_mtime_ns == before
+    other = prepare(raw, tokenizer, cache_dir=cache, progress=False, out_dir=str(tmp_path / "again"))
+    again = _files(other)
+    assert {k: v for k, v in again.items() if k != "manifest.json"} == \
+        {k: v for k, v in first.items() if k != "manifest.json"}
+
+
+def test_data_path_may_name_a_prepared_directory(tmp_path, tokenizer):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    a = build_data(DataConfig(path=str(tmp_path / "raw"), cache_dir=str(tmp_path / "cache")), tokenizer, 16)
+    b = build_data(DataConfig(path=out), tokenizer, 16)
+    assert (a.train_batch(0, 8).inputs == b.train_batch(0, 8).inputs).all()
+
+
+def test_num_proc_2_writes_the_same_tokens(tmp_path, tokenizer):
+    raw = _corpus(tmp_path / "raw")
+    one = prepare(raw, tokenizer, out_dir=str(tmp_path / "one"), cache_dir=str(tmp_path / "c"), progress=False)
+    two = prepare(raw, tokenizer, out_dir=str(tmp_path / "two"), cache_dir=str(tmp_path / "c"), progress=False,
+                  num_proc=2)
+    assert _files(one)["tokens.bin"] == _files(two)["tokens.bin"]
+
+
+def test_prepared_directory_of_another_tokenizer_is_refused(tmp_path, tokenizer):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    other = load_tokenizer(TOKENIZER)
+    other.chat_template = "{{ messages }}"  # renders chat data differently: another tokenizer
+    with pytest.raises(ConfigError, match=f"data.path: {out} was prepared with tokenizer .*prepare"):
+        open_prepared(out, other)
+
+
+def test_truncated_token_file_and_hash_mismatch_are_refused(tmp_path, tokenizer):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy)
+    with open(os.path.join(copy, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["files"]["documents.bin"]["sha256"] = "0" * 64
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ConfigError, match="documents.bin does not match the sha256 .*prepare again"):
+        open_prepared(copy, tokenizer, verify=True)
+    tokens = os.path.join(out, "tokens.bin")
+    os.truncate(tokens, os.path.getsize(tokens) - 2)
+    with pytest.raises(ConfigError, match="tokens.bin is truncated .*prepare again"):
+        open_prepared(out, tokenizer)
+
+
+def test_source_changed_after_prepare_is_refused(tmp_path, tokenizer):
+    raw = _corpus(tmp_path / "raw")
+    out = prepare(raw, tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    (tmp_path / "raw" / "doc1.txt").write_text("something else entirely")
+    with pytest.raises(ConfigError, match="doc1.txt changed since"):
+        open_prepared(out, tokenizer, verify=True)
+
+
+def test_empty_source_is_refused(tmp_path, tokenizer):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    for path in (tmp_path / "empty.jsonl", tmp_path / "blank"):
+        with pytest.raises(ConfigError, match=f"data.path: '{path}' holds no"):
+            prepare(str(path), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+
+
+def test_non_positive_blend_weight_is_refused():
+    raw = {"data": {"sources": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 0}], "tokenizer": "/t"}}
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].weight=0 must be a positive number"):
+        build_recipe(raw)
+
+
+def test_window_order_is_a_bijection_for_every_size():
+    for n in (1, 2, 3, 7, 64, 1000, 4097):
+        for epoch in (0, 5):
+            assert sorted(WindowOrder(n, 9)(epoch, np.arange(n)).tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 2, 5], [0.05, 0.95]])
+def test_blends_hit_their_weights_within_one_over_sqrt_n(weights):
+    pattern = BlendPattern(weights)
+    w = np.asarray(weights) / sum(weights)
+    for n in (100, 1000, 70_000, 200_000):
+        src, idx = pattern(np.arange(n))
+        share = np.bincount(src, minlength=len(w)) / n
+        assert np.abs(share - w).max() <= 1 / np.sqrt(n)
+        for d in range(len(w)):  # each source's samples are read in order, none skipped or repeated
+            assert (idx[src == d] == np.arange((src == d).sum())).all()
+
+
+def test_blended_batches_draw_from_each_source_and_resume_exactly():
+    a = PackedData(np.full(4000, 1, dtype=np.uint16), None, 16, 0.1, seed=1)
+    b = PackedData(np.full(4000, 2, dtype=np.uint16), None, 16, 0.1, seed=2)
+    data = BlendedData([a, b], [3, 1])
+    batch = data.train_batch(0, 400)
+    share = float((batch.inputs[:, 0] == 1).float().mean())
+    assert abs(share - 0.75) <= 1 / np.sqrt(400)
+    assert (data.train_batch(123, 7).inputs == batch.inputs[123:130]).all()  # any slice is the same samples
+    assert len(data.val_batch(0, 8).inputs) == 8
+
+
+def test_prepare_command_prepares_a_recipes_sources_and_exits_2_on_bad_input(tmp_path, capsys):
+    from pipetrain.data.__main__ import main
+
+    raw = _corpus(tmp_path / "raw")
+    recipe = os.path.join(ROOT, "recipes", "tiny.yaml")
+    sets = ["--set", f"data.path={raw}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["prepare", "--recipe", recipe] + sets) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert os.path.isfile(os.path.join(out, "manifest.json"))
+    assert main(["prepare", "--recipe", recipe, "--set", f"data.path={tmp_path / 'missing'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: data.path:")
+
+
+def test_data_sources_blend_prepared_corpora_and_report_each_share(tmp_path, tokenizer, capsys):
+    a, b = _corpus(tmp_path / "a", 4), _corpus(tmp_path / "b", 5)
+    cfg = DataConfig(sources=[{"path": a, "weight": 3}, {"path": b, "weight": 1}], cache_dir=str(tmp_path / "c"),
+                     val_fraction=0.25)
+    data = build_data(cfg, tokenizer, 16, log=True)
+    assert isinstance(data, BlendedData) and data.num_val_windows > 0
+    out = capsys.readouterr().out
+    assert "data.sources[0]" in out and "75.0% of samples" in out and "25.0% of samples" in out
+    assert len(data.train_batch(0, 32).inputs) == 32
