@@ -1,4 +1,4 @@
-"""AdamW with the usual no-decay groups, and the warmup + cosine learning-rate schedule.
+"""AdamW with the usual no-decay groups; lr_at() forwards to pipetrain.lr_schedule.
 
 Checkpoints see every optimizer alike through state_items() / load_state_items(read): each AdamW
 moment is listed under "exp_avg/<global name>" and "exp_avg_sq/<global name>" as a box (offsets
@@ -9,12 +9,12 @@ so no separate master copy is listed.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import TIED_ALIASES, param_layout
 
@@ -160,12 +160,8 @@ def adamw_state_bytes(inner: torch.optim.Optimizer) -> int:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (1-based): linear warmup, then cosine decay to min_lr."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    """Learning rate for optimizer step `step` (1-based): warmup, then train.lr_schedule (lr_schedule.py)."""
+    return lr_schedule.lr_at(step, cfg)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
