@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from pipetrain import checkpoint
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe, validate_layout
+from pipetrain.generate import end_of_run_sample
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,10 +197,8 @@ def run(args: argparse.Namespace) -> int:
     trainer.fit()
     if dims.world_size > 1:
         dist.barrier()  # every rank has finished its collectives before any tears its groups down
-    if rank == 0 and recipe.run.sample_tokens and dims.world_size == 1:
-        from pipetrain.generate import sample_text
-        text = sample_text(model, tokenizer, recipe.run.sample_tokens, seed=recipe.train.seed, device=dims.device)
-        print(f"\n--- sample after {trainer.step} steps ---\n{text}\n---", flush=True)
+    if rank == 0 and recipe.run.sample_tokens:
+        print(end_of_run_sample(model, tokenizer, recipe, dims, trainer.step), flush=True)
     return 0
 
 
