@@ -11,6 +11,7 @@ from pipetrain.generate import KVCache, choose_token, forward_cached, generate_t
 from pipetrain.generate.__main__ import main as generate_main
 from pipetrain.hf import load_hf_weights, model_config_from_hf
 from pipetrain.models import build, materialize
+from tests.e2e.common import run_train
 from tests.unit.short_run import short_run
 from tests.unit.test_hf import TOKENIZER, hf_configs, save_tiny_hf
 
@@ -123,3 +124,11 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     assert "neither manifest.json" in _one_error_line(capsys, [str(tmp_path), "--prompt", "x"])
     assert "--temperature must be >= 0" in _one_error_line(capsys, [out, "--prompt", "x", "--temperature", "-1"])
     assert "--top-p must be in (0, 1]" in _one_error_line(capsys, [out, "--prompt", "x", "--top-p", "0"])
+
+
+def test_a_multi_process_run_samples_on_rank_0_from_its_final_checkpoint(tmp_path):
+    proc, _ = run_train(str(tmp_path), ["train.steps=2", "run.sample_tokens=8", "parallel.pp=2",
+                                        "parallel.microbatches=2"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = os.path.join(str(tmp_path), "checkpoints", "step-00000002")
+    assert proc.stdout.count(f"--- sample after 2 steps (from {ckpt}) ---") == 1, proc.stdout[-2000:]
