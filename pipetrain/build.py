@@ -118,8 +118,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
 
     executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype)
     actions, eval_actions = _build_schedules(recipe, dims)
-    logger = MetricsLogger(recipe.run.output_dir, enabled=dims.rank == 0, total_steps=recipe.train.steps,
-                           progress=recipe.run.progress, start_step=start)
+    logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
     checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
     return Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
                    checkpointer=checkpointer, start_step=start,

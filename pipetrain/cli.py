@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pipetrain.build import build_trainer, resolve_init_from
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
-from pipetrain.generate import sample_text
+from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.trainer import TrainingDiverged
@@ -79,10 +79,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
     trainer.fit()
     barrier(world_size)  # every rank has finished its collectives before any tears its groups down
-    if rank == 0 and recipe.run.sample_tokens and world_size == 1:
-        text = sample_text(trainer.model, trainer.tokenizer, recipe.run.sample_tokens, seed=recipe.train.seed,
-                           device=trainer.device)
-        print(f"\n--- sample after {trainer.step} steps ---\n{text}\n---", flush=True)
+    if rank == 0 and recipe.run.sample_tokens:
+        print(end_of_run_sample(trainer.model, trainer.tokenizer, recipe, trainer.dims, trainer.step), flush=True)
     return 0
 
 

@@ -93,8 +93,10 @@ class TrainConfig:
     grad_clip: float = 1.0           # 0 disables clipping
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
-    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.models.linear)
+    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.parallel.weight_grads)
     grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # after warmup (pipetrain.lr_schedule)
+    decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +129,7 @@ class RunConfig:
     peak_tflops: Optional[float] = None  # per device, for MFU; None = from the GPU table
     sample_tokens: int = 200         # tokens generated at the end of a run (0 = none)
     progress: bool = True
+    trackers: list = field(default_factory=list)  # any of tensorboard, wandb (optional extras); [] = none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +312,7 @@ def validate(r: Recipe) -> list[str]:
              f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
         need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
-    need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    need(t.lr >= 0, f"train.lr={t.lr} must be >= 0 (0 keeps the weights frozen)")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
@@ -332,6 +335,11 @@ def validate(r: Recipe) -> list[str]:
     need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
     need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
     need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
+    need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in [0, 1]; it is the "
+         "share of train.steps that train.lr_schedule=wsd spends decaying to train.min_lr")
+    for name in r.run.trackers:
+        need(name in ("tensorboard", "wandb"), f"run.trackers: unknown tracker, got {name!r}; "
+             "use a list of tensorboard and/or wandb, e.g. [tensorboard]")
     need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
     if p.dp is not None:
         need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")

@@ -4,15 +4,15 @@ build_optimizer returns replicated AdamW (Optimizer, parallel.zero = 0) or ZeRO-
 (pipetrain.parallel.zero, parallel.zero = 1 | 2); both have the same interface: zero_grad();
 backward...; reduce_grads(); clip_grad_norm(max_norm) -> global norm; step(lr); state_items() /
 load_state_items(read) for checkpoints (pipetrain.parallel.adamw describes the state boxes).
-lr_at is the warmup + cosine schedule.
+lr_at is the learning-rate schedule (train.lr_schedule, with warmup: pipetrain.lr_schedule).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
 
+from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
 from pipetrain.parallel.adamw import (ReadBox, StateEntry, adamw_state_bytes, adamw_state_items, build_adamw,
                                       is_tied, load_adamw_state, param_boxes, param_groups, set_lr)
@@ -71,9 +71,5 @@ def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (1-based): linear warmup, then cosine decay to min_lr."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    """Learning rate for optimizer step `step` (1-based): warmup, then train.lr_schedule (lr_schedule.py)."""
+    return lr_schedule.lr_at(step, cfg)

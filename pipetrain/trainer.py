@@ -137,23 +137,24 @@ class Trainer:
         run, steps = self.recipe.run, self.recipe.train.steps
         every = self.recipe.checkpoint.every
         history = []
+        self.logger.banner(self.recipe, self.dims, self.step)
         try:
             while self.step < steps:
                 record = self.train_step()
                 history.append(record)
-                if self.step % run.log_every == 0 or self.step == steps:
-                    self.logger.log(record)
+                self.logger.log(record)  # every step to metrics.jsonl; the console every run.log_every
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < steps:
                     self.evaluate()
                 if self.checkpointer and every and self.step % every == 0 and self.step < steps:
-                    self.checkpointer.save(self)
+                    self.logger.save_checkpoint(self.checkpointer, self)
                 if self._stop_agreed():
                     self.logger.write(f"stop requested: saving at step {self.step} and exiting")
                     break
             if self.checkpointer:
-                self.checkpointer.save(self)
+                self.logger.save_checkpoint(self.checkpointer, self)
             if not self.stop_requested:
                 self.evaluate()
+            self.logger.summary()
         finally:
             self.logger.close()
         return history

@@ -1,0 +1,46 @@
+"""python -m pipetrain.generate CKPT_OR_HF_DIR --prompt "..." [--max-new-tokens N --temperature T
+--top-p P --top-k K --seed S --tokenizer DIR --device cpu]: prints the prompt and its continuation."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from pipetrain.config import ConfigError
+from pipetrain.generate import generate_tokens, load_for_generation
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipetrain.generate",
+                                     description="Continue a prompt with a pipetrain checkpoint or a Hugging Face model.")
+    parser.add_argument("path", help="a checkpoints/step-... folder, a run folder (its newest checkpoint) "
+                                     "or a Hugging Face model folder")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 keeps every token)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model, tokenizer = load_for_generation(args.path, args.tokenizer, torch.device(args.device))
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        prompt = tokenizer(args.prompt)["input_ids"] or [start]  # an empty prompt starts a document
+        new = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
+                              args.seed, eos_id=tokenizer.eos_token_id)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(tokenizer.decode(prompt + new, skip_special_tokens=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

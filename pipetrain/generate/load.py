@@ -1,0 +1,71 @@
+"""Full single-device models for generation: from a pipetrain checkpoint (any layout), a run
+directory (its newest checkpoint) or a Hugging Face model folder, with the matching tokenizer."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn as nn
+
+from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.data import load_tokenizer
+from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.models import build
+from pipetrain.models.init import param_layout
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The checkpoint named by output_dir/checkpoints/latest, or None."""
+    latest = os.path.join(output_dir, "checkpoints", "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        path = os.path.join(output_dir, "checkpoints", f.read().strip())
+    return path if os.path.isdir(path) else None
+
+
+@torch.no_grad()
+def model_from_checkpoint(ckpt_dir: str, device: torch.device | str = "cpu") -> tuple[nn.Module, dict]:
+    """The whole model of a checkpoint saved with any layout (every file checksummed before use),
+    and the checkpoint's recipe as a dict."""
+    manifest = read_manifest(ckpt_dir)
+    recipe = manifest["recipe"]
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
+    model = build(cfg, device="meta")
+    model.to_empty(device=device)
+    if cfg.tied:  # to_empty() gave the head its own tensor: tie it to the embedding again
+        model.head.weight = model.embed.weight
+    reader = TensorReader(ckpt_dir, manifest, device=device)
+    params = dict(model.named_parameters())
+    for name, (shape, _) in param_layout(model).items():
+        params[name].copy_(reader.read(f"model/{name}", [0] * len(shape), shape, params[name].dtype))
+    return model.eval(), recipe
+
+
+def load_for_generation(path: str, tokenizer_dir: str | None = None,
+                        device: torch.device | str = "cpu") -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a checkpoint folder, a run folder or a Hugging Face model folder."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"generate: no such directory, got {path!r}; pass a checkpoints/step-... folder, "
+                          "a run folder or a Hugging Face model folder")
+    if not os.path.isfile(os.path.join(path, "manifest.json")) and latest_checkpoint(path):
+        path = latest_checkpoint(path)  # a run folder: its newest checkpoint
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        model, recipe = model_from_checkpoint(path, device)
+        tokenizer_dir = tokenizer_dir or recipe.get("data", {}).get("tokenizer") or recipe["model"].get("init_from")
+        if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
+            raise ConfigError(f"generate: the tokenizer recorded in {path}'s recipe was not found, got "
+                              f"{tokenizer_dir!r}; pass --tokenizer DIR")
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        cfg = model_config_from_hf(path)
+        model = load_hf_weights(build(cfg, device="meta"), path, cfg, device=device).eval()
+        tokenizer_dir = tokenizer_dir or path
+    else:
+        raise ConfigError(f"generate: {path} holds neither manifest.json (a pipetrain checkpoint) nor "
+                          "config.json (a Hugging Face model); pass a checkpoints/step-... folder or a model folder")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    check_tokenizer_vocab(tokenizer, model.cfg, where="generate --tokenizer")
+    return model, tokenizer

@@ -1,0 +1,66 @@
+"""`python -m pipetrain.plot RUN_DIR [--out FILE]`: loss.png from a run's metrics.jsonl.
+
+Two panels sharing the step axis: train loss per step with eval loss at its evaluation steps, and
+the learning rate. matplotlib is an optional extra (pip install -e ".[plot]").
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from pipetrain.config import ConfigError
+
+
+def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """(step records, eval records) of RUN_DIR/metrics.jsonl; a resumed run's repeated steps keep the last."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(f"plot: {path} not found; pass a run folder (run.output_dir) of a run that took a step")
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"plot: {path} line {number} is not JSON ({exc.msg}); the file is damaged") from None
+            if "loss" in record:
+                steps[record["step"]] = record
+            elif "eval_loss" in record:
+                evals[record["step"]] = record
+    if not steps and not evals:
+        raise ConfigError(f"plot: {path} holds no step or eval records, got an empty file; train a few steps first")
+    return [steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    """Write the loss and learning-rate figure; returns its path (default RUN_DIR/loss.png)."""
+    steps, evals = read_metrics(run_dir)
+    try:
+        import matplotlib  # optional extra: imported only by this command
+    except ImportError:
+        raise ConfigError('plot: matplotlib is not installed, got ImportError; install the extra with '
+                          'pip install -e ".[plot]"') from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    out = out or os.path.join(run_dir, "loss.png")
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(3, 1))
+    if steps:
+        ax_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss", linewidth=1)
+        ax_lr.plot([r["step"] for r in steps], [r["lr"] for r in steps], color="tab:green")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title(os.path.basename(os.path.abspath(run_dir)))
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
