@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pipetrain.checkpoint import file_sha256, read_manifest
+from pipetrain.generate import model_from_checkpoint
 from pipetrain.hf.export import lora_checkpoint_model
 from tests.e2e.common import ROOT, run_train, step_losses
 
@@ -117,6 +118,9 @@ def test_peft_and_merged_exports_give_pipetrains_logits(run, hf_model, tmp_path)
         torch.testing.assert_close(model(ids).logits, ours, rtol=1e-5, atol=1e-5)
     with safe_open(str(merged / "model.safetensors"), "pt") as f:
         assert not any("lora" in k for k in f.keys())
+    generation_model, _ = model_from_checkpoint(str(ckpt))  # python -m pipetrain.generate CKPT
+    with torch.no_grad():
+        torch.testing.assert_close(generation_model(ids), ours, rtol=1e-5, atol=1e-5)
 
 
 def test_peft_export_of_a_run_without_lora_is_one_line(run, hf_model, tmp_path):
