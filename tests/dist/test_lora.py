@@ -1,6 +1,7 @@
 """LoRA's layout rule on gloo CPU processes: tp 2 (with and without sequence parallelism, and with
-replicated kv heads), pp 2 and dp 2 x ZeRO 1 each give the single-process losses and gradient norms
-step by step, and the frozen base stays bitwise unchanged. One world of 2 runs every layout."""
+replicated kv heads), pp 2 (also with the split backward and full recomputation) and dp 2 x ZeRO 1 / 2
+each give the single-process losses and gradient norms step by step, and the frozen base stays bitwise
+unchanged. One world of 2 runs every layout."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,10 @@ LAYOUTS = {  # name: (model, tp, pp, zero, parallel kwargs)
     "tp2_sp": (LORA, 2, 1, 0, {"sequence_parallel": True}),
     "tp2_kv1": (LORA_KV1, 2, 1, 0, {}),
     "pp2": (LORA, 1, 2, 0, {}),
+    # deferred weight gradients (none for the frozen base) and full recomputation of the adapted blocks
+    "pp2_split_recompute": (LORA, 1, 2, 0, {"split_backward": True, "recompute": "full"}),
     "dp2_zero1": (LORA, 1, 1, 1, {}),
+    "dp2_zero2": (LORA, 1, 1, 2, {}),  # the overlapped reduction's accumulate hooks on the adapters
 }
 
 
