@@ -35,7 +35,7 @@ from pipetrain.parallel.grads import tied_copy_names
 
 FORMAT_VERSION = 1
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-              "tie_embeddings", "qkv_bias")
+              "tie_embeddings", "qkv_bias", "lora_rank")  # lora_rank: adapters only load into adapters
 
 
 def step_dir_name(step: int) -> str:
