@@ -62,7 +62,8 @@ def _box(shape, slices) -> list[int]:
     return [0 if s.start is None else s.start for s in slices] if slices else [0] * len(shape)
 
 
-def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[tuple[str, torch.Tensor, tuple, list[int]]]:
+def owned_tensors(model, optimizer, dims,
+                  trainable_only: bool = False) -> list[tuple[str, torch.Tensor, tuple, list[int]]]:
     """(global name, local tensor, global shape, offsets) of everything this rank writes (trainable_only:
     only parameters that train, i.e. LoRA's adapters, not the frozen base)."""
     out = []

@@ -172,10 +172,6 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, dims, seed: int) -> list[str]
     return adapted
 
 
-def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if is_adapter(n)]
-
-
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += (alpha / r) B A) and restore the plain classes,
