@@ -39,6 +39,7 @@ from pipetrain.optim import build_optimizer
 from pipetrain.parallel.comm import broadcast_object_from_rank0
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.lora import apply_lora
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.parallel.schedules import build_schedule, gpipe
@@ -97,10 +98,12 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
     ckpt_dir = _resume_dir(recipe, dims, resume)
-    if recipe.model.init_from and ckpt_dir is None:
+    lora = recipe.model.lora_rank is not None
+    if recipe.model.init_from and (ckpt_dir is None or lora):  # a LoRA checkpoint holds only the adapters
         load_hf_weights(model, recipe.model.init_from, recipe.model, device=dims.device)
     else:  # a resumed run overwrites these weights from the checkpoint
         materialize(model, recipe.model, recipe.train.seed, dims.device)
+    apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
     apply_recompute(model, recipe.parallel)
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)

@@ -37,6 +37,11 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
     sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
     init_std: float = 0.02
+    # LoRA (pipetrain/parallel/lora.py): None = off; else the adapter rank r, with base weights frozen
+    lora_rank: Optional[int] = None
+    lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # dropout on the adapter input (training only)
+    lora_targets: list = field(default_factory=list)  # of LORA_PROJECTIONS; [] = every one the family has
 
     @property
     def kv_heads(self) -> int:
@@ -61,6 +66,14 @@ class ModelConfig:
     @property
     def has_qkv_bias(self) -> bool:
         return self.family == "qwen2" if self.qkv_bias is None else self.qkv_bias
+
+
+# The projections LoRA can adapt, by our module leaf name (attn.wq ... mlp.down); gpt2 has no gate.
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
+
+
+def lora_projections(family: str) -> tuple[str, ...]:
+    return tuple(n for n in LORA_PROJECTIONS if not (family == "gpt2" and n == "gate"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +353,18 @@ def validate(r: Recipe) -> list[str]:
     for name in r.run.trackers:
         need(name in ("tensorboard", "wandb"), f"run.trackers: unknown tracker, got {name!r}; "
              "use a list of tensorboard and/or wandb, e.g. [tensorboard]")
+    if m.lora_rank is None:
+        need(not m.lora_targets, f"model.lora_targets={m.lora_targets} is set but model.lora_rank is not; "
+             "set model.lora_rank (e.g. 8) to train LoRA adapters, or remove model.lora_targets")
+    else:
+        need(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1; use e.g. 8, or remove it "
+             "for full fine-tuning")
+        need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0 (the scale is alpha / rank)")
+        need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
+        known = lora_projections(m.family)
+        for name in m.lora_targets:
+            need(name in known, f"model.lora_targets: {m.family} has no projection {name!r}, got "
+                 f"{m.lora_targets}; use names from {list(known)}")
     need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
     if p.dp is not None:
         need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")

@@ -35,7 +35,7 @@ from pipetrain.parallel.grads import tied_copy_names
 
 FORMAT_VERSION = 1
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-              "tie_embeddings", "qkv_bias")
+              "tie_embeddings", "qkv_bias", "lora_rank")  # lora_rank: adapters only load into adapters
 
 
 def step_dir_name(step: int) -> str:
@@ -62,8 +62,10 @@ def _box(shape, slices) -> list[int]:
     return [0 if s.start is None else s.start for s in slices] if slices else [0] * len(shape)
 
 
-def owned_tensors(model, optimizer, dims) -> list[tuple[str, torch.Tensor, tuple, list[int]]]:
-    """(global name, local tensor, global shape, offsets) of everything this rank writes."""
+def owned_tensors(model, optimizer, dims,
+                  trainable_only: bool = False) -> list[tuple[str, torch.Tensor, tuple, list[int]]]:
+    """(global name, local tensor, global shape, offsets) of everything this rank writes (trainable_only:
+    only parameters that train, i.e. LoRA's adapters, not the frozen base)."""
     out = []
     params = dict(model.named_parameters())
     skip = tied_copy_names(model)
@@ -72,6 +74,8 @@ def owned_tensors(model, optimizer, dims) -> list[tuple[str, torch.Tensor, tuple
         if tuple(params[name].shape) == tuple(shape):
             replicated_over_tp.add(name)
         if name in skip or dims.dp_rank != 0 or (dims.tp_rank != 0 and name in replicated_over_tp):
+            continue
+        if trainable_only and not params[name].requires_grad:
             continue
         out.append((f"model/{name}", params[name].detach(), tuple(shape), _box(shape, slices)))
     for name, tensor, shape, offsets in optimizer.state_items():
@@ -91,6 +95,8 @@ class Checkpointer:
     def __init__(self, output_dir: str, recipe, dims):
         self.root = os.path.join(output_dir, "checkpoints")
         self.recipe, self.dims = recipe, dims
+        self.adapters_only = recipe.model.lora_rank is not None  # LoRA: the adapters plus a base reference
+        self.base: dict | None = None  # base_reference(recipe), hashed once at the first save
 
     def save(self, trainer) -> str:
         dims, step = self.dims, trainer.step
@@ -101,7 +107,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
             os.makedirs(tmp)
         _barrier(dims)
-        items = owned_tensors(trainer.model, trainer.optimizer, dims)
+        items = owned_tensors(trainer.model, trainer.optimizer, dims, trainable_only=self.adapters_only)
         file = f"rank-{dims.rank:05d}.safetensors"
         tensors = {name: t.contiguous().cpu() for name, t, _, _ in items}
         tensors["rng/cpu"] = torch.get_rng_state()
@@ -116,6 +122,9 @@ class Checkpointer:
         entries = _gather(entry, dims)
         if dims.rank == 0:
             manifest = self._manifest(trainer, entries)
+            if self.adapters_only:
+                self.base = self.base or base_reference(self.recipe.model.init_from, self.recipe.train.seed)
+                manifest["base"] = self.base
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -156,6 +165,27 @@ class Checkpointer:
         done = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
         for name in done[:-self.recipe.checkpoint.keep]:
             shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+
+def base_reference(init_from: str | None, seed: int) -> dict:
+    """What an adapter-only (LoRA) checkpoint's frozen base is: model.init_from's folder with the SHA-256
+    of each of its weight files, or (no init_from) the seeded initialisation of train.seed."""
+    if not init_from:
+        return {"init_from": None, "seed": seed}
+    if not os.path.isdir(init_from):
+        raise ConfigError(f"LoRA base model.init_from={init_from}: no such directory; point it at the Hugging "
+                          "Face folder the adapters were trained on")
+    files = sorted(f for f in os.listdir(init_from) if f.endswith(".safetensors"))
+    return {"init_from": os.path.abspath(init_from),
+            "sha256": {f: file_sha256(os.path.join(init_from, f)) for f in files}}
+
+
+def check_base(manifest: dict, init_from: str | None, seed: int, ckpt_dir: str) -> None:
+    """An adapter-only checkpoint loads only onto the base it was trained on (ConfigError otherwise)."""
+    saved, now = manifest["base"], base_reference(init_from, seed)
+    if saved.get("sha256") != now.get("sha256") or saved.get("seed") != now.get("seed"):
+        raise ConfigError(f"checkpoint {ckpt_dir} holds LoRA adapters trained on base {saved}, got base {now}; "
+                          "set model.init_from (and train.seed) to the base the adapters were trained on")
 
 
 def _write_latest(root: str, name: str) -> None:
@@ -321,8 +351,13 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     reader = TensorReader(ckpt_dir, manifest, device=dims.device, verify=recipe.checkpoint.verify)
     model, optimizer, loader = trainer_parts["model"], trainer_parts["optimizer"], trainer_parts["loader"]
     params = dict(model.named_parameters())
+    adapters_only = "base" in manifest  # LoRA: the frozen base came from init_from or the seed
+    if adapters_only:
+        check_base(manifest, recipe.model.init_from, recipe.train.seed, ckpt_dir)
     with torch.no_grad():
         for name, (shape, slices) in param_layout(model).items():
+            if adapters_only and not params[name].requires_grad:
+                continue
             saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
             p = params[name]
             p.copy_(reader.read(saved_name, _box(shape, slices), p.shape, p.dtype))

@@ -12,8 +12,10 @@ from pipetrain.checkpoint import TensorReader, read_manifest
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.data import load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.hf.export import lora_checkpoint_model
 from pipetrain.models import build
 from pipetrain.models.init import param_layout
+from pipetrain.parallel.lora import merge_lora
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -32,6 +34,8 @@ def model_from_checkpoint(ckpt_dir: str, device: torch.device | str = "cpu") -> 
     and the checkpoint's recipe as a dict."""
     manifest = read_manifest(ckpt_dir)
     recipe = manifest["recipe"]
+    if "base" in manifest:  # LoRA: adapters only; their base (init_from or seed) with them merged in
+        return merge_lora(lora_checkpoint_model(ckpt_dir, manifest)).to(device).eval(), recipe
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
     model = build(cfg, device="meta")

@@ -1,10 +1,18 @@
 """Hugging Face export: full tensors by our global names -> config.json + safetensors + tokenizer.
 
     python -m pipetrain.hf export CKPT_DIR OUT_DIR [--max-shard-size 2GB] [--dtype fp32|bf16|fp16]
-                                                   [--tokenizer DIR]
+                                                   [--tokenizer DIR] [--peft]
 
 writes a directory that transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with the
-same logits as pipetrain. The name mapping is the inverse of pipetrain.hf.hf_sources (GPT-2's
+same logits as pipetrain. A LoRA checkpoint (adapters plus a base reference) is exported merged:
+base weights (model.init_from or the seed) with W + (alpha / r) B A folded in; with --peft, only the
+adapters as a PEFT folder instead (pipetrain.hf.peft_export).
+
+A complete model folder: the tokenizer files (its chat template included: tokenizer_config.json's
+chat_template or chat_template.jinja), generation_config.json (copied from model.init_from when it
+has one, else written with the tokenizer's bos / eos / pad ids, pad falling back to eos), and the
+weights in the source dtype by default (model.init_from's config.json dtype; fp32 for a model
+trained from scratch), or --dtype. The name mapping is the inverse of pipetrain.hf.hf_sources (GPT-2's
 q/k/v are fused into c_attn and Linear weights transposed into Conv1D's (in, out) layout).
 
 Streaming: every output tensor's name, shape and dtype follow from the ModelConfig alone, so the
@@ -33,14 +41,20 @@ from typing import Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint import check_base, iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_tokenizer
-from pipetrain.models import build, param_layout
+from pipetrain.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_tokenizer,
+                          load_hf_weights, read_hf_config)
+from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
+from pipetrain.models import build, materialize, param_layout
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.lora import apply_lora, is_adapter, merge_lora
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9  # transformers' own default for save_pretrained ("2GB", decimal)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 CLI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GENERATION_CONFIG_FILE = "generation_config.json"
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
@@ -196,13 +210,39 @@ def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
     return present
 
 
+def source_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype of model.init_from's weights (config.json dtype / torch_dtype), fp32 without one."""
+    if not cfg.init_from or not os.path.isdir(cfg.init_from):
+        return torch.float32
+    raw = read_hf_config(cfg.init_from)
+    return HF_DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+
+
+def write_generation_config(out_dir: str, source_dir: str | None, tokenizer) -> list[str]:
+    """generation_config.json: copied from source_dir (model.init_from) when it has one, else written from
+    the tokenizer's bos / eos / pad ids (pad falls back to eos, as generate() does). [] without either."""
+    path = os.path.join(out_dir, GENERATION_CONFIG_FILE)
+    if source_dir and os.path.isfile(os.path.join(source_dir, GENERATION_CONFIG_FILE)):
+        shutil.copyfile(os.path.join(source_dir, GENERATION_CONFIG_FILE), path)
+        return [GENERATION_CONFIG_FILE]
+    if tokenizer is None or getattr(tokenizer, "eos_token_id", None) is None:
+        return []
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
+    return [GENERATION_CONFIG_FILE]
+
+
 def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig,
                  out_dir: str, tokenizer_dir: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 dtype: torch.dtype = torch.float32) -> list[str]:
+                 dtype: torch.dtype | None = None) -> list[str]:
     """Write an HF model directory from full (unsharded) tensors keyed by our global names.
 
     full_state is a dict or an iterator of (name, tensor) in any order; tensors are consumed one at a
-    time. head.weight is skipped when the embedding is tied. Returns the files written."""
+    time. head.weight is skipped when the embedding is tied. dtype None: source_dtype(model_cfg).
+    Also writes generation_config.json (write_generation_config). Returns the files written."""
+    dtype = dtype or source_dtype(model_cfg)
     tokenizer = None
     if tokenizer_dir:
         tokenizer = load_hf_tokenizer(tokenizer_dir, model_cfg)
@@ -244,6 +284,7 @@ def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     written = list(writer.filenames) + ([INDEX_FILE] if len(writer.filenames) > 1 else [])
     if tokenizer_dir:
         written += copy_tokenizer(tokenizer_dir, out_dir)
+    written += write_generation_config(out_dir, model_cfg.init_from, tokenizer)
     config.to_json_file(os.path.join(out_dir, CONFIG_FILE))
     return written + [CONFIG_FILE]
 
@@ -253,7 +294,7 @@ def _meta_model(cfg: ModelConfig) -> nn.Module:
 
 
 def export_model(model: nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> list[str]:
     """Export a whole single-process model (not tensor-parallel, not pipeline-pruned) held in memory."""
     params = dict(model.named_parameters(remove_duplicate=False))
     layout = param_layout(model)
@@ -264,19 +305,41 @@ def export_model(model: nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir
     return export_state(((n, params[n]) for n in layout), cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
 
 
+def lora_checkpoint_model(ckpt_dir: str, manifest: dict) -> nn.Module:
+    """The whole single-process model of an adapter-only (LoRA) checkpoint: its base (model.init_from,
+    checked against the recorded SHA-256, or the seeded initialisation) with the saved adapters."""
+    cfg, seed = checkpoint_model_config(manifest), manifest["recipe"]["train"]["seed"]
+    check_base(manifest, cfg.init_from, seed, ckpt_dir)
+    model = build(cfg, device="meta")
+    if cfg.init_from:
+        load_hf_weights(model, cfg.init_from, cfg)
+    else:
+        materialize(model, cfg, seed, "cpu")
+    apply_lora(model, cfg, ParallelDims(), seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in iter_full_tensors(ckpt_dir, names={n for n in params if is_adapter(n)}):
+            params[name].copy_(tensor)
+    return model
+
+
 def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Export a pipetrain checkpoint (any layout) through pipetrain.checkpoint's full-tensor reader."""
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> list[str]:
+    """Export a pipetrain checkpoint (any layout) through pipetrain.checkpoint's full-tensor reader; a
+    LoRA checkpoint merged into its base. dtype None: the source dtype (source_dtype)."""
     manifest = read_manifest(ckpt_dir)
     verify_files(ckpt_dir, manifest)  # sizes and SHA-256 of every file, before anything is written
     recipe = manifest["recipe"]
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
+    model_cfg = checkpoint_model_config(manifest)
     if tokenizer_dir is None:
         tokenizer_dir = recipe.get("data", {}).get("tokenizer") or model_cfg.init_from
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"export: the tokenizer directory recorded in {ckpt_dir}'s recipe was not found, got "
                           f"{tokenizer_dir!r}; pass --tokenizer DIR")
+    if "base" in manifest:  # LoRA: adapters only; merge them into the base in memory
+        model = merge_lora(lora_checkpoint_model(ckpt_dir, manifest))
+        base_cfg = dataclasses.replace(model_cfg, lora_rank=None, lora_targets=[])
+        return export_model(model, base_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
     names = set(hf_sources(model_cfg))  # model weights only: optimizer moments are never read
     stream: Iterator = iter_full_tensors(ckpt_dir, names=names)
     return export_state(stream, model_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
@@ -289,12 +352,19 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("ckpt_dir", help="a checkpoint directory (manifest.json + *.safetensors)")
     exp.add_argument("out_dir", help="a new directory for config.json, weights and tokenizer")
     exp.add_argument("--max-shard-size", default="2GB", help="split weight files above this size (default 2GB)")
-    exp.add_argument("--dtype", choices=sorted(CLI_DTYPES), default="fp32", help="weight dtype (default fp32)")
+    exp.add_argument("--dtype", choices=sorted(CLI_DTYPES), default=None,
+                     help="weight dtype (default: the source model's, fp32 for a model trained from scratch)")
     exp.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one in the recipe)")
+    exp.add_argument("--peft", action="store_true",
+                     help="a LoRA checkpoint's adapters only, as a PEFT adapter folder (PeftModel.from_pretrained)")
     args = parser.parse_args(argv)
+    dtype = CLI_DTYPES[args.dtype] if args.dtype else None
     try:
-        files = export_checkpoint(args.ckpt_dir, args.out_dir, args.tokenizer, parse_size(args.max_shard_size),
-                                  CLI_DTYPES[args.dtype])
+        if args.peft:
+            files = export_peft(args.ckpt_dir, args.out_dir, dtype)
+        else:
+            files = export_checkpoint(args.ckpt_dir, args.out_dir, args.tokenizer, parse_size(args.max_shard_size),
+                                      dtype)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
