@@ -57,6 +57,8 @@ class Executor:
         chunk_of_stage = {spec.stage: c for c, spec in enumerate(self.specs)}
         self.prev_local = [chunk_of_stage.get(spec.stage - 1) for spec in self.specs]
         self.next_local = [chunk_of_stage.get(spec.stage + 1) for spec in self.specs]
+        # Whether run() returns a loss: the rank holding the last stage (pp-1, or 0 in the V placement).
+        self.holds_last_stage = any(spec.is_last for spec in self.specs)
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
