@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from pipetrain.config import ModelConfig, ParallelConfig
+from pipetrain.parallel.layout import pipeline_problems
 from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
                                           placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
                                           validate_schedule)
@@ -131,3 +133,15 @@ def test_cli_draws_v_schedules(name):
                           "--microbatches", "8"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("rank ") >= 4 and "F0c1" in out.stdout and "deadlock-free" in out.stdout
+
+
+def test_layout_check_names_the_v_rules():
+    model = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    assert pipeline_problems(model, ParallelConfig(pp=2, virtual_stages=2, schedule="zbv", microbatches=2)) == []
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=2, schedule="zbv", microbatches=4)))
+    assert "needs parallel.virtual_stages=2, got 1" in msg
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=4, virtual_stages=2, schedule="dualpipev",
+                                                           microbatches=4)))
+    assert "parallel.microbatches=4 must be >= 2*parallel.pp=8 for dualpipev" in msg
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=8, virtual_stages=2, schedule="zbv", microbatches=8)))
+    assert "exceeds model.n_layers=8" in msg
