@@ -2,10 +2,12 @@
 
 For pp in 2, 4 it spawns pp gloo processes (one thread each) and runs one small llama (D 256, 8 layers,
 8 heads / 4 kv heads, F 704, V 8192) on a fixed batch of 8 microbatches x 2 sequences x T 128 under
-gpipe, 1f1b and interleaved-1f1b (v 2), with both frameworks on the very same stage modules:
+gpipe, 1f1b, interleaved-1f1b (v 2) and the V schedules zbv and dualpipev (two chunks per rank,
+rank r holding stages r and 2p-1-r), with both frameworks on the very same stage modules:
 pipetrain's Decoder pruned by build_stage, run by pipetrain's Executor, and the same chunk modules
 wrapped in torch.distributed.pipelining.PipelineStage and run by ScheduleGPipe / Schedule1F1B /
-ScheduleInterleaved1F1B. Both use pipetrain's loss (sum of CE / target tokens of the global batch,
+ScheduleInterleaved1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV. The V schedules always split
+their backward (W actions), so for them "pipetrain" and "pipetrain-split" run the same actions. Both use pipetrain's loss (sum of CE / target tokens of the global batch,
 so torch runs with scale_grads=False) and return_outputs=False, so the mathematics is identical.
 
 pipetrain runs three ways: as it trains by default (exactly torch's actions: B does the whole
@@ -69,7 +71,8 @@ from pipetrain.models import build, materialize  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.executor import Executor  # noqa: E402
 from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_layout  # noqa: E402
-from pipetrain.parallel.schedules import B, F, W, build_all_schedules, ideal_bubble  # noqa: E402
+from pipetrain.parallel.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
+                                          stage_of)
 from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
 from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
 from pipetrain.trainer import loss_sum  # noqa: E402
@@ -77,7 +80,7 @@ from pipetrain.trainer import loss_sum  # noqa: E402
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
                   ffn_hidden=704, max_seq_len=128)
 SEQ, MICRO, NUM_MB, SEED = 128, 2, 8, 0
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
 FRAMEWORKS = ("pipetrain", "pipetrain-split", "pipetrain-unfused", "torch")
 # pipetrain's runs: (parallel.split_backward, train.grad_accumulation_fusion)
 SPLIT = {"pipetrain": (False, True), "pipetrain-split": (True, True), "pipetrain-unfused": (False, False)}
@@ -217,7 +220,8 @@ def _batch() -> Batch:
 
 def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     """(model, {framework: step function returning this rank's share of the loss}) for one schedule."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
     pcfg = ParallelConfig(pp=dims.pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v)
     model, chunks, specs = build_stage(build(CFG), dims, pcfg, SEQ)
@@ -253,9 +257,13 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         sched = ScheduleGPipe(stages[0], NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
     elif schedule == "1f1b":
         sched = Schedule1F1B(stages[0], NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
+    elif schedule == "zbv":
+        sched = ScheduleZBVZeroBubble(stages, NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
+    elif schedule == "dualpipev":
+        sched = ScheduleDualPipeV(stages, NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
     else:
         sched = ScheduleInterleaved1F1B(stages, NUM_MB, loss_fn=torch_loss_fn, scale_grads=False)
-    if v > 1:  # same compute order as pipetrain's, so any difference between the two is in the execution
+    if schedule == "interleaved-1f1b":  # same compute order as pipetrain's, so any difference between the two is in the execution
         theirs = [("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index, a.stage_index)
                   for a in sched.pipeline_order[dims.pp_rank] if a is not None and a.computation_type.name in
                   ("FORWARD", "FULL_BACKWARD")]
@@ -394,6 +402,7 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     block, embed, head = layer_costs(CFG, SEQ)
     last = len(layout) - 1
     cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
+    placement = placement_of(schedule)
     if uniform:
         cost_f = [1.0] * len(layout)
     orders = [[(a.kind, a.microbatch, a.chunk) for a in actions if a.kind in (F, B, W)]
@@ -404,9 +413,10 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
 
     def duration(r: int, x: tuple[str, int, int]) -> float:
         kind, mb, c = x
-        return cost_f[c * pp + r] * (backward_ratio if kind == B and (mb, c) not in has_w[r] else ratio[kind])
+        return cost_f[stage_of(r, c, pp, placement)] * (backward_ratio if kind == B and (mb, c) not in has_w[r]
+                                                        else ratio[kind])
 
-    sim = replay_computes(orders, v, duration)
+    sim = replay_computes(orders, v, duration, placement)
     assert all(len(sim.ends[r]) == len(orders[r]) for r in range(pp)), f"replay_idle: {schedule} deadlocked"
     busy = [sum(duration(r, x) for x in order) for r, order in enumerate(orders)]
     return [1 - b / max(sim.clock) for b in busy]

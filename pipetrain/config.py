@@ -82,7 +82,7 @@ class ParallelConfig:
     tp: int = 1                      # tensor-parallel ranks; divides n_heads, ffn and vocab
     pp: int = 1                      # pipeline stages; <= model.n_layers
     microbatches: int = 1            # per optimizer step and dp rank; >= pp for 1f1b
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = 1          # model chunks per pp rank (interleaved-1f1b)
     stage_layers: Optional[list] = None  # explicit layers per stage; None = balanced by cost
     zero: int = 0                    # 0 | 1 (shard optimizer state) | 2 (also gradients)

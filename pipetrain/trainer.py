@@ -114,7 +114,7 @@ class Trainer:
             total += self.executor.run(self.eval_actions, batch.split(self.recipe.parallel.microbatches), 1,
                                        forward_only=True)
             count += int((batch.targets != IGNORE_INDEX).sum())
-        if not self.dims.is_last_stage:
+        if not self.executor.holds_last_stage:  # rank pp-1, or rank 0 for the V schedules
             total.zero_()  # the token count is known everywhere; the loss only on the last stage
             count = 0
         stats = torch.tensor([float(total), float(count)], dtype=torch.float64, device=self.device)

@@ -16,6 +16,11 @@ waits for and the chunk's WeightGradModules record their weight-gradient work; t
 work. Linears that apply_grad_accumulation_fusion did not make WeightGradModules do their whole
 backward in B.
 
+Stages on the same rank (the V placement of zbv and dualpipev: rank p-1 holds stages p-1 and p) hand
+their tensors over locally: the schedule has no SEND/RECV for that edge, the next chunk's F takes the
+previous chunk's output (detached, as a received tensor would be) and the previous chunk's B takes the
+input gradient the next chunk's B left. The executor sees this from the chunk specs' stage numbers.
+
 Every transferred tensor has the shape and dtype agreed up front from the recipe
 (microbatch, T or T/tp under sequence parallelism, D); a tensor that does not match raises before
 anything is sent, instead of hanging the peer.
@@ -48,6 +53,12 @@ class Executor:
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.loss_fn, self.autocast = loss_fn, autocast
         self.batch_p2p = batches_p2p_by_default() if batch_p2p is None else batch_p2p
+        # Local hand-offs: this rank's chunk holding the previous / next stage of each chunk, else None.
+        chunk_of_stage = {spec.stage: c for c, spec in enumerate(self.specs)}
+        self.prev_local = [chunk_of_stage.get(spec.stage - 1) for spec in self.specs]
+        self.next_local = [chunk_of_stage.get(spec.stage + 1) for spec in self.specs]
+        # Whether run() returns a loss: the rank holding the last stage (pp-1, or 0 in the V placement).
+        self.holds_last_stage = any(spec.is_last for spec in self.specs)
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
@@ -125,8 +136,12 @@ class Executor:
             key = (a.microbatch, a.chunk)
             spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
             mb = microbatches[a.microbatch]
+            prev, nxt = self.prev_local[a.chunk], self.next_local[a.chunk]
             if a.kind == F:
-                if not spec.is_first:
+                if prev is not None:  # the previous stage is on this rank: its output, detached like a receive
+                    out_prev = outputs.pop((a.microbatch, prev)) if forward_only else outputs[(a.microbatch, prev)]
+                    inputs[key] = out_prev.detach().requires_grad_(not forward_only)
+                elif not spec.is_first:
                     arrived(RECV_ACT, key)
                 x = mb.inputs.to(device) if spec.is_first else inputs[key]
                 with self.autocast(), deferral(key) if not forward_only else contextlib.nullcontext():
@@ -142,14 +157,16 @@ class Executor:
                 if forward_only:
                     inputs.pop(key, None)
             elif a.kind == B:
-                if not spec.is_last:
+                if not spec.is_last and nxt is None:
                     arrived(RECV_GRAD, key)
                 with deferral(key):  # recomputed forwards must take the deferred path too
                     if spec.is_last:
                         losses.pop(key).backward()
                     else:
                         torch.autograd.backward(outputs.pop(key), grads_out.pop(key))
-                if not spec.is_first:
+                if prev is not None:  # the previous stage's B, on this rank, takes it directly
+                    grads_out[(a.microbatch, prev)] = inputs.pop(key).grad
+                elif not spec.is_first:
                     grads_in[key] = inputs.pop(key).grad
             elif a.kind == W:
                 apply_weight_grads(weight_work.pop(key))

@@ -89,7 +89,16 @@ def pipeline_problems(model_cfg: ModelConfig, pcfg: ParallelConfig) -> list[str]
     if num_stages > m.n_layers:
         problems.append(f"parallel.pp*virtual_stages={p.pp}*{p.virtual_stages}={num_stages} exceeds "
                         f"model.n_layers={m.n_layers}; each stage needs at least one layer")
-    if p.virtual_stages > 1:
+    if p.schedule in ("zbv", "dualpipev"):  # the V schedules: two chunks per rank (schedules.V_SCHEDULES)
+        if p.virtual_stages != 2:
+            problems.append(f"parallel.schedule={p.schedule} places two chunks per rank in a V, so it needs "
+                            f"parallel.virtual_stages=2, got {p.virtual_stages}; set parallel.virtual_stages=2")
+        if p.pp < 2:
+            problems.append(f"parallel.schedule={p.schedule} needs parallel.pp >= 2, got {p.pp}; use schedule 1f1b")
+        if p.schedule == "dualpipev" and p.microbatches < 2 * p.pp:
+            problems.append(f"parallel.microbatches={p.microbatches} must be >= 2*parallel.pp={2 * p.pp} for "
+                            f"dualpipev; use {2 * p.pp} or more, or schedule zbv")
+    elif p.virtual_stages > 1:
         if p.schedule != "interleaved-1f1b":
             problems.append(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule="
                             f"interleaved-1f1b, got {p.schedule}; set parallel.virtual_stages=1 or use "

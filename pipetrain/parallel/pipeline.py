@@ -1,7 +1,9 @@
 """Pipeline stages: partition the decoder's layers and keep this rank's part.
 
 A pipeline of pp ranks with v virtual stages per rank has S = pp * v stages; chunk c of pp rank r is
-stage s = c * pp + r (Megatron's interleaving). Stage 0 also holds the embedding, stage S-1 the final
+stage s = c * pp + r (Megatron's interleaving), or, for the V schedules (zbv, dualpipev: v = 2), stage r
+for chunk 0 and 2*pp-1-r for chunk 1, so rank 0 holds the first and the last stage
+(schedules.stage_of). Stage 0 also holds the embedding, stage S-1 the final
 norm, the LM head and the loss. Layers go to stages by a cost model (per-layer training FLOPs, the
 embedding's parameter memory and the head's FLOPs; docs/pipeline.md) or an explicit
 parallel.stage_layers list.
@@ -21,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.config import ModelConfig, ParallelConfig
+from pipetrain.parallel.schedules.actions import placement_of, rank_chunk_of, stage_of
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     return float(block), float(embed), float(head)
 
 
-def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | None = None) -> list[int]:
+def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | None = None,
+                     placement: str = "loop") -> list[int]:
     """Layers per stage (each >= 1) minimising the most expensive stage; ties favour earlier stages.
 
     Interleaved (pp given, num_stages = pp * v with v > 1): rank r runs stages r, r + pp, ..., so in the
@@ -53,7 +57,8 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
     (busiest rank, busiest stage) and no stage grows past the stage-balanced optimum (the fill and
     drain pass through single stages): with the head on the last stage, the stage-balanced split overloads
     the last rank (pp 2, v 2, 8 layers: [2, 3, 2, 1] loads the ranks 5.0 / 6.7 blocks, [2, 2, 3, 1]
-    6.0 / 5.7)."""
+    6.0 / 5.7). The V placement (placement "v") is balanced the same way over its ranks: rank 0 holds
+    stages 0 and S-1, so the embedding and the head both load it, and the descent moves layers off it."""
     L = cfg.n_layers
     assert 1 <= num_stages <= L, f"partition_layers: {num_stages} stages for {L} layers; layout_problems rejects this"
     block, embed, head = layer_costs(cfg, seq_len)
@@ -82,17 +87,22 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
 
     def score(c: list[int]) -> tuple[float, float]:
         stage = [cost(s, n) for s, n in enumerate(c)]
-        return max(sum(stage[r::pp]) for r in range(pp)), max(stage)
+        loads = [0.0] * pp
+        for s, x in enumerate(stage):
+            loads[rank_chunk_of(s, pp, placement)[0]] += x
+        return max(loads), max(stage)
 
     current, cap = score(counts), max(cost(s, n) for s, n in enumerate(counts)) + 1e-9
     while True:  # steepest descent over single-layer moves; each move strictly lowers the score
         moves = []
-        for s in range(num_stages - 1):
-            for src, dst in ((s, s + 1), (s + 1, s)):
-                if counts[src] > 1 and cost(dst, counts[dst] + 1) <= cap:
-                    c = list(counts)
-                    c[src], c[dst] = c[src] - 1, c[dst] + 1
-                    moves.append((score(c), c))
+        # Counts move between neighbouring stages; in the V between any two (a rank's stages are apart).
+        pairs = ([(a, b) for a in range(num_stages) for b in range(num_stages) if a != b] if placement == "v"
+                 else [pair for s in range(num_stages - 1) for pair in ((s, s + 1), (s + 1, s))])
+        for src, dst in pairs:
+            if counts[src] > 1 and cost(dst, counts[dst] + 1) <= cap:
+                c = list(counts)
+                c[src], c[dst] = c[src] - 1, c[dst] + 1
+                moves.append((score(c), c))
         if not moves:
             return counts
         value, c = min(moves, key=lambda m: m[0])
@@ -112,7 +122,7 @@ def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[l
             f"stage_layout: stage_layers={counts} is not {num_stages} stages of {cfg.n_layers} layers; " \
             "layout_problems rejects this"
     else:
-        counts = partition_layers(cfg, num_stages, seq_len, pcfg.pp)
+        counts = partition_layers(cfg, num_stages, seq_len, pcfg.pp, placement_of(pcfg.schedule))
     out, start = [], 0
     for n in counts:
         out.append(list(range(start, start + n)))
@@ -143,10 +153,9 @@ def build_stage(model: nn.Module, dims, pcfg: ParallelConfig, seq_len: int) -> t
     cfg: ModelConfig = model.cfg
     layout = stage_layout(cfg, pcfg, seq_len)
     num_stages = len(layout)
-    specs = [ChunkSpec(stage=c * dims.pp + dims.pp_rank, layers=tuple(layout[c * dims.pp + dims.pp_rank]),
-                       is_first=c * dims.pp + dims.pp_rank == 0,
-                       is_last=c * dims.pp + dims.pp_rank == num_stages - 1)
-             for c in range(pcfg.virtual_stages)]
+    stages = [stage_of(dims.pp_rank, c, dims.pp, placement_of(pcfg.schedule)) for c in range(pcfg.virtual_stages)]
+    specs = [ChunkSpec(stage=s, layers=tuple(layout[s]), is_first=s == 0, is_last=s == num_stages - 1)
+             for s in stages]
     if num_stages == 1:
         return model, [model], specs
     keep = {i for spec in specs for i in spec.layers}

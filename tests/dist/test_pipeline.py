@@ -102,6 +102,21 @@ def test_batched_p2p_path_matches_single_process_grads(schedule, v):
     run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4, True, True)
 
 
+LLAMA8 = dataclasses.replace(LLAMA, n_layers=8)  # pp 4 in a V: 8 stages
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("pp,cfg,num", [(2, GPT2, 4), (4, LLAMA8, 8)], ids=["pp2-gpt2-tied", "pp4-llama"])
+def test_v_schedules_match_single_process_grads(schedule, pp, cfg, num):
+    # two chunks per rank in a V: rank 0 holds the embedding and the (tied) head, rank pp-1's two chunks
+    # hand over locally; the split backward's W actions fill the waits
+    run_ranks(pp, _pipeline_worker, cfg, pp, 1, schedule, 2, num, True)
+
+
+def test_v_schedule_batched_p2p_with_tp2_matches_single_process_grads():
+    run_ranks(4, _pipeline_worker, GPT2, 2, 2, "zbv", 2, 4, True, True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("pp,schedule,v,num", [(4, "gpipe", 1, 6), (4, "1f1b", 1, 3), (2, "1f1b", 1, 7),
@@ -144,3 +159,21 @@ def test_interleaved_partition_balances_ranks_without_growing_the_busiest_stage(
         assert max(ranks) < max(flat_ranks) and stage <= flat_stage, (pp, stages, flat, interleaved)
     assert partition_layers(cfg, 4, 128, 2) == [2, 2, 3, 1]  # ranks 6.0 / 5.7 blocks instead of 5.0 / 6.7
     assert partition_layers(cfg, 2, 128, 2) == partition_layers(cfg, 2, 128)  # one stage per rank: unchanged
+
+
+def test_v_partition_balances_both_chunks_of_each_rank_head_and_embedding_on_rank_0():
+    cfg = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                      ffn_hidden=704)  # the head costs 2.7 blocks and sits with the embedding on rank 0
+    block, embed, head = layer_costs(cfg, 128)
+    for pp in (2, 3, 4):
+        stages = 2 * pp
+        counts = partition_layers(cfg, stages, 128, pp, "v")
+        cost = [n * block + (embed if s == 0 else 0) + (head if s == stages - 1 else 0) for s, n in enumerate(counts)]
+        v_loads = [cost[r] + cost[stages - 1 - r] for r in range(pp)]
+        flat = partition_layers(cfg, stages, 128)
+        flat_cost = [n * block + (embed if s == 0 else 0) + (head if s == stages - 1 else 0) for s, n in enumerate(flat)]
+        assert sum(counts) == 8 and min(counts) >= 1 and max(cost) <= max(flat_cost)
+        assert max(v_loads) <= max(flat_cost[r] + flat_cost[stages - 1 - r] for r in range(pp)), (pp, counts)
+    assert partition_layers(cfg, 4, 128, 2, "v") == [1, 3, 3, 1]  # ranks 5.7 / 6 blocks, not [2, 3, 2, 1]'s 6.7 / 5
+    layout = stage_layout(cfg, ParallelConfig(pp=2, virtual_stages=2, schedule="zbv", microbatches=4), 128)
+    assert [len(s) for s in layout] == partition_layers(cfg, 4, 128, 2, "v")

@@ -6,7 +6,7 @@ compute (F, B, W) and point-to-point communication (SEND_*/RECV_*), nothing else
 torch.distributed. One idea per module:
 
     actions.py    Action, the stage numbering, which compute feeds which
-    builders.py   each schedule's compute order; build_all_schedules and the per-rank entry points
+    builders.py   each schedule's compute order (the V schedules zbv, dualpipev too); build_all_schedules and the per-rank entry points
     placement.py  where W (split backward) and SEND/RECV actions go, and why that cannot deadlock
     replay.py     the one simulator: a task starts when its rank is free and its input is there
     validate.py   validate_schedule: structure, message order, deadlock freedom, in-flight bounds
@@ -14,13 +14,14 @@ torch.distributed. One idea per module:
     timeline.py   the timeline command (python -m pipetrain.parallel.schedules), ASCII and PNG
 """
 from pipetrain.parallel.schedules.actions import (B, COMM_KINDS, COMPUTE_KINDS, F, RECV_ACT, RECV_GRAD, SCHEDULES,
-                                                  SEMANTICS, SEND_ACT, SEND_GRAD, W, Action, Compute, stage_of)
+                                                  SEMANTICS, SEND_ACT, SEND_GRAD, V_SCHEDULES, W, Action, Compute,
+                                                  placement_of, rank_chunk_of, stage_of)
 from pipetrain.parallel.schedules.builders import (build_all_schedules, build_schedule, gpipe,
                                                    interleaved_one_f_one_b, one_f_one_b, schedule_problems)
 from pipetrain.parallel.schedules.timing import SimResult, ideal_bubble, simulate
 from pipetrain.parallel.schedules.validate import find_deadlock, peak_in_flight, validate_schedule
 
 __all__ = ["B", "COMM_KINDS", "COMPUTE_KINDS", "F", "RECV_ACT", "RECV_GRAD", "SCHEDULES", "SEMANTICS", "SEND_ACT",
-           "SEND_GRAD", "W", "Action", "Compute", "stage_of", "build_all_schedules", "build_schedule", "gpipe",
+           "SEND_GRAD", "V_SCHEDULES", "W", "Action", "Compute", "placement_of", "rank_chunk_of", "stage_of", "build_all_schedules", "build_schedule", "gpipe",
            "interleaved_one_f_one_b", "one_f_one_b", "schedule_problems", "SimResult", "ideal_bubble", "simulate",
            "find_deadlock", "peak_in_flight", "validate_schedule"]

@@ -1,4 +1,5 @@
-"""The schedules: each rank's compute order for GPipe, 1F1B and interleaved 1F1B, and the entry points.
+"""The schedules: each rank's compute order for GPipe, 1F1B, interleaved 1F1B and the V schedules (zbv,
+dualpipev), and the entry points.
 
 A builder fixes every rank's order of F and B; placement.place then adds W (split backward) and the
 SEND/RECV actions. The arguments are checked by the user-facing layout check before they get here;
@@ -9,8 +10,9 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from pipetrain.parallel.schedules.actions import B, F, SCHEDULES, Action, Compute
+from pipetrain.parallel.schedules.actions import B, F, SCHEDULES, V_SCHEDULES, W, Action, Compute, source
 from pipetrain.parallel.schedules.placement import place
+from pipetrain.parallel.schedules.replay import Replay, Task
 
 
 def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
@@ -22,6 +24,15 @@ def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_st
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         problems.append(f"schedule: unknown schedule {name!r}, expected one of {', '.join(SCHEDULES)}{hint}")
+    elif name in V_SCHEDULES:
+        if v != 2:
+            problems.append(f"{name}: needs virtual_stages=2 (two chunks per rank, placed in a V), got {v}; "
+                            "set virtual_stages=2")
+        if p < 2:
+            problems.append(f"{name}: needs pp_size >= 2, got {p}; on one rank use schedule 1f1b")
+        if name == "dualpipev" and m < 2 * p:
+            problems.append(f"dualpipev: num_microbatches={m} must be >= 2*pp_size={2 * p} (its steady state "
+                            f"feeds a microbatch into each of the 2*pp_size stages); use {2 * p} or more, or zbv")
     elif v > 1 and name != "interleaved-1f1b":
         problems.append(f"schedule: virtual_stages={v} needs schedule interleaved-1f1b, got {name!r}; "
                         f"set virtual_stages=1 or use interleaved-1f1b")
@@ -68,18 +79,143 @@ def _interleaved_order(pp_rank: int, pp_size: int, num_microbatches: int, virtua
     return order + [unit(k, B) for k in range(total - num_warmup, total)]
 
 
+def _zbv_orders(pp_size: int, num_microbatches: int) -> list[list[Compute]]:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): every rank's F, B and W order.
+
+    Built by list scheduling on the simulator with F = B = W = 1 per chunk: each rank, whenever it is
+    free, does the backward whose output gradient is there (oldest first: it frees memory and unblocks
+    the ranks upstream), else the forward whose input is there (chunk 1 first, it is closer to the
+    loss), else its oldest pending W (a W needs nothing from another rank, so it fills what would be a
+    wait), else it waits for the earliest known input. Forwards stop while the rank holds 2*pp_size
+    (microbatch, chunk) activations not yet weight-gradiented: p microbatches of the whole rank's
+    layers, 1F1B's peak on rank 0. F and B run each chunk's microbatches in order, W each chunk's in B
+    order, so weight gradients accumulate in microbatch order.
+    """
+    p, m = pp_size, num_microbatches
+    limit = 2 * p
+    next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]
+    pending: list[list[Compute]] = [[] for _ in range(p)]
+    live = [0] * p
+    out: list[list[Compute]] = [[] for _ in range(p)]
+    sim = Replay(p)
+
+    def candidates(r: int) -> list[tuple[float, int, Compute, object]]:
+        found = []
+        for c in (1, 0):
+            if next_b[r][c] < next_f[r][c]:  # its forward is done: B can run once its gradient is there
+                x = (B, next_b[r][c], c)
+                found.append((0, c, x))
+            if next_f[r][c] < m and live[r] < limit:
+                found.append((1, 1 - c, (F, next_f[r][c], c)))
+        out_ = []
+        for rank_, _, x in found:
+            src = source(p, 2, r, x, "v")
+            at = sim.clock[r] if src is None else sim.produced.get(src)
+            if at is not None:
+                out_.append((max(at, sim.clock[r]), rank_, x, src))
+        return out_
+
+    def next_task(r: int) -> Task | None:
+        ready = candidates(r)
+        now = [c for c in ready if c[0] <= sim.clock[r]]
+        if now:
+            _, _, x, src = min(now, key=lambda c: (c[1], c[2][1]))  # B before F, then the oldest microbatch
+        elif pending[r]:
+            x, src = pending[r].pop(0), None
+        elif ready:
+            _, _, x, src = min(ready, key=lambda c: (c[0], c[1], c[2][1]))
+        else:
+            return None
+        kind, mb, c = x
+        if kind == F:
+            next_f[r][c] += 1
+            live[r] += 1
+        elif kind == B:
+            next_b[r][c] += 1
+            pending[r].append((W, mb, c))
+        else:
+            live[r] -= 1
+        out[r].append(x)
+        return Task(1.0, needs=src, makes=(r, x))
+
+    sim.drive(next_task)
+    assert all(len(order) == 6 * m for order in out), "_zbv_orders: list scheduling stalled"
+    return out
+
+
+def _dualpipev_order(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Compute]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut to one V, as in torch.distributed.pipelining): rank r's order.
+
+    Chunk 0 (stage r) and chunk 1 (stage 2p-1-r) of every rank: fill with 2(p-r-1) chunk-0 forwards,
+    then r+1 forward pairs (chunk 0, chunk 1); p-r-1 rounds of B1 W1 F1 (the split backward fills the
+    wait for the first gradients); the steady state pairs each forward with a backward of the other
+    chunk (F0 B1, F1 B0: DualPipe overlaps the pair's compute with the other's communication); the
+    drain mirrors the fill, splitting the later backwards and doing their W at the end. B is split
+    (followed later by its W) only where a W fills a wait; elsewhere it does the whole backward.
+    """
+    p, r, m = pp_size, pp_rank, num_microbatches
+    order: list[Compute] = []
+    count = {(kind, c): 0 for kind in (F, B) for c in (0, 1)}
+    pending: list[Compute] = []
+
+    def add(kind: str, c: int, split: bool = False) -> None:
+        mb = count[(kind, c)]
+        count[(kind, c)] += 1
+        order.append((kind, mb, c))
+        if split:
+            pending.append((W, mb, c))
+
+    def weight() -> None:
+        if pending:
+            order.append(pending.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        add(F, 0)
+    for _ in range(r + 1):
+        add(F, 0)
+        add(F, 1)
+    for _ in range(p - r - 1):
+        add(B, 1, split=True)
+        weight()
+        add(F, 1)
+    for _ in range(m - 2 * p + r + 1):
+        add(F, 0)
+        add(B, 1)
+        add(F, 1)
+        add(B, 0)
+    for _ in range(p - r - 1):
+        add(B, 1)
+        add(F, 1)
+        add(B, 0)
+    for i in range(r + 1):  # the second half of the drain splits its backwards
+        add(B, 1, split=i >= (r + 1) // 2)
+        add(B, 0, split=i >= (r + 1) // 2)
+    for _ in range(p - r - 1):
+        weight()
+        add(B, 0, split=True)
+    while pending:
+        weight()
+    return order
+
+
 def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
                         backward_cost: float = 2.0, split_backward: bool = False) -> list[list[Action]]:
     """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator).
 
     backward_cost is B's time relative to F's, used only to place receives and W actions (placement.py):
     about 2 normally, 3 with full activation recomputation; with split_backward half of it is taken as
-    B's input-gradient part and half as W. Any positive value gives a deadlock-free schedule.
+    B's input-gradient part and half as W. Any positive value gives a deadlock-free schedule. The V
+    schedules (zbv, dualpipev: placement "v", virtual_stages=2) always split their backward and place
+    their own W actions; split_backward does not change them.
     """
     problems = schedule_problems(name, pp_size, num_microbatches, virtual_stages)
     assert not problems, "; ".join(problems)
     assert backward_cost > 0, f"schedule: backward_cost must be > 0, got {backward_cost}"
     p, m, v = pp_size, num_microbatches, virtual_stages
+    if name == "zbv":
+        return place(_zbv_orders(p, m), 2, backward_cost, True, "v")
+    if name == "dualpipev":
+        return place([_dualpipev_order(r, p, m) for r in range(p)], 2, backward_cost, True, "v")
     if name == "gpipe":
         return place([_gpipe_order(m)] * p, 1, backward_cost, split_backward)
     if v == 1:  # 1f1b, and interleaved-1f1b with one chunk per rank, which is the same thing

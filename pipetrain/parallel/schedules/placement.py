@@ -35,19 +35,23 @@ import bisect
 from typing import Sequence
 
 from pipetrain.parallel.schedules.actions import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Compute,
-                                                  source, stage_of)
+                                                  rank_chunk_of, source, stage_of)
 from pipetrain.parallel.schedules.replay import Replay, Task, replay_computes
 
 
 def place(orders: list[list[Compute]], virtual_stages: int, backward_cost: float,
-          split_backward: bool) -> list[list[Action]]:
-    """Every rank's action list from its compute order (module docstring), placed for B = backward_cost * F."""
-    if not split_backward:
-        return _place_comms(orders, virtual_stages, {F: 1.0, B: backward_cost})
+          split_backward: bool, placement: str = "loop") -> list[list[Action]]:
+    """Every rank's action list from its compute order (module docstring), placed for B = backward_cost * F.
+
+    Orders that already hold W actions (the V schedules place their own) only get their communication."""
+    has_w = any(kind == W for order in orders for kind, _, _ in order)
+    if not split_backward and not has_w:
+        return _place_comms(orders, virtual_stages, {F: 1.0, B: backward_cost}, placement)
     cost = {F: 1.0, B: backward_cost / 2, W: backward_cost / 2}
-    orders = _place_weight_grads(orders, virtual_stages, cost)
+    if not has_w:
+        orders = _place_weight_grads(orders, virtual_stages, cost, placement)
     return _place_comms([_merge_first_stage_weight_grads(order, r) for r, order in enumerate(orders)],
-                        virtual_stages, cost)
+                        virtual_stages, cost, placement)
 
 
 def _in_flight_bound(order: Sequence[Compute]) -> int:
@@ -58,7 +62,8 @@ def _in_flight_bound(order: Sequence[Compute]) -> int:
     return peak
 
 
-def _place_weight_grads(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float]) -> list[list[Compute]]:
+def _place_weight_grads(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float],
+                        placement: str = "loop") -> list[list[Compute]]:
     """Give every B of the compute orders a W (module docstring: split backward), placed by a reference run.
 
     Ranks advance in time order (Replay.drive). A rank whose next compute's input is not there yet does
@@ -79,7 +84,7 @@ def _place_weight_grads(orders: list[list[Compute]], virtual_stages: int, cost: 
             x, src = pending[r].pop(0), None
         else:
             x = orders[r][idx[r]]
-            src = source(p, virtual_stages, r, x)
+            src = source(p, virtual_stages, r, x, placement)
             ready = sim.clock[r] if src is None else sim.produced.get(src)
             # Earliest-clock rank: an input not produced yet can only arrive after its clock.
             if pending[r] and (ready is None or ready > sim.clock[r] or (x[0] == F and live[r] + 1 > bound)):
@@ -121,7 +126,8 @@ def _merge_first_stage_weight_grads(order: list[Compute], pp_rank: int) -> list[
     return out
 
 
-def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float]) -> list[list[Action]]:
+def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[str, float],
+                 placement: str = "loop") -> list[list[Action]]:
     """Add SEND/RECV actions to every rank's compute order (the rule and its proof: module docstring)."""
     p = len(orders)
     last = p * virtual_stages - 1
@@ -132,7 +138,7 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[st
         kind, mb, c = x
         return cost[kind] + (cost.get(W, 0.0) if kind == B and (mb, c) not in split[r] else 0.0)
 
-    sim = replay_computes(orders, virtual_stages, duration)
+    sim = replay_computes(orders, virtual_stages, duration, placement)
     assert all(len(sim.starts[r]) == len(orders[r]) for r in range(p)), "_place_comms: compute orders deadlock"
 
     # Each receive goes right before the first compute of the receiver that starts no earlier than the
@@ -141,8 +147,8 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[st
     recvs: list[list[list[tuple[float, Action]]]] = [[[] for _ in order] for order in orders]
     for q, order in enumerate(orders):
         for x in order:
-            src = source(p, virtual_stages, q, x)
-            if src is not None:
+            src = source(p, virtual_stages, q, x, placement)
+            if src is not None and src[0] != q:  # the V's local edge is no message
                 made = sim.produced[src]
                 j = bisect.bisect_left(sim.starts[q], made)  # starts are non-decreasing on a rank
                 recvs[q][j].append((made, Action(RECV_ACT if x[0] == F else RECV_GRAD, x[1], x[2], peer=src[0])))
@@ -152,10 +158,10 @@ def _place_comms(orders: list[list[Compute]], virtual_stages: int, cost: dict[st
         for k, (kind, mb, c) in enumerate(order):
             actions += [a for _, a in sorted(recvs[r][k], key=lambda ta: ta[0])]
             actions.append(Action(kind, mb, c))
-            s = stage_of(r, c, p)
-            if kind == F and s < last:
-                actions.append(Action(SEND_ACT, mb, c, peer=(r + 1) % p))
-            elif kind == B and s > 0:
-                actions.append(Action(SEND_GRAD, mb, c, peer=(r - 1) % p))
+            s = stage_of(r, c, p, placement)
+            if kind == F and s < last and rank_chunk_of(s + 1, p, placement)[0] != r:
+                actions.append(Action(SEND_ACT, mb, c, peer=rank_chunk_of(s + 1, p, placement)[0]))
+            elif kind == B and s > 0 and rank_chunk_of(s - 1, p, placement)[0] != r:
+                actions.append(Action(SEND_GRAD, mb, c, peer=rank_chunk_of(s - 1, p, placement)[0]))
         out.append(actions)
     return out

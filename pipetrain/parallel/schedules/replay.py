@@ -74,9 +74,9 @@ def replay(tasks: Sequence[Sequence[Task]]) -> Replay:
 
 
 def replay_computes(orders: Sequence[Sequence[Compute]], virtual_stages: int,
-                    duration: Callable[[int, Compute], float]) -> Replay:
+                    duration: Callable[[int, Compute], float], placement: str = "loop") -> Replay:
     """Every rank's compute order with free transfers: a compute waits for the one it consumes
     (actions.source) and produces the key (rank, compute)."""
     p = len(orders)
-    return replay([[Task(duration(r, x), needs=source(p, virtual_stages, r, x), makes=(r, x)) for x in order]
+    return replay([[Task(duration(r, x), needs=source(p, virtual_stages, r, x, placement), makes=(r, x)) for x in order]
                    for r, order in enumerate(orders)])

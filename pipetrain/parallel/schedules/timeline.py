@@ -1,7 +1,7 @@
 """The timeline command: build, validate and simulate a schedule, then draw it as ASCII (or a PNG).
 
     python -m pipetrain.parallel.schedules --schedule 1f1b --pp 4 --microbatches 8 \\
-        [--virtual-stages 2] [--cost-f 1 --cost-b 2 --cost-comm 0] [--split-backward [--cost-w 1]] [--png out.png]
+        [--virtual-stages 2] (--schedule gpipe | 1f1b | interleaved-1f1b | zbv | dualpipev) [--cost-f 1 --cost-b 2 --cost-comm 0] [--split-backward [--cost-w 1]] [--png out.png]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Sequence
 
-from pipetrain.parallel.schedules.actions import B, COMPUTE_KINDS, F, SCHEDULES, W, Action
+from pipetrain.parallel.schedules.actions import B, COMPUTE_KINDS, F, SCHEDULES, V_SCHEDULES, W, Action, placement_of
 from pipetrain.parallel.schedules.builders import build_all_schedules, schedule_problems
 from pipetrain.parallel.schedules.timing import SimResult, ideal_bubble, simulate
 from pipetrain.parallel.schedules.validate import validate_schedule
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     ap.add_argument("--virtual-stages", type=int, default=None,
-                    help="model chunks per rank (interleaved-1f1b; default 2 there, 1 otherwise)")
+                    help="model chunks per rank (default 2 for interleaved-1f1b, zbv and dualpipev, 1 otherwise)")
     ap.add_argument("--cost-f", type=float, default=1.0, help="forward time of a rank's layers per microbatch")
     ap.add_argument("--cost-b", type=float, default=2.0, help="backward time of a rank's layers per microbatch")
     ap.add_argument("--cost-comm", type=float, default=0.0, help="latency of one p2p transfer")
@@ -92,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cols-per-unit", type=float, default=None, help="timeline horizontal scale")
     ap.add_argument("--png", default=None, help="also write the timeline as a PNG (needs matplotlib)")
     args = ap.parse_args(argv)
-    v = args.virtual_stages or (2 if args.schedule == "interleaved-1f1b" else 1)
+    v = args.virtual_stages or (2 if args.schedule in ("interleaved-1f1b",) + V_SCHEDULES else 1)
+    placement = placement_of(args.schedule)
     try:
         if not (args.cost_f > 0 and args.cost_b > 0 and args.cost_comm >= 0):
             raise ValueError(f"--cost-f and --cost-b must be > 0 and --cost-comm >= 0, got "
@@ -108,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             split_backward=args.split_backward)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
-        validate_schedule(schedules, args.pp, args.microbatches, v)
-        result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v, cost_w=args.cost_w)
+        validate_schedule(schedules, args.pp, args.microbatches, v, placement=placement)
+        result = simulate(schedules, args.cost_f, args.cost_b, args.cost_comm, virtual_stages=v, cost_w=args.cost_w,
+                          placement=placement)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,11 +29,12 @@ class SimResult:
 
 
 def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b: float = 2.0,
-             cost_comm: float = 0.0, virtual_stages: int | None = None, cost_w: float | None = None) -> SimResult:
+             cost_comm: float = 0.0, virtual_stages: int | None = None, cost_w: float | None = None,
+             placement: str = "loop") -> SimResult:
     """Replay all ranks' actions with the given costs; raises ValueError if sends and receives do not pair
     up or the schedule deadlocks. virtual_stages defaults to 1 + the largest chunk used. A B with a W
     action of its own (split backward) costs cost_b - cost_w and the W cost_w (default cost_b / 2), so a
-    microbatch costs cost_f + cost_b either way."""
+    microbatch costs cost_f + cost_b either way. placement: the stages' placement (actions.placement_of)."""
     p = len(schedules)
     v = virtual_stages or 1 + max((a.chunk for actions in schedules for a in actions), default=0)
     cost_w = cost_b / 2 if cost_w is None else cost_w
@@ -48,7 +49,7 @@ def simulate(schedules: Sequence[Sequence[Action]], cost_f: float = 1.0, cost_b:
             return cost_w / v
         return (cost_b - cost_w if (a.microbatch, a.chunk) in split[r] else cost_b) / v
 
-    match = pair_messages(schedules, p)
+    match = pair_messages(schedules, p, placement)
 
     def task(r: int, i: int, a: Action) -> Task:
         if a.kind in (SEND_ACT, SEND_GRAD):  # lands at the matching receive, keyed (rank, index)

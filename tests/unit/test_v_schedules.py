@@ -1,0 +1,147 @@
+"""The V schedules (zbv, dualpipev) as data: V placement, validity over pp 2..8, local hand-off between a
+rank's two chunks, bounded activations, and simulated bubbles against the published figures. No processes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipetrain.config import ModelConfig, ParallelConfig
+from pipetrain.parallel.layout import pipeline_problems
+from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
+                                          placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
+                                          validate_schedule)
+
+EXACT = 1e-9
+
+
+def v_cases(name: str) -> list[tuple[int, int]]:
+    """pp 2..8, microbatches pp..4pp (dualpipev needs 2pp or more)."""
+    return [(p, m) for p in range(2, 9) for m in range(2 * p if name == "dualpipev" else p, 4 * p + 1)]
+
+
+def test_v_placement_puts_first_and_last_stage_on_rank_0_and_inverts():
+    for p in range(1, 9):
+        stages = sorted(stage_of(r, c, p, "v") for r in range(p) for c in (0, 1))
+        assert stages == list(range(2 * p))
+        assert rank_chunk_of(0, p, "v") == (0, 0) and rank_chunk_of(2 * p - 1, p, "v") == (0, 1)
+        assert rank_chunk_of(p - 1, p, "v") == rank_chunk_of(p, p, "v")[:1] + (0,)  # stages p-1, p: one rank
+        for r in range(p):
+            for c in (0, 1):
+                assert rank_chunk_of(stage_of(r, c, p, "v"), p, "v") == (r, c)
+    assert placement_of("zbv") == placement_of("dualpipev") == "v" and placement_of("1f1b") == "loop"
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_validator_accepts_every_v_schedule_within_1f1b_memory(name):
+    for p, m in v_cases(name):
+        s = build_all_schedules(name, p, m, 2)
+        # zbv keeps 1F1B's rank-0 peak (p microbatches of a rank's layers = 2p half-rank chunks);
+        # dualpipev one chunk more (its steady state holds a forward of each chunk while backwarding).
+        bound = 2 * p if name == "zbv" else 2 * p + 1
+        validate_schedule(s, p, m, 2, placement="v", max_in_flight=[bound] * p)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_the_hand_off_between_a_ranks_two_chunks_is_local(name):
+    p, m = 4, 8
+    s = build_all_schedules(name, p, m, 2)
+    # rank p-1 holds stages p-1 (chunk 0) and p (chunk 1): nothing crosses between them as a message
+    last = s[p - 1]
+    assert not [a for a in last if a.kind == SEND_ACT and a.chunk == 0]
+    assert not [a for a in last if a.kind == RECV_ACT and a.chunk == 1]
+    # rank 0 holds the first and the last stage: no RECV_ACT into chunk 0, no SEND_ACT out of chunk 1
+    assert not [a for a in s[0] if a.kind == RECV_ACT and a.chunk == 0]
+    assert not [a for a in s[0] if a.kind == SEND_ACT and a.chunk == 1]
+    # chunk 0 sends down the ranks, chunk 1 back up
+    for r in range(p - 1):
+        assert {a.peer for a in s[r] if a.kind == SEND_ACT and a.chunk == 0} == {r + 1}
+    for r in range(1, p):
+        assert {a.peer for a in s[r] if a.kind == SEND_ACT and a.chunk == 1} == {r - 1}
+    # and the validator rejects a message on the local edge
+    bad = [list(a) for a in s]
+    i = next(i for i, a in enumerate(bad[p - 1]) if a.kind == F and a.chunk == 0)
+    bad[p - 1].insert(i + 1, Action(SEND_ACT, 0, 0, peer=p - 1))
+    with pytest.raises(ValueError, match="hand-off is local"):
+        validate_schedule(bad, p, m, 2, placement="v")
+    with pytest.raises(ValueError):  # the same lists do not pass as the interleaved (loop) placement
+        validate_schedule(s, p, m, 2)
+
+
+def test_validator_rejects_a_v_schedule_using_the_next_chunk_before_it_ran():
+    p, m = 2, 4
+    s = [list(a) for a in build_all_schedules("zbv", p, m, 2)]
+    r = p - 1  # chunk 1's forward of microbatch 0 moved before chunk 0's
+    i, j = s[r].index(Action(F, 0, 0)), s[r].index(Action(F, 0, 1))
+    s[r].insert(i, s[r].pop(j))
+    with pytest.raises(ValueError, match="comes before the forward of the previous stage"):
+        validate_schedule(s, p, m, 2, placement="v")
+
+
+@pytest.mark.parametrize("name, p, m, v, problem", [
+    ("zbv", 2, 4, 1, r"zbv: needs virtual_stages=2"),
+    ("dualpipev", 4, 6, 2, r"dualpipev: num_microbatches=6 must be >= 2\*pp_size=8"),
+    ("zbv", 1, 4, 2, r"zbv: needs pp_size >= 2"),
+])
+def test_v_schedule_problems_name_the_rule(name, p, m, v, problem):
+    problems = schedule_problems(name, p, m, v)
+    assert len(problems) == 1 and __import__("re").search(problem, problems[0]), problems
+    with pytest.raises(AssertionError):
+        build_all_schedules(name, p, m, v)
+
+
+def test_zbv_bubble_is_only_the_fill_when_f_b_w_are_equal():
+    # Qi et al. 2024: with F = B = W the ZB-V steady state has no bubble; what is left is the fill, the
+    # first microbatch's chunk-0 forwards reaching rank p-1: (p-1) chunk forwards, whatever m is. The list
+    # scheduler (builders._zbv_orders) reaches exactly that up to pp 4; from pp 5 some microbatch counts
+    # keep 1 to 4 more chunk slots idle (docs/pipeline.md lists them).
+    for p, m in v_cases("zbv"):
+        s = build_all_schedules("zbv", p, m, 2)
+        r = simulate(s, cost_f=1.0, cost_b=2.0, cost_w=1.0, placement="v")  # per chunk: F = B = W = 0.5
+        fill = m * 3.0 + (p - 1) * 0.5
+        if p <= 4:
+            assert r.makespan == pytest.approx(fill, abs=EXACT), (p, m)
+        else:
+            assert fill - EXACT <= r.makespan <= fill + 2.0 + EXACT, (p, m)
+        one_f_one_b = simulate(build_all_schedules("1f1b", p, m, split_backward=True), 1.0, 2.0, cost_w=1.0)
+        assert r.makespan < one_f_one_b.makespan, (p, m)  # below ZB-H1 at the same memory
+
+
+def test_dualpipev_bubble_is_constant_in_microbatches():
+    # DualPipeV's fill and drain cost p chunk forwards of idle per rank at F = B = W (the DualPipe
+    # paper's (PP/2-1)(F&B + B - 3W) counts whole-model stages and overlapped F&B pairs; here F and B of
+    # a pair run one after the other), so the bubble shrinks like 1/m.
+    for p, m in v_cases("dualpipev"):
+        r = simulate(build_all_schedules("dualpipev", p, m, 2), cost_f=1.0, cost_b=2.0, cost_w=1.0, placement="v")
+        assert r.makespan == pytest.approx(m * 3.0 + p * 0.5, abs=EXACT), (p, m)
+
+
+def test_v_schedules_split_their_backward_and_every_w_follows_its_b():
+    for name in ("zbv", "dualpipev"):
+        for p, m in [(2, 4), (4, 8)]:
+            s = build_all_schedules(name, p, m, 2)
+            assert any(a.kind == "W" for a in s[p - 1])
+            assert build_all_schedules(name, p, m, 2, split_backward=True) == s  # the flag changes nothing
+            assert all(sum(a.kind == B for a in acts) == 2 * m for acts in s)
+            assert all(not a.is_comm or a.kind in COMM_KINDS for acts in s for a in acts)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_cli_draws_v_schedules(name):
+    out = subprocess.run([sys.executable, "-m", "pipetrain.parallel.schedules", "--schedule", name, "--pp", "4",
+                          "--microbatches", "8"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("rank ") >= 4 and "F0c1" in out.stdout and "deadlock-free" in out.stdout
+
+
+def test_layout_check_names_the_v_rules():
+    model = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    assert pipeline_problems(model, ParallelConfig(pp=2, virtual_stages=2, schedule="zbv", microbatches=2)) == []
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=2, schedule="zbv", microbatches=4)))
+    assert "needs parallel.virtual_stages=2, got 1" in msg
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=4, virtual_stages=2, schedule="dualpipev",
+                                                           microbatches=4)))
+    assert "parallel.microbatches=4 must be >= 2*parallel.pp=8 for dualpipev" in msg
+    msg = " ".join(pipeline_problems(model, ParallelConfig(pp=8, virtual_stages=2, schedule="zbv", microbatches=8)))
+    assert "exceeds model.n_layers=8" in msg
