@@ -6,12 +6,14 @@ The layers that build the run (ParallelDims, apply_tensor_parallel, build_stage,
 assume a layout that passed this check and only assert it. The rules that need no world size and no
 layout (a degree is >= 1, lr > 0, ...) stay in config.validate.
 
-This module reads only the recipe's dataclasses: it imports nothing from the parallel code, so every
+The schedule's own rules are pipetrain.parallel.schedules.schedule_problems (written once, there); besides
+that this module reads only the recipe's dataclasses and imports nothing else from the parallel code, so every
 layer can call it without an import cycle.
 """
 from __future__ import annotations
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+from pipetrain.parallel.schedules import schedule_problems
 
 
 def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
@@ -89,30 +91,10 @@ def pipeline_problems(model_cfg: ModelConfig, pcfg: ParallelConfig) -> list[str]
     if num_stages > m.n_layers:
         problems.append(f"parallel.pp*virtual_stages={p.pp}*{p.virtual_stages}={num_stages} exceeds "
                         f"model.n_layers={m.n_layers}; each stage needs at least one layer")
-    if p.schedule in ("zbv", "dualpipev"):  # the V schedules: two chunks per rank (schedules.V_SCHEDULES)
-        if p.virtual_stages != 2:
-            problems.append(f"parallel.schedule={p.schedule} places two chunks per rank in a V, so it needs "
-                            f"parallel.virtual_stages=2, got {p.virtual_stages}; set parallel.virtual_stages=2")
-        if p.pp < 2:
-            problems.append(f"parallel.schedule={p.schedule} needs parallel.pp >= 2, got {p.pp}; use schedule 1f1b")
-        if p.schedule == "dualpipev" and p.microbatches < 2 * p.pp:
-            problems.append(f"parallel.microbatches={p.microbatches} must be >= 2*parallel.pp={2 * p.pp} for "
-                            f"dualpipev; use {2 * p.pp} or more, or schedule zbv")
-    elif p.virtual_stages > 1:
-        if p.schedule != "interleaved-1f1b":
-            problems.append(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule="
-                            f"interleaved-1f1b, got {p.schedule}; set parallel.virtual_stages=1 or use "
-                            "interleaved-1f1b")
-        if p.pp < 2:
-            problems.append(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp >= 2, got {p.pp}; one "
-                            "rank has no bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
-        if p.microbatches % p.pp:
-            problems.append(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} "
-                            "for interleaved-1f1b (microbatches pass through the chunks in groups of pp); use "
-                            f"{p.microbatches + p.pp - p.microbatches % p.pp}")
-        if p.stage_layers is None and m.n_layers % num_stages:
-            problems.append(f"model.n_layers={m.n_layers} is not divisible by pp*virtual_stages={num_stages} "
-                            "for interleaved-1f1b; change the layer count or give parallel.stage_layers")
+    problems += schedule_problems(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    if p.schedule == "interleaved-1f1b" and p.virtual_stages > 1 and p.stage_layers is None and m.n_layers % num_stages:
+        problems.append(f"model.n_layers={m.n_layers} is not divisible by pp*virtual_stages={num_stages} "
+                        "for interleaved-1f1b; change the layer count or give parallel.stage_layers")
     if p.stage_layers is not None:
         counts = list(p.stage_layers)
         if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts):

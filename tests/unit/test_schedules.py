@@ -227,12 +227,12 @@ def test_validator_rejects_exceeding_an_in_flight_bound():
 
 # The user-facing layout check reports these before a run starts; the builders assert them.
 @pytest.mark.parametrize("name, pp_size, num_microbatches, virtual_stages, problem", [
-    ("interleaved-1f1b", 4, 6, 2, r"num_microbatches=6 must be a multiple of pp_size=4.*use 8"),
-    ("interleaved-1f1b", 1, 4, 2, r"needs pp_size >= 2"),
-    ("1f1f", 2, 4, 1, r"unknown schedule '1f1f'.*did you mean '1f1b'"),
-    ("1f1b", 2, 4, 2, r"virtual_stages=2 needs schedule interleaved-1f1b"),
-    ("gpipe", 0, 4, 1, r"schedule: pp_size must be >= 1, got 0"),
-    ("gpipe", 2, 0, 1, r"schedule: num_microbatches must be >= 1, got 0"),
+    ("interleaved-1f1b", 4, 6, 2, r"parallel.microbatches=6 must be a multiple of parallel.pp=4.*use 8"),
+    ("interleaved-1f1b", 1, 4, 2, r"needs parallel.pp >= 2"),
+    ("1f1f", 2, 4, 1, r"parallel.schedule='1f1f' is unknown.*did you mean '1f1b'"),
+    ("1f1b", 2, 4, 2, r"parallel.virtual_stages=2 needs parallel.schedule=interleaved-1f1b"),
+    ("gpipe", 0, 4, 1, r"parallel.pp must be >= 1, got 0"),
+    ("gpipe", 2, 0, 1, r"parallel.microbatches must be >= 1, got 0"),
 ])
 def test_schedule_problems_name_the_rule_and_the_builders_assert_it(name, pp_size, num_microbatches,
                                                                       virtual_stages, problem):
@@ -383,7 +383,8 @@ def test_cli_prints_timeline_and_bubble():
 def test_cli_reports_bad_input_in_one_line_with_exit_2():
     out = run_cli("--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "6")
     assert out.returncode == 2
-    assert out.stderr.startswith("error: interleaved-1f1b: num_microbatches=6") and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: parallel.microbatches=6 must be a multiple of parallel.pp=4")
+    assert "Traceback" not in out.stderr
 
 
 def test_cli_png_needs_matplotlib_or_writes_the_file(tmp_path):

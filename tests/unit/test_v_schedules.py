@@ -80,9 +80,9 @@ def test_validator_rejects_a_v_schedule_using_the_next_chunk_before_it_ran():
 
 
 @pytest.mark.parametrize("name, p, m, v, problem", [
-    ("zbv", 2, 4, 1, r"zbv: needs virtual_stages=2"),
-    ("dualpipev", 4, 6, 2, r"dualpipev: num_microbatches=6 must be >= 2\*pp_size=8"),
-    ("zbv", 1, 4, 2, r"zbv: needs pp_size >= 2"),
+    ("zbv", 2, 4, 1, r"parallel.schedule=zbv .*needs parallel.virtual_stages=2"),
+    ("dualpipev", 4, 6, 2, r"parallel.microbatches=6 must be >= 2\*parallel.pp=8 for dualpipev"),
+    ("zbv", 1, 4, 2, r"parallel.schedule=zbv needs parallel.pp >= 2"),
 ])
 def test_v_schedule_problems_name_the_rule(name, p, m, v, problem):
     problems = schedule_problems(name, p, m, v)

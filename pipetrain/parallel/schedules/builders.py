@@ -16,32 +16,34 @@ from pipetrain.parallel.schedules.replay import Replay, Task
 
 
 def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
-    """Every reason schedule `name` cannot be built for these sizes (empty when it can)."""
+    """Every reason schedule `name` cannot be built for these sizes (empty when it can), in the recipe's
+    terms (parallel.schedule, pp, microbatches, virtual_stages): pipetrain.parallel.layout reports them
+    to the user before a run, the timeline command before drawing, and the builders assert them."""
     p, m, v = pp_size, num_microbatches, virtual_stages
-    problems = [f"schedule: {what} must be >= 1, got {value}"
-                for what, value in (("pp_size", p), ("num_microbatches", m), ("virtual_stages", v)) if value < 1]
+    problems = [f"parallel.{what} must be >= 1, got {value}"
+                for what, value in (("pp", p), ("microbatches", m), ("virtual_stages", v)) if value < 1]
     if name not in SCHEDULES:
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(f"schedule: unknown schedule {name!r}, expected one of {', '.join(SCHEDULES)}{hint}")
+        problems.append(f"parallel.schedule={name!r} is unknown, expected one of {', '.join(SCHEDULES)}{hint}")
     elif name in V_SCHEDULES:
         if v != 2:
-            problems.append(f"{name}: needs virtual_stages=2 (two chunks per rank, placed in a V), got {v}; "
-                            "set virtual_stages=2")
+            problems.append(f"parallel.schedule={name} places two chunks per rank in a V, so it needs "
+                            f"parallel.virtual_stages=2, got {v}; set parallel.virtual_stages=2")
         if p < 2:
-            problems.append(f"{name}: needs pp_size >= 2, got {p}; on one rank use schedule 1f1b")
+            problems.append(f"parallel.schedule={name} needs parallel.pp >= 2, got {p}; on one rank use schedule 1f1b")
         if name == "dualpipev" and m < 2 * p:
-            problems.append(f"dualpipev: num_microbatches={m} must be >= 2*pp_size={2 * p} (its steady state "
-                            f"feeds a microbatch into each of the 2*pp_size stages); use {2 * p} or more, or zbv")
+            problems.append(f"parallel.microbatches={m} must be >= 2*parallel.pp={2 * p} for dualpipev (its steady "
+                            f"state feeds a microbatch into each of the 2*pp stages); use {2 * p} or more, or zbv")
     elif v > 1 and name != "interleaved-1f1b":
-        problems.append(f"schedule: virtual_stages={v} needs schedule interleaved-1f1b, got {name!r}; "
-                        f"set virtual_stages=1 or use interleaved-1f1b")
+        problems.append(f"parallel.virtual_stages={v} needs parallel.schedule=interleaved-1f1b, got {name}; "
+                        "set parallel.virtual_stages=1 or use interleaved-1f1b")
     elif v > 1 and p == 1:
-        problems.append(f"interleaved-1f1b: virtual_stages={v} needs pp_size >= 2, got 1; one rank has no "
-                        f"bubble to shrink, so use schedule 1f1b (or virtual_stages=1)")
+        problems.append(f"parallel.virtual_stages={v} needs parallel.pp >= 2, got 1; one rank has no bubble "
+                        "to shrink, so use schedule 1f1b (or virtual_stages=1)")
     elif v > 1 and p > 1 and m % p:
-        problems.append(f"interleaved-1f1b: num_microbatches={m} must be a multiple of pp_size={p} "
-                        f"(microbatches pass through the chunks in groups of pp_size); use {m + p - m % p}")
+        problems.append(f"parallel.microbatches={m} must be a multiple of parallel.pp={p} for interleaved-1f1b "
+                        f"(microbatches pass through the chunks in groups of pp); use {m + p - m % p}")
     return problems
 
 
