@@ -6,7 +6,7 @@ fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers, split 
 parallel/tensor.py splits them (column: output rows / tp, row: input columns / tp with the bias replicated,
 kv: split when tp divides n_kv_heads, else replicated; embedding and head: vocab rows / tp; norms
 replicated). The tied head on a last stage that is not on the first stage's rank is a copy. ZeRO shards
-each parameter's dim 0 in dp row ranges (parallel.zero.dp_row_ranges); dp rank 0 holds the largest.
+each parameter's dim 0 in dp row ranges (parallel.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
 
 Activations: the bytes autograd saves for backward per microbatch, listed tensor by tensor from what the
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
@@ -15,14 +15,16 @@ seq_len, D d_model, Hq/Hkv heads, K head dim, F ffn, V vocab.
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import asdict, dataclass
 
-from pipetrain.config import ModelConfig, Recipe
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe
 from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.layout import resolve_dp
 from pipetrain.parallel.pipeline import stage_layout
-from pipetrain.parallel.schedules import build_all_schedules, peak_in_flight
-from pipetrain.parallel.zero import MAX_IN_FLIGHT, dp_row_ranges
+from pipetrain.parallel.schedules import build_all_schedules, peak_in_flight, simulate
+from pipetrain.parallel.zero import MAX_IN_FLIGHT
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -91,14 +93,22 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _rows_numel(shape: tuple[int, ...], dp: int) -> int:
     """Elements of dp rank 0's row shard (the largest) of a parameter of this local shape."""
-    start, end = dp_row_ranges(shape[0], dp)[0]
-    return (end - start) * _numel(shape) // shape[0]
+    rows = -(-shape[0] // dp)  # dp_row_ranges gives rank 0 the ceiling
+    return rows * _numel(shape) // shape[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _stages(m: ModelConfig, pp: int, virtual_stages: int, stage_layers: tuple | None, seq_len: int) -> tuple:
+    """pipeline.stage_layout, cached: the search asks for the same split for many layouts."""
+    pcfg = ParallelConfig(pp=pp, virtual_stages=virtual_stages, stage_layers=list(stage_layers) if stage_layers
+                          else None)
+    return tuple(tuple(s) for s in stage_layout(m, pcfg, seq_len))
 
 
 def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
     """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
     p = recipe.parallel
-    stages = stage_layout(recipe.model, p, recipe.train.seq_len)
+    stages = _stages(recipe.model, p.pp, p.virtual_stages, tuple(p.stage_layers or ()) or None, recipe.train.seq_len)
     num_stages = len(stages)
     mine = [s for s in range(num_stages) if s % p.pp == pp_rank]
     first, last = 0 in mine, num_stages - 1 in mine
@@ -150,18 +160,25 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
 
 def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: int | None = None) -> int:
     """Bytes saved for backward that this pp rank holds at its peak: per-microbatch bytes of one chunk
-    times the (microbatch, chunk) units in flight. in_flight None: from the schedule."""
+    times the (microbatch, chunk) units in flight. in_flight None: from the schedule. bf16 halves the
+    block's tensors and adds the autocast weight copies (an estimate the tests check only in fp32)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     dp = resolve_dp(recipe, world_size)
     micro = max(1, t.global_batch // (dp * p.microbatches))
     tokens = micro * t.seq_len
     block, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute)
+    weight_casts = 0
+    if t.precision == "bf16":  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
+        block /= 2
+        if p.recompute != "full":
+            params = model_state_bytes(recipe, world_size, pp_rank)[0]
+            weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence
     if p.recompute == "full":
         rope = 0
     layers, first, last, _ = rank_stages(recipe, pp_rank)
     per_chunk_layers = len(layers) / p.virtual_stages
-    unit = tokens * block * per_chunk_layers + rope * per_chunk_layers
+    unit = tokens * block * per_chunk_layers + rope * per_chunk_layers + weight_casts
     if in_flight is None:
         in_flight = schedule_in_flight(recipe)[pp_rank]
     extra = tokens * ((first_extra if first else 0) + (last_extra if last else 0))
@@ -176,10 +193,20 @@ def schedule_in_flight(recipe: Recipe) -> list[int]:
     p = recipe.parallel
     if p.pp == 1:
         return [1]  # forward and backward of one microbatch at a time
-    actions = build_all_schedules(p.schedule, p.pp, p.microbatches, p.virtual_stages,
-                                  backward_cost=3.0 if p.recompute == "full" else 2.0,
-                                  split_backward=p.split_backward)
-    return [peak_in_flight(a) for a in actions]
+    return list(schedule_shape(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.split_backward,
+                               3.0 if p.recompute == "full" else 2.0)[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_shape(schedule: str, pp: int, microbatches: int, virtual_stages: int, split_backward: bool,
+                   backward_cost: float) -> tuple[float, tuple[int, ...]]:
+    """(makespan at F = 1, peak in-flight units per rank) of the schedule; cached: the search asks often."""
+    with warnings.catch_warnings():  # 1f1b with microbatches < pp warns; the search scores it instead
+        warnings.simplefilter("ignore")
+        actions = build_all_schedules(schedule, pp, microbatches, virtual_stages, backward_cost=backward_cost,
+                                      split_backward=split_backward)
+    result = simulate(actions, cost_f=1.0, cost_b=backward_cost, virtual_stages=virtual_stages)
+    return result.makespan, tuple(peak_in_flight(a) for a in actions)
 
 
 def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
