@@ -35,6 +35,19 @@ def matmul_flops(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
+def op_overhead(repeats: int = 200) -> float:
+    """Seconds per eager operator call: a chain of tiny matmuls forward and backward, per op (3 per matmul)."""
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def run():
+        y = x
+        for _ in range(10):
+            y = y @ w
+        y.sum().backward()
+    return _median_time(run, repeats) / 30
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -51,7 +64,7 @@ def _comm_worker(rank: int, init_file: str, out: str, repeats: int) -> None:
         result = {}
         for size in (SMALL, LARGE):
             x = torch.zeros(size // 4)
-            result[f"allreduce_{size}"] = _median_time(lambda: (dist.all_reduce(x), dist.barrier()), repeats)
+            result[f"allreduce_{size}"] = _median_time(lambda: dist.all_reduce(x), repeats)
 
             def ping():  # a round trip: rank 0 sends, rank 1 sends back
                 if rank == 0:
@@ -84,13 +97,13 @@ def calibrate(repeats: int = 5) -> DeviceProfile:
         with open(out) as f:
             t = json.load(f)
     p2p_bw, p2p_lat = _fit(t[f"p2p_{SMALL}"], t[f"p2p_{LARGE}"])
-    # a 2-rank ring all-reduce moves 2 (n-1)/n = 1 x the buffer per rank
-    ar_bw, ar_lat = _fit(t[f"allreduce_{SMALL}"], t[f"allreduce_{LARGE}"])
+    # a 2-rank ring all-reduce is 2 (n-1) = 2 steps of half the buffer: per step, latency + (bytes/2) / bandwidth
+    ar_bw, ar_lat = _fit(t[f"allreduce_{SMALL}"] / 2, t[f"allreduce_{LARGE}"] / 2, 0.5)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return replace(DEVICES["cpu"], name=f"calibrated-{socket.gethostname()}", memory_bytes=float(memory),
                    bf16_flops=bf16, fp32_flops=fp32, intra_bw=min(p2p_bw, ar_bw),
                    intra_latency=max(p2p_lat, ar_lat), inter_bw=min(p2p_bw, ar_bw),
-                   inter_latency=max(p2p_lat, ar_lat), efficiency=1.0,
+                   inter_latency=max(p2p_lat, ar_lat), efficiency=1.0, op_overhead=op_overhead(),
                    source=f"measured by python -m pipetrain.plan --calibrate on {time.strftime('%Y-%m-%d')}: "
                           "matmul 512^3; gloo 2 processes")
 

@@ -89,6 +89,9 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     act_bytes = micro_tokens * m.d_model * (2 if t.precision == "bf16" else FP32)
     bw, lat = _link(profile, tp, ranks_per_node)
     tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
+    # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
+    launch = 20 * layers_busiest * profile.op_overhead
+    fwd += launch
     f_cost = fwd + tp_fwd
     b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)
 

@@ -28,6 +28,7 @@ class DeviceProfile:
     inter_bw: float            # bytes/s per rank across nodes
     inter_latency: float       # seconds per message across nodes
     efficiency: float = 0.5    # achieved fraction of the matmul peak on transformer layers (MFU-like)
+    op_overhead: float = 10e-6  # seconds of dispatch per operator call (kernel launch on GPUs, eager overhead on CPU)
     source: str = ""
 
     def flops(self, precision: str) -> float:
