@@ -1,4 +1,4 @@
-"""Command line: `train.py --recipe R [--set k=v ...] [--resume auto|DIR] [--eval-only]`.
+"""Command line: `train.py --recipe R [--set k=v ...] [--resume auto|DIR] [--eval-only] [--dry-run [--nproc N]]`.
 
 Parses the arguments, checks the recipe's layout for the world size, starts the process group,
 prepares the output directory, calls pipetrain.build.build_trainer and runs it. Exit codes:
@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 from pipetrain.build import build_trainer, resolve_init_from
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
+from pipetrain.dry_run import dry_run
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
+from pipetrain.plan.auto import resolve_at_launch
 from pipetrain.trainer import TrainingDiverged
 
 
@@ -33,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", default=None, metavar="auto|DIR",
                         help="continue from the newest checkpoint in run.output_dir (auto) or from DIR")
     parser.add_argument("--eval-only", action="store_true", help="evaluate once, write one eval line, exit")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print stages, schedule and memory, exit")
+    parser.add_argument("--nproc", type=int, default=None, help="--dry-run: world size (default WORLD_SIZE or 1)")
     return parser.parse_args(argv)
 
 
@@ -64,7 +68,10 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe = resolve_init_from(load_recipe(args.recipe, args.set))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
+    recipe = resolve_at_launch(recipe, args.recipe, args.set, world_size, int(os.environ.get("RANK", 0)))
+    if args.dry_run:
+        return dry_run(recipe, world_size, int(os.environ.get("RANK", 0)))
     problems = layout_problems(recipe, world_size)
     if problems:
         raise ConfigError("; ".join(problems))

@@ -90,6 +90,7 @@ class ParallelConfig:
     recompute_layers: Optional[int] = None  # full recompute only for the first N layers of a stage
     sequence_parallel: bool = False
     split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
+    auto: bool = False               # fill the parallel keys not given here at launch (pipetrain.plan)
 
 
 @dataclass(frozen=True, kw_only=True)

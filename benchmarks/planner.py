@@ -1,0 +1,186 @@
+"""Planner benchmark: predicted vs measured tokens/s and peak memory on this machine, and the plan of a 1.3B model.
+
+    python benchmarks/planner.py [--device plan-profile.json | --calibrate] [--worlds 2 4] [--layouts 8] [--steps 4]
+
+measure: for each world size, the planner's valid layouts of a small llama (D=128, L=4, V=1024, batch 8 x 64)
+  are ranked on the device profile; --layouts of them, evenly spread over the ranking (best first), run on gloo
+  processes (one thread each) for --steps steps on synthetic tokens, built by pipetrain.build.build_trainer.
+  Measured: median step time after the first step -> tokens/s; peak memory = the largest over ranks of the
+  peak RSS during the steps (VmHWM, reset after the build) minus the RSS before the build (glibc's mmap
+  threshold is pinned so freed tensors go back to the OS). Reported: Spearman rank correlation of predicted and
+  measured tokens/s, the planner's top choice against the best measured, memory error per layout.
+gpt-1b: the ranked plan of recipes/gpt-1b.yaml (parallel.auto semantics: its fixed keys dropped) on 8 x H100 80GB
+  and on 2 nodes x 8, and the memory model next to the figures the ZeRO paper publishes for a 1.5B GPT-2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before any child starts: RSS follows live memory
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pipetrain.build import build_trainer  # noqa: E402
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig, load_recipe  # noqa: E402
+from pipetrain.data import Loader, PackedData  # noqa: E402
+from pipetrain.parallel.dims import ParallelDims  # noqa: E402
+from pipetrain.plan import format_plan_row, plan_header  # noqa: E402
+from pipetrain.plan.calibrate import calibrate, save_profile  # noqa: E402
+from pipetrain.plan.devices import DEVICES, load_profile  # noqa: E402
+from pipetrain.plan.memory import FP32, activation_bytes, model_state_bytes  # noqa: E402
+from pipetrain.plan.search import apply_layout, search  # noqa: E402
+
+MODEL = ModelConfig(family="llama", vocab_size=1024, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=384, max_seq_len=64)
+RECIPE = Recipe(model=MODEL, train=TrainConfig(global_batch=8, seq_len=64, lr=1e-3, warmup_steps=1,
+                                               grad_accumulation_fusion_min_numel=0))
+GIB, MIB = 2 ** 30, 2 ** 20
+
+
+def _rss(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _worker(rank: int, world_size: int, layouts: list[dict], steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    rows = []
+    # The first layout a process builds pays its page faults, thread pools and kernel warm-up: a warm-up
+    # round of the first layout (not reported) keeps that out of the reported rows.
+    for k, layout in enumerate([layouts[0]] + layouts):
+        recipe = apply_layout(dataclasses.replace(RECIPE, train=dataclasses.replace(RECIPE.train, steps=steps),
+                                                  run=RunConfig(output_dir=os.path.join(out, f"run{k}"),
+                                                                progress=False)), layout)
+        os.makedirs(recipe.run.output_dir, exist_ok=True)
+        dims = ParallelDims.from_degrees(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], world_size=world_size)
+        tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, 64 * 65).astype(np.int32)
+        data = PackedData(tokens, np.ones(len(tokens), dtype=bool), 64, 0.0, 0)
+        before = _rss()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        trainer = build_trainer(recipe, dims, loader=Loader(data, 8, dims.dp_rank, dims.dp))
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train_step()
+            times.append(time.perf_counter() - t0)
+        rows.append({"step_s": statistics.median(times[1:]), "peak": _rss("VmHWM") - before})
+        trainer.logger.close()
+        del trainer
+        gc.collect()
+    rows = rows[1:]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def measure(profile, world: int, num_layouts: int, steps: int) -> None:
+    from tests.harness import run_ranks  # noqa: E402 -- the gloo spawner the tests use
+    result = search(RECIPE, world, profile)
+    n = len(result.plans)
+    picks = sorted({round(i * (n - 1) / (num_layouts - 1)) for i in range(num_layouts)}) if n > 1 else [0]
+    plans = [result.plans[i] for i in picks]
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(world, _worker, [p.layout for p in plans], steps, out)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    tokens = RECIPE.train.global_batch * RECIPE.train.seq_len
+    measured = [tokens / max(r[k]["step_s"] for r in ranks) for k in range(len(plans))]
+    peaks = [max(r[k]["peak"] for r in ranks) for k in range(len(plans))]
+    print(f"\n## world {world}: {n} valid layouts on {profile.name}; {len(plans)} run ({steps} steps)")
+    print("| rank | dp tp pp | schedule v split | mb | zero | recompute | sp | pred tok/s | meas tok/s | "
+          "pred MiB | meas MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, (plan, tps, peak) in enumerate(zip(plans, measured, peaks)):
+        l = plan.layout
+        print(f"| {picks[i] + 1} | {l['dp']} {l['tp']} {l['pp']} | {l['schedule']} {l['virtual_stages']} "
+              f"{'y' if l['split_backward'] else '-'} | {l['microbatches']} | {l['zero']} | {l['recompute']} | "
+              f"{'y' if l['sequence_parallel'] else '-'} | {plan.time.tokens_per_s:,.0f} | {tps:,.0f} | "
+              f"{plan.peak_bytes / MIB:.1f} | {peak / MIB:.1f} |")
+    best = max(range(len(plans)), key=measured.__getitem__)
+    print(f"Spearman(predicted, measured tokens/s) = {spearman([p.time.tokens_per_s for p in plans], measured):.2f}; "
+          f"top choice measured {measured[0]:,.0f} tok/s = {measured[0] / measured[best]:.0%} of the best measured "
+          f"(rank {picks[best] + 1})")
+
+
+def gpt_1b(top: int) -> None:
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "gpt-1b.yaml"))
+    recipe = dataclasses.replace(recipe, parallel=ParallelConfig(auto=True))
+    for nodes in (1, 2):
+        profile = DEVICES["h100-sxm-80gb"]
+        result = search(recipe, 8 * nodes, profile, ranks_per_node=8)
+        print(f"\n## recipes/gpt-1b.yaml on {nodes} node(s) x 8 x {profile.name}: {len(result.plans)} layouts fit, "
+              f"rejected {result.reasons()}")
+        print(plan_header())
+        for i, plan in enumerate(result.plans[:top]):
+            print(format_plan_row(i + 1, plan))
+    # The ZeRO paper (Rajbhandari et al., SC'20, arXiv:1910.02054, sections 3.1 and 3.2): mixed-precision Adam
+    # holds 16 bytes per parameter of model states, "at least 24 GB" for a 1.5B GPT-2; its activations at
+    # sequence 1K and batch 32 take "about 60 GB". Our fp32 master weights and fp32 gradients (4 + 4 + 8 bytes)
+    # also come to 16 bytes per parameter.
+    xl = Recipe(model=ModelConfig(family="gpt2", vocab_size=50257, d_model=1600, n_layers=48, n_heads=25,
+                                  max_seq_len=1024),
+                train=TrainConfig(global_batch=32, seq_len=1024, precision="bf16"))
+    params, grads, optim = model_state_bytes(xl, 1, 0)
+    acts = activation_bytes(xl, 1, 0, in_flight=1)
+    print(f"\n1.5B GPT-2 (d 1600, 48 layers), one GPU, no ZeRO: model states {(params + grads + optim) / 1e9:.1f} GB "
+          f"({(params + grads + optim) / (params / FP32):.0f} bytes/param; ZeRO paper: 16 bytes/param, 24 GB); "
+          f"activations at 32 x 1024, bf16, no recompute: {acts / 1e9:.1f} GB (ZeRO paper: about 60 GB)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="profile JSON (from --calibrate) or a device name")
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--layouts", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--top", type=int, default=5)
+    args = parser.parse_args()
+    if args.calibrate or args.device is None:
+        profile = calibrate()
+        save_profile(profile, "plan-profile.json")
+        print(f"calibrated: {json.dumps(profile.as_dict())}")
+    else:
+        profile = load_profile(args.device)
+    for world in args.worlds:
+        measure(profile, world, args.layouts, args.steps)
+    gpt_1b(args.top)
+
+
+if __name__ == "__main__":
+    main()

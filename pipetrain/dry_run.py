@@ -1,0 +1,60 @@
+"""train.py --dry-run: check a recipe and its layout and print what the run would be, without running it.
+
+Validates the recipe and the layout for the world size (layout_problems), then prints the parameter count
+(the model built on the meta device: no weights), the stage split, the schedule's timeline and bubble
+(schedules.simulate at B = 2 F, 3 F under full recompute) and every pp rank's predicted peak memory by kind
+(pipetrain.plan.memory). Loads no data, starts no processes.
+"""
+from __future__ import annotations
+
+import warnings
+
+from pipetrain.config import ConfigError, Recipe
+from pipetrain.models import build, count_params
+from pipetrain.parallel.layout import layout_problems, resolve_dp
+from pipetrain.parallel.schedules import build_all_schedules, simulate
+from pipetrain.parallel.schedules.timeline import render_timeline
+from pipetrain.plan.cost import backward_ratio
+from pipetrain.plan.memory import rank_memory, rank_stages
+
+GIB = 2 ** 30
+
+
+def dry_run_report(recipe: Recipe, world_size: int) -> str:
+    """The dry run's text; ConfigError listing every layout problem."""
+    problems = layout_problems(recipe, world_size)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    p, t = recipe.parallel, recipe.train
+    dp = resolve_dp(recipe, world_size)
+    params = count_params(build(recipe.model, device="meta"))
+    lines = [f"dry run: recipe and layout are valid for {world_size} process(es): dp={dp} tp={p.tp} pp={p.pp} "
+             f"schedule={p.schedule} virtual_stages={p.virtual_stages} microbatches={p.microbatches} "
+             f"zero={p.zero} recompute={p.recompute} sequence_parallel={p.sequence_parallel}",
+             f"model: {params / 1e6:.2f}M parameters; {t.global_batch} x {t.seq_len} = "
+             f"{t.global_batch * t.seq_len:,} tokens per step, {t.global_batch // (dp * p.microbatches)} "
+             "sequences per microbatch", "stages (global layer indices per pp rank):"]
+    for r in range(p.pp):
+        layers, first, last, copy = rank_stages(recipe, r)
+        extras = ", ".join(x for x, on in (("embedding", first), ("head + loss", last), ("tied head copy", copy)) if on)
+        lines.append(f"  pp rank {r}: layers {layers}" + (f" + {extras}" if extras else ""))
+    if p.pp > 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # microbatches < pp: the bubble line says it
+            actions = build_all_schedules(p.schedule, p.pp, p.microbatches, p.virtual_stages,
+                                          backward_cost=backward_ratio(recipe), split_backward=p.split_backward)
+        sim = simulate(actions, cost_f=1.0, cost_b=backward_ratio(recipe), virtual_stages=p.virtual_stages)
+        lines += [f"schedule {p.schedule} (F = 1, B = {backward_ratio(recipe):g}): bubble {sim.bubble:.1%}",
+                  render_timeline(sim)]
+    lines.append("predicted peak memory per rank (GiB): params / grads / optimizer / activations / comm = total")
+    for m in rank_memory(recipe, world_size):
+        lines.append(f"  pp rank {m.pp_rank}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
+                     f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f} = {m.total / GIB:.3f}")
+    return "\n".join(lines)
+
+
+def dry_run(recipe: Recipe, world_size: int, rank: int = 0) -> int:
+    report = dry_run_report(recipe, world_size)
+    if rank == 0:
+        print(report, flush=True)
+    return 0

@@ -1,0 +1,84 @@
+"""python -m pipetrain.plan --recipe R --nproc N [--nodes K] [--device NAME_OR_FILE | --calibrate [--out F]]
+                           [--top 10] [--json] [--set k=v ...]
+
+Ranked layouts for R on N processes per node x K nodes: per-rank peak memory by kind, predicted step time by
+part and tokens/s, and counts of the rejected layouts by reason. Parallel keys given with --set are held
+fixed (semi-auto), as are the recipe's keys when it sets parallel.auto. --calibrate measures this machine,
+writes the profile (default plan-profile.json) and plans with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipetrain.config import ConfigError, load_recipe
+from pipetrain.plan import format_plan_row, plan_header
+from pipetrain.plan.auto import fixed_parallel_keys
+from pipetrain.plan.calibrate import calibrate, save_profile
+from pipetrain.plan.devices import load_profile
+from pipetrain.plan.search import nothing_fits, search
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipetrain.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="a device name (h100-sxm-80gb, a100-80gb, ...) or a "
+                        "profile JSON from --calibrate")
+    parser.add_argument("--calibrate", action="store_true", help="measure this machine first")
+    parser.add_argument("--out", default="plan-profile.json", help="where --calibrate writes the profile")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc < 1 or args.nodes < 1:
+        raise ConfigError(f"--nproc/--nodes: must be >= 1, got {args.nproc}/{args.nodes}; pass positive counts")
+    recipe = load_recipe(args.recipe, args.set)
+    if args.calibrate:
+        profile = calibrate()
+        save_profile(profile, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        profile = load_profile(args.device)
+    world = args.nproc * args.nodes
+    fixed = fixed_parallel_keys(args.recipe, args.set) if recipe.parallel.auto else \
+        fixed_parallel_keys(None, args.set)
+    result = search(recipe, world, profile, fixed, ranks_per_node=args.nproc)
+    if args.json:
+        json.dump({"world_size": world, "device": profile.as_dict(), "fixed": fixed,
+                   "plans": [p.as_dict() for p in result.plans[:args.top]],
+                   "num_valid": len(result.plans), "rejected": result.reasons(),
+                   "rejected_examples": [{"layout": l, "reason": r} for l, r in result.rejected[:args.top]]},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{len(result.plans)} layouts fit on {world} x {profile.name} "
+          f"({profile.memory_bytes / 2**30:.1f} GiB each); top {min(args.top, len(result.plans))}:")
+    if not result.plans:
+        print(nothing_fits(recipe, world, profile, fixed))
+        return 1
+    print(plan_header())
+    for i, plan in enumerate(result.plans[:args.top]):
+        print(format_plan_row(i + 1, plan))
+    reasons = ", ".join(f"{n} {kind}" for kind, n in sorted(result.reasons().items()))
+    print(f"rejected: {reasons or 'none'}")
+    for layout, reason in result.rejected[:3]:
+        print(f"  e.g. tp={layout['tp']} pp={layout['pp']} mb={layout['microbatches']}: {reason}")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(parse_args(argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""parallel.auto: fill every parallel key the recipe does not fix with the planner's best layout at launch.
+
+Semi-auto: a key given in the recipe file or with --set is kept; the search (search.py) runs over the rest.
+The choice is a pure function of the recipe, the world size and the device profile (launch_profile: the same
+hardware on every rank), so every rank reaches it without communicating.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import yaml
+
+from pipetrain.config import ConfigError, Recipe, parse_override
+from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
+from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, search
+
+# torch.cuda.get_device_name substrings -> DEVICES entries (longest first)
+_CUDA_NAMES = (("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-sxm-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
+               ("A100", "a100-80gb"), ("L4", "l4"), ("4090", "rtx-4090"), ("MI300X", "mi300x"))
+
+
+def fixed_parallel_keys(recipe_path: str | None, overrides=()) -> dict:
+    """Parallel search keys set explicitly in the recipe file (if given) or by --set overrides, with values."""
+    fixed = {}
+    if recipe_path:
+        with open(recipe_path) as f:
+            raw = yaml.safe_load(f) or {}
+        fixed.update({k: v for k, v in ((raw.get("parallel") or {}).items()) if k in KEYS})
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section == "parallel" and key in KEYS:
+            fixed[key] = value
+    return fixed
+
+
+def launch_profile(world_size: int, ranks_per_node: int | None = None) -> DeviceProfile:
+    """The profile of the device this process runs on: the GPU table by name, else "cpu" with the node's
+    physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile file) overrides it."""
+    if os.environ.get("PIPETRAIN_DEVICE"):
+        return load_profile(os.environ["PIPETRAIN_DEVICE"])
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for key, entry in _CUDA_NAMES:
+            if key in name:
+                return DEVICES[entry]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_node = ranks_per_node or world_size
+    cpu = DEVICES["cpu"]
+    return DeviceProfile(**{**cpu.as_dict(), "memory_bytes": float(memory) / per_node})
+
+
+def resolve_auto(recipe: Recipe, world_size: int, fixed: dict, profile: DeviceProfile,
+                 ranks_per_node: int | None = None) -> tuple[Recipe, Plan]:
+    """recipe with the best plan's layout; ConfigError naming the fix when nothing fits or divides."""
+    result = search(recipe, world_size, profile, fixed, ranks_per_node)
+    if not result.plans:
+        fits = [r for _, r in result.rejected if r.startswith("does not fit")]
+        if fits or not result.rejected:
+            raise ConfigError(f"parallel.auto: {nothing_fits(recipe, world_size, profile, fixed)}")
+        raise ConfigError(f"parallel.auto: no layout of {world_size} processes keeps the fixed keys {fixed}: "
+                          f"{result.rejected[0][1]}; drop a fixed parallel key or launch another world size")
+    best = result.plans[0]
+    return apply_layout(recipe, best.layout), best
+
+
+def describe(plan: Plan, world_size: int, profile: DeviceProfile, fixed: dict) -> str:
+    """Two lines for the launch log: the choice and its predicted figures."""
+    layout = " ".join(f"{k}={v}" for k, v in plan.layout.items())
+    peak = max(plan.memory, key=lambda r: r.total)
+    t = plan.time
+    return (f"parallel.auto on {world_size} x {profile.name} (fixed: {fixed or 'none'}): {layout}\n"
+            f"  predicted: {peak.total / GIB:.2f} GiB peak per rank (params {peak.params / GIB:.2f}, grads "
+            f"{peak.grads / GIB:.2f}, optim {peak.optim / GIB:.2f}, act {peak.activations / GIB:.2f}, comm "
+            f"{peak.comm / GIB:.2f}); step {t.total:.3g}s (bubble {t.bubble_fraction:.0%}), "
+            f"{t.tokens_per_s:,.0f} tokens/s")
+
+
+def resolve_at_launch(recipe: Recipe, recipe_path: str, overrides, world_size: int, rank: int) -> Recipe:
+    """The CLI's hook: with parallel.auto, plan and print the choice (rank 0); otherwise recipe unchanged."""
+    if not recipe.parallel.auto:
+        return recipe
+    fixed = fixed_parallel_keys(recipe_path, overrides)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    profile = launch_profile(world_size, ranks_per_node)
+    resolved, plan = resolve_auto(recipe, world_size, fixed, profile, ranks_per_node)
+    if rank == 0:
+        print(describe(plan, world_size, profile, fixed), flush=True)
+    return resolved

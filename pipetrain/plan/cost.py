@@ -1,0 +1,125 @@
+"""Predicted step time of one layout on a device profile: compute, tp / dp / pp communication, bubble.
+
+    compute     matmul FLOPs (models.flops_per_token, the busiest pp rank's share by pipeline.layer_costs,
+                plus one more block forward under full recompute) / (tp x peak x efficiency)
+    tp comm     per block, 2 all-reduces of the (B, T, D) activation forward and 2 backward (sequence
+                parallel: reduce-scatter + all-gather, the same bytes); exposed: they sit between matmuls
+    pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
+                2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
+    dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
+                last microbatch's backward (parallel/zero.py, data_parallel.py launch buckets then), the rest
+                exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed
+A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
+gather) and pays its latency 2 (n-1) or (n-1) times. A group whose ranks span nodes uses the inter-node
+link (mesh order dp, pp, tp: tp is innermost).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pipetrain.config import Recipe
+from pipetrain.models import flops_per_token
+from pipetrain.parallel.layout import resolve_dp
+from pipetrain.parallel.pipeline import layer_costs
+from pipetrain.plan.devices import DeviceProfile
+from pipetrain.plan.memory import FP32, model_state_bytes, rank_stages, schedule_shape
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float        # seconds of matmul work on the busiest rank (no bubble)
+    tp_comm: float        # exposed tp collectives
+    pp_comm: float        # p2p transfers on the fill / drain path
+    bubble: float         # seconds idle in the pipeline (from the simulator)
+    bubble_fraction: float
+    dp_comm: float        # total dp collective time
+    dp_exposed: float     # the part not hidden behind the last backward
+    total: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def backward_ratio(recipe: Recipe) -> float:
+    """B / F of a block: 2, or 3 when full recompute reruns the forward inside the backward."""
+    return 3.0 if recipe.parallel.recompute == "full" else 2.0
+
+
+def _ring(n: int, nbytes: float, bw: float, latency: float, steps_factor: float) -> float:
+    """A ring collective of n ranks: steps_factor 2 for all-reduce, 1 for reduce-scatter / all-gather."""
+    if n <= 1:
+        return 0.0
+    return steps_factor * ((n - 1) / n * nbytes / bw + (n - 1) * latency)
+
+
+def _link(profile: DeviceProfile, span: int, ranks_per_node: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a group whose members lie `span` global ranks apart end to end."""
+    if span > ranks_per_node:
+        return profile.inter_bw, profile.inter_latency
+    return profile.intra_bw, profile.intra_latency
+
+
+def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per_node: int | None = None,
+              grad_bytes: int | None = None) -> StepTime:
+    """Predicted seconds per optimizer step (and tokens/s) of recipe's layout on world_size ranks."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    ranks_per_node = ranks_per_node or world_size
+    dp = resolve_dp(recipe, world_size)
+    tp, pp, v = p.tp, p.pp, p.virtual_stages
+    micro_tokens = t.global_batch // (dp * p.microbatches) * t.seq_len
+    peak = profile.flops(t.precision) * profile.efficiency
+
+    # Forward FLOPs per token of the busiest pp rank: its blocks (attention as flops_per_token counts it),
+    # the head on the last stage.
+    head = layer_costs(m, t.seq_len)[2]
+    per_block = (flops_per_token(m, t.seq_len) / 3 - head) / m.n_layers
+    loads = []
+    for r in range(pp):
+        layers, _, last, _ = rank_stages(recipe, r)
+        loads.append(len(layers) * per_block + (head if last else 0.0))
+    busiest = max(range(pp), key=loads.__getitem__)
+    layers_busiest = len(rank_stages(recipe, busiest)[0])
+    fwd = micro_tokens * loads[busiest] / tp / peak
+    extra_fwd = micro_tokens * layers_busiest * per_block / tp / peak if p.recompute == "full" else 0.0
+    if p.recompute == "selective":  # the attention core's forward again: 4 Hq K T/2 per token per block
+        extra_fwd = micro_tokens * layers_busiest * 2 * m.n_heads * m.head_dim * t.seq_len / tp / peak
+
+    # tp: 4 collectives per block per microbatch on the (B, T, D) activation
+    act_bytes = micro_tokens * m.d_model * (2 if t.precision == "bf16" else FP32)
+    bw, lat = _link(profile, tp, ranks_per_node)
+    tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
+    # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
+    launch = 20 * layers_busiest * profile.op_overhead
+    fwd += launch
+    f_cost = fwd + tp_fwd
+    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)
+
+    if pp > 1:
+        # simulated at the nominal B/F (cached across layouts), scaled to this layout's F + B
+        ratio = backward_ratio(recipe)
+        makespan_unit, _ = schedule_shape(p.schedule, pp, p.microbatches, v, p.split_backward, ratio)
+        makespan_unit *= (f_cost + b_cost) / (1 + ratio) / f_cost
+        bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
+        boundary = micro_tokens // (tp if p.sequence_parallel and tp > 1 else 1) * m.d_model * FP32
+        pp_comm = 2 * (pp - 1) * v * (boundary / bw_pp + lat_pp)
+        pipeline = makespan_unit * f_cost + pp_comm
+    else:
+        pp_comm = 0.0
+        pipeline = p.microbatches * (f_cost + b_cost)
+    busy = p.microbatches * (f_cost + b_cost)
+    bubble = max(0.0, pipeline - pp_comm - busy)
+
+    # dp: this rank's gradients, reduced once per step
+    if grad_bytes is None:
+        grad_bytes = model_state_bytes(recipe, world_size, busiest)[0]
+    bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
+    zero = p.zero if dp > 1 else 0
+    reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1 if zero == 2 else 2)
+    gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) if zero >= 1 else 0.0
+    exposed = max(0.0, reduce - b_cost) + gather
+    total = pipeline + exposed
+    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0))
+    return StepTime(compute=compute, tp_comm=busy - compute, pp_comm=pp_comm, bubble=bubble,
+                    bubble_fraction=bubble / pipeline if pipeline else 0.0, dp_comm=reduce + gather,
+                    dp_exposed=exposed, total=total, tokens_per_s=t.global_batch * t.seq_len / total)

@@ -1,0 +1,89 @@
+"""Device profiles: memory, matmul peak, and link bandwidth / latency the cost model divides by.
+
+DEVICES holds common accelerators from their vendors' datasheets (dense, i.e. without 2:4 sparsity), each
+figure with its source; "cpu" is a conservative placeholder for a laptop/server core pair, to be replaced by a
+measured profile (python -m pipetrain.plan --calibrate). load_profile(name_or_path) returns a table entry or
+reads a JSON profile written by calibrate.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from pipetrain.config import ConfigError
+
+GB = 1e9
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: float        # usable device memory per rank
+    bf16_flops: float          # dense matmul peak, FLOP/s
+    fp32_flops: float          # dense fp32 matmul peak (TF32 tensor cores where the vendor lists them)
+    intra_bw: float            # bytes/s one rank sends to a peer inside a node (per direction)
+    intra_latency: float       # seconds per message inside a node
+    inter_bw: float            # bytes/s per rank across nodes
+    inter_latency: float       # seconds per message across nodes
+    efficiency: float = 0.5    # achieved fraction of the matmul peak on transformer layers (MFU-like)
+    op_overhead: float = 10e-6  # seconds of dispatch per operator call (kernel launch on GPUs, eager overhead on CPU)
+    source: str = ""
+
+    def flops(self, precision: str) -> float:
+        return self.bf16_flops if precision == "bf16" else self.fp32_flops
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Inter-node: one 400 Gb/s InfiniBand NDR / 200 Gb/s HDR NIC per GPU (DGX H100 / DGX A100 reference designs).
+_NDR_PER_GPU = 50 * GB   # NVIDIA ConnectX-7 datasheet: 400 Gb/s per port
+_HDR_PER_GPU = 25 * GB   # NVIDIA ConnectX-6 datasheet: 200 Gb/s per port
+_ETH_100G = 12.5 * GB    # a 100 GbE NIC shared by a PCIe box
+
+DEVICES: dict[str, DeviceProfile] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, BF16 989 TFLOPS dense (1979 with sparsity),
+    # TF32 494.5 dense, NVLink 900 GB/s total bidirectional -> 450 GB/s per direction.
+    "h100-sxm-80gb": DeviceProfile("h100-sxm-80gb", 80 * GB, 989e12, 494.5e12, 450 * GB, 3e-6, _NDR_PER_GPU, 8e-6,
+                                   source="NVIDIA H100 datasheet (SXM5); ConnectX-7 400Gb/s per GPU"),
+    # Same datasheet (PCIe): 80 GB HBM2e, BF16 756 TFLOPS dense, TF32 378; PCIe Gen5 128 GB/s bidirectional.
+    "h100-pcie-80gb": DeviceProfile("h100-pcie-80gb", 80 * GB, 756e12, 378e12, 64 * GB, 5e-6, _NDR_PER_GPU, 8e-6,
+                                    source="NVIDIA H100 datasheet (PCIe)"),
+    # NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, TF32 156; NVLink 600 GB/s bidirectional.
+    "a100-80gb": DeviceProfile("a100-80gb", 80 * GB, 312e12, 156e12, 300 * GB, 3e-6, _HDR_PER_GPU, 8e-6,
+                               source="NVIDIA A100 datasheet (SXM4 80GB); ConnectX-6 200Gb/s per GPU"),
+    "a100-40gb": DeviceProfile("a100-40gb", 40 * GB, 312e12, 156e12, 300 * GB, 3e-6, _HDR_PER_GPU, 8e-6,
+                               source="NVIDIA A100 datasheet (SXM4 40GB)"),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, BF16 121 TFLOPS dense (242 sparse), TF32 60; PCIe Gen4 x16 64 GB/s.
+    "l4": DeviceProfile("l4", 24 * GB, 121e12, 60e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
+                        source="NVIDIA L4 datasheet; PCIe Gen4 x16"),
+    # NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): 24 GB GDDR6X, BF16 tensor 165.2 TFLOPS dense
+    # with FP32 accumulate (330.3 is FP16 accumulate), TF32 82.6; no NVLink, PCIe Gen4 x16.
+    "rtx-4090": DeviceProfile("rtx-4090", 24 * GB, 165.2e12, 82.6e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
+                              source="NVIDIA Ada Lovelace GPU architecture whitepaper, RTX 4090"),
+    # AMD Instinct MI300X datasheet: 192 GB HBM3, BF16 1307.4 TFLOPS dense, TF32 653.7; Infinity Fabric
+    # 128 GB/s per link per direction, 7 links to peers (896 GB/s aggregate in an 8-GPU platform).
+    "mi300x": DeviceProfile("mi300x", 192 * GB, 1307.4e12, 653.7e12, 128 * GB, 4e-6, _NDR_PER_GPU, 8e-6,
+                            source="AMD Instinct MI300X datasheet; 400Gb/s NIC per GPU"),
+    # Placeholder for two CPU cores with gloo over loopback; calibrate measures the real figures.
+    "cpu": DeviceProfile("cpu", 8 * GIB, 50e9, 50e9, 2 * GB, 50e-6, 1 * GB, 100e-6, efficiency=0.5,
+                         source="placeholder; run python -m pipetrain.plan --calibrate"),
+}
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A DEVICES entry by name, or a JSON profile file written by --calibrate."""
+    if name_or_path in DEVICES:
+        return DEVICES[name_or_path]
+    if os.path.isfile(name_or_path):
+        with open(name_or_path) as f:
+            data = json.load(f)
+        try:
+            return DeviceProfile(**data)
+        except TypeError as exc:
+            raise ConfigError(f"--device {name_or_path}: not a device profile ({exc}); write one with "
+                              "python -m pipetrain.plan --calibrate") from None
+    raise ConfigError(f"--device: unknown device, got {name_or_path!r}; use one of {', '.join(DEVICES)} "
+                      "or a JSON file from --calibrate")

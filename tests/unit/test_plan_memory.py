@@ -1,0 +1,124 @@
+"""The planner's memory model against what a run allocates.
+
+Model states: gloo ranks build the real run (tests/unit/common.build_trainer) for a grid of dp / tp / pp /
+ZeRO layouts, take one step and count the bytes of the parameters, of the gradients after reduce_grads and
+of the AdamW moments after the step; the prediction must equal them exactly.
+Activations: one process builds each pp stage (ParallelDims constructed directly: stage building needs
+no process group) and counts the unique non-parameter storages autograd saves for one microbatch's
+forward (saved_tensors_hooks, as benchmarks/memory.py does). That is the per-microbatch figure the model
+multiplies by the schedule's in-flight count; tensor parallelism needs processes and is left to the
+benchmark.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
+from pipetrain.models import build, materialize
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.pipeline import build_stage
+from pipetrain.parallel.recompute import apply_recompute
+from pipetrain.plan.memory import activation_bytes, model_state_bytes, rank_memory
+from tests.harness import run_ranks
+from tests.unit.common import GPT2, LLAMA, build_trainer
+
+# (model, dp, tp, pp, zero, extra parallel keys); dp*tp*pp = 2. LLAMA's rows divide by 2 (no ZeRO padding).
+GRID = [(LLAMA, 2, 1, 1, 0, {}), (LLAMA, 2, 1, 1, 1, {}), (LLAMA, 2, 1, 1, 2, {}), (GPT2, 2, 1, 1, 2, {}),
+        (LLAMA, 1, 2, 1, 0, {}), (LLAMA, 1, 2, 1, 0, {"sequence_parallel": True}), (GPT2, 1, 2, 1, 0, {}),
+        (LLAMA, 1, 1, 2, 0, {"microbatches": 2}), (GPT2, 1, 1, 2, 0, {"microbatches": 2})]
+
+
+def _recipe(model, dp, tp, pp, zero, extra, global_batch=8, seq_len=16) -> Recipe:
+    return Recipe(model=model, parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, **extra),
+                  train=TrainConfig(global_batch=global_batch, seq_len=seq_len))
+
+
+def _measure_worker(rank: int, world_size: int, out: str) -> None:
+    rows = []
+    for k, (model, dp, tp, pp, zero, extra) in enumerate(GRID):
+        dims = ParallelDims.from_degrees(dp=dp, tp=tp, pp=pp, world_size=world_size)
+        trainer = build_trainer(model, os.path.join(out, f"run{k}"), dims, zero=zero, steps=1, **extra)
+        opt, seen = trainer.optimizer, {}
+        reduce = opt.reduce_grads
+
+        def reduce_and_count():
+            reduce()
+            seen["grads"] = (opt.grad_bytes() if hasattr(opt, "grad_bytes") else
+                             sum(p.grad.numel() * p.grad.element_size() for p in trainer.model.parameters()
+                                 if p.grad is not None))
+        opt.reduce_grads = reduce_and_count
+        trainer.train_step()
+        params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        rows.append({"pp_rank": dims.pp_rank, "dp_rank": dims.dp_rank, "measured": [params, seen["grads"],
+                                                                                       opt.state_bytes()]})
+        trainer.logger.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def test_model_state_bytes_equal_what_a_run_allocates(tmp_path):
+    for k in range(len(GRID)):
+        os.makedirs(tmp_path / f"run{k}")
+    run_ranks(2, _measure_worker, str(tmp_path))
+    for rank in range(2):
+        rows = json.load(open(tmp_path / f"rank{rank}.json"))
+        for layout, row in zip(GRID, rows):
+            predicted = model_state_bytes(_recipe(*layout), 2, row["pp_rank"])
+            assert list(predicted) == row["measured"], (layout[1:], rank)
+
+
+def _saved_bytes(model, x, targets) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+        loss = F.cross_entropy(out.float().flatten(0, 1), targets.flatten()) if targets is not None else out.sum()
+    loss.backward()
+    return sum(storages.values())
+
+
+MID = ModelConfig(family="llama", vocab_size=512, d_model=128, n_layers=4, n_heads=8, n_kv_heads=4,
+                  ffn_hidden=384, max_seq_len=64)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("model_cfg,pp", [(LLAMA, 1), (GPT2, 1), (MID, 1), (MID, 2),
+                                          (dataclasses.replace(GPT2, n_layers=4), 2)])
+def test_activation_bytes_within_15_percent_of_saved_tensors(model_cfg, pp, recompute):
+    seq_len, batch = 32, 8
+    recipe = Recipe(model=dataclasses.replace(model_cfg, max_seq_len=seq_len),
+                    parallel=ParallelConfig(pp=pp, microbatches=2, recompute=recompute),
+                    train=TrainConfig(global_batch=batch, seq_len=seq_len))
+    micro = batch // 2
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (micro, seq_len + 1), generator=gen)
+    for pp_rank in range(pp):
+        model = build(recipe.model, device="meta")
+        model, _, _ = build_stage(model, ParallelDims(pp=pp, rank=pp_rank), recipe.parallel, seq_len)
+        materialize(model, recipe.model, 0, "cpu")
+        apply_recompute(model, recipe.parallel)
+        first, last = pp_rank == 0, pp_rank == pp - 1
+        x = tokens[:, :-1] if first else torch.randn(micro, seq_len, model_cfg.d_model, requires_grad=True)
+        measured = _saved_bytes(model, x, tokens[:, 1:] if last else None)
+        predicted = activation_bytes(recipe, pp, pp_rank, in_flight=1)
+        assert abs(predicted - measured) <= 0.15 * measured, (pp_rank, predicted, measured)
+
+
+def test_rank_memory_multiplies_by_the_schedules_in_flight_microbatches():
+    recipe = _recipe(LLAMA, 1, 1, 2, 0, {"microbatches": 4, "schedule": "gpipe"})
+    gpipe = rank_memory(recipe, 2)
+    one_f = rank_memory(dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, schedule="1f1b")), 2)
+    assert gpipe[1].activations > one_f[1].activations  # GPipe holds all 4, 1F1B the last stage holds 1
+    assert gpipe[0].params == one_f[0].params

@@ -1,0 +1,105 @@
+"""The layout search: exhaustive over its space (against a brute-force enumeration), deterministic, semi-auto
+keeps fixed keys, one line naming the fix when nothing fits, and the command line."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+
+import pytest
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, load_recipe
+from pipetrain.parallel.layout import layout_problems
+from pipetrain.parallel.schedules import SCHEDULES
+from pipetrain.plan.__main__ import main
+from pipetrain.plan.auto import fixed_parallel_keys, resolve_auto
+from pipetrain.plan.devices import DEVICES, load_profile
+from pipetrain.plan.search import KEYS, MAX_VIRTUAL, MICROBATCHES_PER_STAGE, nothing_fits, search
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                    max_seq_len=32)
+RECIPE = Recipe(model=MODEL, train=TrainConfig(global_batch=8, seq_len=16))
+HUGE = dataclasses.replace(DEVICES["cpu"], memory_bytes=1e15)
+
+
+def _brute_force(recipe: Recipe, world: int) -> set[tuple]:
+    """Every layout of plain ranges that layout_problems accepts, in the search's canonical form (keys that
+    do nothing at degree 1 at their default; microbatches capped per stage)."""
+    out = set()
+    for dp, tp, pp in itertools.product(range(1, world + 1), repeat=3):
+        for schedule, v, split, mb, zero, rc, sp in itertools.product(
+                SCHEDULES, range(1, MAX_VIRTUAL + 1), (False, True), range(1, recipe.train.global_batch + 1),
+                (0, 1, 2), ("none", "selective", "full"), (False, True)):
+            layout = dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, split_backward=split,
+                          microbatches=mb, zero=zero, recompute=rc, sequence_parallel=sp)
+            canonical = ((pp > 1 or (schedule == ParallelConfig.schedule and v == 1 and not split))
+                         and (dp > 1 or zero == 0) and (tp > 1 or not sp)
+                         and (pp == 1 or mb <= MICROBATCHES_PER_STAGE * pp))
+            candidate = dataclasses.replace(recipe, parallel=ParallelConfig(**layout))
+            if canonical and not layout_problems(candidate, world):
+                out.add(tuple(layout[k] for k in KEYS))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_search_is_exhaustive_over_its_space(world):
+    result = search(RECIPE, world, HUGE)
+    found = {tuple(p.layout[k] for k in KEYS) for p in result.plans}
+    assert not [r for _, r in result.rejected if not r.startswith("does not divide")]  # everything fits
+    assert found == _brute_force(RECIPE, world)
+    assert len(found) == len(result.plans)  # no layout scored twice
+
+
+def test_ranking_is_deterministic_and_by_tokens_per_second():
+    a, b = search(RECIPE, 4, DEVICES["cpu"]), search(RECIPE, 4, DEVICES["cpu"])
+    assert [p.layout for p in a.plans] == [p.layout for p in b.plans]
+    speeds = [p.time.tokens_per_s for p in a.plans]
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(speeds, speeds[1:]))
+
+
+def test_semi_auto_keeps_fixed_keys():
+    fixed = {"tp": 2, "recompute": "full"}
+    result = search(RECIPE, 4, HUGE, fixed)
+    assert result.plans and all(p.layout["tp"] == 2 and p.layout["recompute"] == "full" for p in result.plans)
+    resolved, plan = resolve_auto(dataclasses.replace(RECIPE, parallel=ParallelConfig(auto=True)), 4, fixed, HUGE)
+    assert resolved.parallel.tp == 2 and resolved.parallel.recompute == "full"
+    assert not layout_problems(resolved, 4)
+    assert plan.layout == result.plans[0].layout
+
+
+def test_fixed_keys_come_from_the_recipe_file_and_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {d_model: 32}\nparallel: {auto: true, pp: 2, stage_layers: null}\n")
+    assert fixed_parallel_keys(str(path), ["parallel.zero=1", "train.steps=3"]) == {"pp": 2, "zero": 1}
+
+
+def test_when_nothing_fits_one_line_names_the_smallest_world_that_does():
+    big = dataclasses.replace(RECIPE, model=dataclasses.replace(MODEL, vocab_size=4096, d_model=256, n_heads=8,
+                                                                 n_kv_heads=4, ffn_hidden=512, n_layers=8))
+    one_rank = search(big, 1, DEVICES["cpu"]).plans[0].peak_bytes
+    small = dataclasses.replace(DEVICES["cpu"], memory_bytes=one_rank * 0.6)
+    assert not search(big, 1, small).plans
+    line = nothing_fits(big, 1, small)
+    assert "\n" not in line and "smallest world size that fits is" in line
+    world = int(line.split("smallest world size that fits is ")[1].split()[0])
+    assert world > 1 and search(big, world, small).plans
+
+
+def test_cli_prints_a_ranked_table_and_json(capsys):
+    tiny = os.path.join(ROOT, "recipes", "tiny.yaml")
+    assert main(["--recipe", tiny, "--nproc", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts fit on 2 x cpu" in out and "rejected:" in out
+    assert main(["--recipe", tiny, "--nproc", "2", "--top", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["plans"]) == 3 and data["world_size"] == 2
+    assert set(data["plans"][0]["memory"][0]) >= {"params", "grads", "optim", "activations", "comm", "total"}
+    assert main(["--recipe", tiny, "--nproc", "2", "--device", "no-such-gpu"]) == 2
+
+
+def test_device_profiles_load_by_name_and_from_a_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(DEVICES["a100-40gb"].as_dict()))
+    assert load_profile(str(path)) == DEVICES["a100-40gb"] == load_profile("a100-40gb")
