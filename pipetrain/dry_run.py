@@ -12,7 +12,7 @@ import warnings
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.models import build, count_params
 from pipetrain.parallel.layout import layout_problems, resolve_dp
-from pipetrain.parallel.schedules import build_all_schedules, simulate
+from pipetrain.parallel.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
 from pipetrain.plan.memory import rank_memory, rank_stages
@@ -43,7 +43,8 @@ def dry_run_report(recipe: Recipe, world_size: int) -> str:
             warnings.simplefilter("ignore")  # microbatches < pp: the bubble line says it
             actions = build_all_schedules(p.schedule, p.pp, p.microbatches, p.virtual_stages,
                                           backward_cost=backward_ratio(recipe), split_backward=p.split_backward)
-        sim = simulate(actions, cost_f=1.0, cost_b=backward_ratio(recipe), virtual_stages=p.virtual_stages)
+        sim = simulate(actions, cost_f=1.0, cost_b=backward_ratio(recipe), virtual_stages=p.virtual_stages,
+                       placement=placement_of(p.schedule))
         lines += [f"schedule {p.schedule} (F = 1, B = {backward_ratio(recipe):g}): bubble {sim.bubble:.1%}",
                   render_timeline(sim)]
     lines.append("predicted peak memory per rank (GiB): params / grads / optimizer / activations / comm = total")

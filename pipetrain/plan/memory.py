@@ -15,6 +15,7 @@ seq_len, D d_model, Hq/Hkv heads, K head dim, F ffn, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import asdict, dataclass
@@ -23,7 +24,7 @@ from pipetrain.config import ModelConfig, ParallelConfig, Recipe
 from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.layout import resolve_dp
 from pipetrain.parallel.pipeline import stage_layout
-from pipetrain.parallel.schedules import build_all_schedules, peak_in_flight, simulate
+from pipetrain.parallel.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
 from pipetrain.parallel.zero import MAX_IN_FLIGHT
 
 FP32 = 4
@@ -98,19 +99,29 @@ def _rows_numel(shape: tuple[int, ...], dp: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stages(m: ModelConfig, pp: int, virtual_stages: int, stage_layers: tuple | None, seq_len: int) -> tuple:
-    """pipeline.stage_layout, cached: the search asks for the same split for many layouts."""
-    pcfg = ParallelConfig(pp=pp, virtual_stages=virtual_stages, stage_layers=list(stage_layers) if stage_layers
-                          else None)
+def _stages(m: ModelConfig, pp: int, virtual_stages: int, stage_layers: tuple | None, seq_len: int,
+            schedule: str) -> tuple:
+    """pipeline.stage_layout, cached: the search asks for the same split for many layouts. m must be
+    hashable (_hashable_model)."""
+    pcfg = ParallelConfig(pp=pp, virtual_stages=virtual_stages, schedule=schedule,
+                          stage_layers=list(stage_layers) if stage_layers else None)
     return tuple(tuple(s) for s in stage_layout(m, pcfg, seq_len))
+
+
+def _hashable_model(m: ModelConfig) -> ModelConfig:
+    """m with its list fields as tuples, so it can key a cache (a frozen dataclass with a list does not hash)."""
+    return dataclasses.replace(m, **{f.name: tuple(getattr(m, f.name)) for f in dataclasses.fields(m)
+                                     if isinstance(getattr(m, f.name), list)})
 
 
 def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
     """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
     p = recipe.parallel
-    stages = _stages(recipe.model, p.pp, p.virtual_stages, tuple(p.stage_layers or ()) or None, recipe.train.seq_len)
+    stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages, tuple(p.stage_layers or ()) or None,
+                     recipe.train.seq_len, p.schedule)
     num_stages = len(stages)
-    mine = [s for s in range(num_stages) if s % p.pp == pp_rank]
+    placement = placement_of(p.schedule)
+    mine = [s for s in range(num_stages) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]
     first, last = 0 in mine, num_stages - 1 in mine
     return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first
 
@@ -205,7 +216,8 @@ def schedule_shape(schedule: str, pp: int, microbatches: int, virtual_stages: in
         warnings.simplefilter("ignore")
         actions = build_all_schedules(schedule, pp, microbatches, virtual_stages, backward_cost=backward_cost,
                                       split_backward=split_backward)
-    result = simulate(actions, cost_f=1.0, cost_b=backward_cost, virtual_stages=virtual_stages)
+    result = simulate(actions, cost_f=1.0, cost_b=backward_cost, virtual_stages=virtual_stages,
+                      placement=placement_of(schedule))
     return result.makespan, tuple(peak_in_flight(a) for a in actions)
 
 

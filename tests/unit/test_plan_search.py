@@ -103,3 +103,11 @@ def test_device_profiles_load_by_name_and_from_a_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(DEVICES["a100-40gb"].as_dict()))
     assert load_profile(str(path)) == DEVICES["a100-40gb"] == load_profile("a100-40gb")
+
+
+def test_every_v_schedule_layout_the_layout_check_accepts_is_planned():
+    # The V schedules place stages r and 2p-1-r on rank r: the memory model and the simulator must be
+    # told, or their sends and receives do not pair and the search throws such layouts away.
+    result = search(RECIPE, 4, HUGE)
+    assert not [reason for _, reason in result.rejected if reason.startswith("schedule")]
+    assert {"zbv", "dualpipev"} <= {p.layout["schedule"] for p in result.plans}
