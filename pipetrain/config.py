@@ -170,7 +170,7 @@ class Recipe:
 
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig,
+    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig, "faults": FaultsConfig,
 }
 # Paths in a YAML file are relative to that file; paths from --set are relative to the cwd.
 _PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
