@@ -3,7 +3,8 @@
 A rank in faults.slow_ranks is slow at a step with probability faults.slow_prob, decided by a generator
 seeded with (faults.seed, step, rank), so a run's straggler pattern is reproducible and independent of
 timing (slow_prob 1: persistent, < 1: transient). A slow step takes slow_factor times its compute: the
-rank sleeps (slow_factor - 1) x the compute time it measured for that step, inside the step. Kill
+rank sleeps (slow_factor - 1) x the compute time it measured for that step (forward and backward),
+inside the step, before its gradients are reduced. Kill
 injection (kill_rank, kill_at_step) is validated by the config and implemented by the failover work.
 Tests inject stragglers through this module and never sleep by hand.
 """

@@ -108,9 +108,10 @@ class Trainer:
         self.optimizer.zero_grad()
         batch, num_targets = self.loader.next()
         local = self.forward_backward(batch, num_targets)
-        self.optimizer.reduce_grads()
+        # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
         compute_s = time.perf_counter() - t0
-        slept = faults.straggle(self.step + 1, compute_s)  # an injected straggler: f x this step's compute
+        slept = faults.straggle(self.step + 1, compute_s)
+        self.optimizer.reduce_grads()
         relaxed = getattr(self.optimizer, "sync_step", None)
         if relaxed is not None and self.recipe.parallel.dp_sync != "bsp":
             loss = self._replica_loss(local, num_targets)
