@@ -6,10 +6,11 @@ synthetic tokens. Stragglers come from the `faults` section (pipetrain.faults: a
 - transient: every rank slow with probability 0.2 per step, factor 4;
 - persistent: rank 3 always slow, factor 2.
 For each mode (bsp, ssp s=1 and s=3, dssp 1..3, local_sgd H=4, diloco H=4) the same number of steps
-runs from the same start (after an untimed warm-up run), from a barrier to the drained end (drain_replicas, then a barrier): the wall
-time, its ratio to bsp, the mean bytes one rank sends across replicas per step (ring all-reduce: 2(n-1)/n
-of the payload; bsp's is its gradient all-reduce, counted the same way), seconds waited on peers per step,
-and rank 0's loss over the last 3 steps (same tokens for every mode).
+runs from the same start (after an untimed warm-up run), timed from a barrier to the drained end
+(drain_replicas, then a barrier): the wall time, its ratio to bsp, the mean bytes one rank sends across
+replicas per step (ring all-reduce: 2(n-1)/n of the payload; bsp's is its gradient all-reduce, counted
+the same way), seconds waited on peers per step (relaxed modes only) and rank 0's loss over the last 3
+steps (same tokens for every mode; a relaxed mode's loss is its replica's).
 
 Usage: python benchmarks/relaxed_sync.py [--steps 24] [--scenarios transient persistent]
 """

@@ -87,6 +87,8 @@ class RelaxedOptimizer:
         self.pending: list[_Pending] = []
         self.anchor = start_step  # local_sgd / diloco: steps are counted from here to the next sync
         self.applied: list[int] = []  # clocks whose update was applied at the last sync_step
+        self._last_applied = 0  # the newest clock whose update was applied
+        self.stats: dict = {}
         self.step_times: list[float] = []
         self.peer_meta = None  # (R, 2) float64: wall time at the last published clock, mean step time
         self.peer_clock = 0
@@ -199,8 +201,6 @@ class RelaxedOptimizer:
         if (clock - self.anchor) % self.pcfg.sync_every == 0:
             self._average_params() if self.mode == "local_sgd" else self._outer_step()
         return norm, lr, self.stats
-
-    _last_applied = 0
 
     def _launch(self, clock: int) -> None:
         grads = self._grads()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.config import ConfigError, build_recipe
+from pipetrain.config import ConfigError, FaultsConfig, TrainConfig, build_recipe
 from pipetrain.faults import Faults
-from pipetrain.config import FaultsConfig, TrainConfig
+from pipetrain.models import build, materialize
 from pipetrain.optim import Optimizer
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.layout import layout_problems, resolve_dp_shard
@@ -91,7 +91,6 @@ def test_straggler_pattern_is_seeded_and_follows_slow_prob():
 
 
 def test_sgd_steps_like_torch_sgd_and_its_momentum_reloads():
-    from pipetrain.models import build, materialize
     torch.manual_seed(0)
     cfg = TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0, lr=0.1)
     models = []
