@@ -14,7 +14,9 @@ import torch.nn as nn
 
 from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
-from pipetrain.parallel.adamw import ReadBox, StateEntry, is_tied, param_boxes, param_groups, set_lr
+# build_adamw is re-exported for benchmarks/foundation.py's plain-PyTorch baseline
+from pipetrain.parallel.adamw import (ReadBox, StateEntry, build_adamw, is_tied, param_boxes,  # noqa: F401
+                                      param_groups, set_lr)
 from pipetrain.parallel.grads import clip_grad_norm, sync_grads, tied_copy_names
 from pipetrain.parallel.inner_optim import build_inner, inner_state_bytes, inner_state_items, load_inner_state
 from pipetrain.parallel.relaxed import RelaxedOptimizer, needs_relaxed
