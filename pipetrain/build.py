@@ -106,13 +106,15 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
     apply_recompute(model, recipe.parallel)
     if optimizer_factory is None:
-        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero)
+        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:
         optimizer = optimizer_factory(model, dims, recipe)
     start = 0
     if ckpt_dir is not None:
         manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
         start = manifest["step"]
+        if hasattr(optimizer, "anchor"):  # relaxed dp_sync: local periods count from the (drained) checkpoint
+            optimizer.anchor = start
         if dims.rank == 0:
             print(f"resumed from {ckpt_dir} at step {start}", flush=True)
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")

@@ -91,6 +91,15 @@ class ParallelConfig:
     sequence_parallel: bool = False
     split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
     auto: bool = False               # fill the parallel keys not given here at launch (pipetrain.plan)
+    # ---- relaxed synchronisation across replicas (pipetrain.parallel.relaxed, docs/relaxed_sync.md) ----
+    dp_shard: Optional[int] = None   # dp = dp_replicate x dp_shard; None = dp with zero >= 1, else 1
+    dp_sync: Literal["bsp", "ssp", "dssp", "local_sgd", "diloco"] = "bsp"  # across dp_replicate
+    staleness: int = 0               # ssp: s; dssp: the upper bound
+    staleness_min: int = 0           # dssp: the lower bound
+    sync_every: int = 1              # local_sgd / diloco: H inner steps between synchronisations
+    sync_warmup_steps: int = 0       # local_sgd: bsp steps before local steps (post-local SGD)
+    outer_lr: float = 0.7            # diloco: outer Nesterov SGD learning rate
+    outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +120,8 @@ class TrainConfig:
     grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # after warmup (pipetrain.lr_schedule)
     decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum train.momentum, weight decay train.weight_decay
+    momentum: float = 0.0            # sgd only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +158,17 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """Injected stragglers (and, later, kills) for drills and tests; off by default (pipetrain.faults)."""
+    slow_ranks: list = field(default_factory=list)  # global ranks whose steps may be slow
+    slow_factor: float = 1.0         # a slow step takes this many times its compute
+    slow_prob: float = 1.0           # per step, seeded by (seed, step, rank): 1 persistent, < 1 transient
+    seed: int = 0
+    kill_rank: Optional[int] = None  # validated only: the failover issue implements kills
+    kill_at_step: Optional[int] = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -154,6 +176,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,7 +184,7 @@ class Recipe:
 
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig,
+    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig, "faults": FaultsConfig,
 }
 # Paths in a YAML file are relative to that file; paths from --set are relative to the cwd.
 _PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
@@ -369,7 +392,45 @@ def validate(r: Recipe) -> list[str]:
     need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
     if p.dp is not None:
         need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")
+    problems += _relaxed_problems(r)
     return problems
+
+
+def _relaxed_problems(r: Recipe) -> list[str]:
+    """Relaxed synchronisation, the optimizer and fault-injection keys that need no world size
+    (the layout ones, dp_replicate > 1 and slow ranks inside the world, are layout_problems')."""
+    p, t, f = r.parallel, r.train, r.faults
+    out = []
+
+    def need(cond: bool, msg: str):
+        if not cond:
+            out.append(msg)
+
+    if p.dp_shard is not None:
+        need(p.dp_shard >= 1, f"parallel.dp_shard: must be >= 1, got {p.dp_shard}; drop it for the default")
+    need(p.staleness >= 0, f"parallel.staleness: must be >= 0, got {p.staleness}; use 0 (bsp) or more")
+    need(p.staleness_min >= 0, f"parallel.staleness_min: must be >= 0, got {p.staleness_min}; use 0 or more")
+    if p.dp_sync == "dssp":
+        need(p.staleness_min <= p.staleness, f"parallel.staleness_min: must be <= parallel.staleness="
+             f"{p.staleness}, got {p.staleness_min}; lower staleness_min or raise staleness")
+    need(p.sync_every >= 1, f"parallel.sync_every: must be >= 1, got {p.sync_every}; use 1 or more steps")
+    need(p.sync_warmup_steps >= 0, f"parallel.sync_warmup_steps: must be >= 0, got {p.sync_warmup_steps}")
+    need(p.outer_lr > 0, f"parallel.outer_lr: must be > 0, got {p.outer_lr}; DiLoCo uses about 0.7")
+    need(0 <= p.outer_momentum < 1, f"parallel.outer_momentum: must be in [0, 1), got {p.outer_momentum}; "
+         "DiLoCo uses 0.9")
+    need(0 <= t.momentum < 1, f"train.momentum: must be in [0, 1), got {t.momentum}; use 0 or 0.9")
+    need(t.optimizer == "sgd" or t.momentum == 0, f"train.momentum: applies to train.optimizer=sgd only, got "
+         f"{t.momentum} with {t.optimizer}; set train.optimizer=sgd or drop train.momentum")
+    need(all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f.slow_ranks),
+         f"faults.slow_ranks: must list global ranks (integers >= 0), got {f.slow_ranks}")
+    need(f.slow_factor >= 1, f"faults.slow_factor: must be >= 1 (a slow step takes f times its compute), "
+         f"got {f.slow_factor}")
+    need(0 <= f.slow_prob <= 1, f"faults.slow_prob: must be in [0, 1], got {f.slow_prob}; 1 is persistent")
+    if f.kill_rank is not None:
+        need(f.kill_rank >= 0, f"faults.kill_rank: must be >= 0, got {f.kill_rank}")
+    if f.kill_at_step is not None:
+        need(f.kill_at_step >= 1, f"faults.kill_at_step: must be >= 1, got {f.kill_at_step}")
+    return out
 
 
 def _sec(obj) -> str:

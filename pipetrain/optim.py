@@ -14,9 +14,12 @@ import torch.nn as nn
 
 from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
-from pipetrain.parallel.adamw import (ReadBox, StateEntry, adamw_state_bytes, adamw_state_items, build_adamw,
-                                      is_tied, load_adamw_state, param_boxes, param_groups, set_lr)
+# build_adamw is re-exported for benchmarks/foundation.py's plain-PyTorch baseline
+from pipetrain.parallel.adamw import (ReadBox, StateEntry, build_adamw, is_tied, param_boxes,  # noqa: F401
+                                      param_groups, set_lr)
 from pipetrain.parallel.grads import clip_grad_norm, sync_grads, tied_copy_names
+from pipetrain.parallel.inner_optim import build_inner, inner_state_bytes, inner_state_items, load_inner_state
+from pipetrain.parallel.relaxed import RelaxedOptimizer, needs_relaxed
 from pipetrain.parallel.zero import ZeroOptimizer
 
 
@@ -27,16 +30,19 @@ class Optimizer:
     zero_grad(); backward...; reduce_grads(); clip_grad_norm(max_norm) -> global norm; step(lr).
     """
 
-    def __init__(self, model: nn.Module, dims, cfg: TrainConfig):
+    def __init__(self, model: nn.Module, dims, cfg: TrainConfig, dp_group="dp"):
+        """dp_group: the group gradients are summed over ("dp": dims.dp_group; a relaxed run passes its
+        dp_shard group, and pipetrain.parallel.relaxed reduces across replicas)."""
         self.model, self.dims, self.cfg = model, dims, cfg
-        self.inner = build_adamw(param_groups(model, cfg.weight_decay), cfg)
+        self.dp_group = dims.dp_group if dp_group == "dp" else dp_group
+        self.inner = build_inner(param_groups(model, cfg.weight_decay), cfg)
         self.steps_taken = 0
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
     def reduce_grads(self) -> None:
-        sync_grads(self.model, self.dims)
+        sync_grads(self.model, self.dims, self.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(self.model, self.dims, max_norm)
@@ -52,22 +58,27 @@ class Optimizer:
     def state_items(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """(name, local tensor, global shape, offsets) of every optimizer tensor this rank owns."""
         skip = tied_copy_names(self.model)
-        return adamw_state_items(self.inner, [e for e in self._entries() if e[0] not in skip], self.steps_taken)
+        return inner_state_items(self.inner, [e for e in self._entries() if e[0] not in skip], self.steps_taken)
 
     def load_state_items(self, read: ReadBox) -> None:
         """Load every moment this rank needs (the tied head copy from its embedding's entries)."""
-        self.steps_taken = load_adamw_state(self.inner, self._entries(), read, is_tied(self.model))
+        self.steps_taken = load_inner_state(self.inner, self._entries(), read, is_tied(self.model))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (the AdamW moments; 0 before the first step)."""
-        return adamw_state_bytes(self.inner)
+        return inner_state_bytes(self.inner)
 
 
-def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0):
-    """The optimizer for parallel.zero: replicated AdamW (0) or ZeRO-sharded across dp (1, 2)."""
-    if zero == 0 or dims.dp == 1:
-        return Optimizer(model, dims, cfg)
-    return ZeroOptimizer(model, dims, cfg, stage=zero)
+def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, parallel=None, start_step: int = 0):
+    """The optimizer for parallel.zero: replicated (0) or ZeRO-sharded across dp_shard (1, 2), train.optimizer
+    inside; wrapped in pipetrain.parallel.relaxed.RelaxedOptimizer when parallel.dp_sync is relaxed or the
+    replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
+    relaxed = parallel is not None and needs_relaxed(parallel, dims, zero)
+    if zero == 0 or dims.dp_shard == 1:
+        inner = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if relaxed else "dp")
+    else:
+        inner = ZeroOptimizer(model, dims, cfg, stage=zero)
+    return RelaxedOptimizer(inner, dims, parallel, cfg, start_step) if relaxed else inner
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

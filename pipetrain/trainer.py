@@ -16,10 +16,11 @@ import torch.nn as nn
 
 from pipetrain.config import Recipe
 from pipetrain.data import IGNORE_INDEX, Batch, Loader
+from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
 from pipetrain.optim import lr_at
-from pipetrain.parallel.comm import any_over_world, sum_over_world_
+from pipetrain.parallel.comm import all_reduce_, any_over_world, sum_over_world_
 from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
@@ -75,22 +76,64 @@ class Trainer:
             sum_over_world_(local_sum, self.dims.world_size)
         return float(local_sum) / num_targets
 
+    def _replica_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
+        """Under a relaxed parallel.dp_sync: this replica's loss (summed over its ranks only, so no
+        collective reaches the other replicas), scaled to a mean over its share of the batch."""
+        local_sum = local_sum.clone()
+        if self.dims.tp_rank != 0:
+            local_sum.zero_()
+        if self.dims.replica_group is not None:
+            all_reduce_(local_sum, self.dims.replica_group)
+        return float(local_sum) * self.dims.dp_replicate / num_targets
+
+    def _faults(self) -> Faults:
+        if getattr(self, "_faults_obj", None) is None:
+            self._faults_obj = Faults(self.recipe.faults, self.dims.rank)
+            self._faults_obj.announce()
+        return self._faults_obj
+
+    def drain_replicas(self) -> None:
+        """Bring relaxed replicas to one state (pending updates applied, parameters averaged): before a
+        checkpoint. A no-op for bsp."""
+        drain = getattr(self.optimizer, "drain", None)
+        if drain is not None:
+            cfg = self.recipe.train
+            drain(self.step, lambda k: lr_at(k, cfg), cfg.grad_clip)
+
     def train_step(self) -> dict:
         t0 = time.perf_counter()
         cfg = self.recipe.train
+        faults = self._faults()
         self.model.train()
         self.optimizer.zero_grad()
         batch, num_targets = self.loader.next()
         local = self.forward_backward(batch, num_targets)
+        # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
+        compute_s = time.perf_counter() - t0
+        slept = faults.straggle(self.step + 1, compute_s)
         self.optimizer.reduce_grads()
-        loss = self._global_loss(local, num_targets)
-        grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise TrainingDiverged(f"loss is {loss} and grad norm {grad_norm} at step {self.step + 1}; "
-                                   "weights were not updated and no checkpoint was written; lower train.lr "
-                                   "or raise train.warmup_steps, then resume from the last checkpoint")
-        lr = lr_at(self.step + 1, cfg)
-        self.optimizer.step(lr)
+        relaxed = getattr(self.optimizer, "sync_step", None)
+        if relaxed is not None and self.recipe.parallel.dp_sync != "bsp":
+            loss = self._replica_loss(local, num_targets)
+        else:
+            loss = self._global_loss(local, num_targets)
+
+        def check(grad_norm: float) -> None:
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingDiverged(f"loss is {loss} and grad norm {grad_norm} at step {self.step + 1}; "
+                                       "weights were not updated and no checkpoint was written; lower train.lr "
+                                       "or raise train.warmup_steps, then resume from the last checkpoint")
+
+        extra = {}
+        if relaxed is not None:
+            check(0.0)
+            grad_norm, lr, extra = relaxed(self.step + 1, lambda k: lr_at(k, cfg), cfg.grad_clip, check,
+                                           compute_s + slept)
+        else:
+            grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
+            check(grad_norm)
+            lr = lr_at(self.step + 1, cfg)
+            self.optimizer.step(lr)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -102,6 +145,9 @@ class Trainer:
                   "peak_mem_bytes": peak_memory_bytes(self.device)}
         if self.peak:
             record["mfu"] = self.flops_per_token * step_tokens / dt / (self.peak * 1e12 * self.dims.world_size)
+        if slept:
+            record["injected_delay_s"] = slept
+        record.update(extra)  # relaxed sync: wait_s, replica_bytes, clock_lead / clock_lag, applied
         return record
 
     # -- evaluation ----------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def owned_tensors(model, optimizer, dims,
         sharded_over_dp = getattr(optimizer, "stage", 0) >= 1  # ZeRO: every dp rank owns a row shard
         if dims.dp_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
             continue
+        if sharded_over_dp and getattr(dims, "dp_replicate_rank", 0) != 0:  # drained replicas hold the same rows
+            continue
         out.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
     return out
 
@@ -100,6 +102,8 @@ class Checkpointer:
 
     def save(self, trainer) -> str:
         dims, step = self.dims, trainer.step
+        if hasattr(trainer, "drain_replicas"):  # relaxed dp_sync: apply pending updates, average replicas
+            trainer.drain_replicas()
         final = os.path.join(self.root, step_dir_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
         if dims.rank == 0:
@@ -153,7 +157,8 @@ class Checkpointer:
             "tokens": trainer.tokens_seen,
             "recipe": self.recipe.to_dict(),
             "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
-                       "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size},
+                       "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size,
+                       "dp_shard": d.dp_shard, "dp_sync": self.recipe.parallel.dp_sync},
             "tensors": tensors,
             "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},
             "rng": {str(e["rank"]): e["file"] for e in entries},

@@ -20,6 +20,14 @@ as "a group of one: no communication", never as the default world group. Without
 (one process, no torchrun) there is no mesh either: `dims.mesh` is None and every group is None.
 
 `mesh_rank_lists` computes the same groups with no processes, for tests and tools.
+
+The dp axis splits further into dp_replicate x dp_shard (HSDP-style, dp_shard fastest: the shards of
+one replica are neighbours), dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank. ZeRO shards over
+dp_shard (bulk-synchronous); relaxed synchronisation (pipetrain.parallel.relaxed) acts across
+dp_replicate, between ranks with the same (dp_shard, pp, tp) coordinate. These groups, and the replica
+group (every rank of one replica: its loss under a relaxed mode), are created with dist.new_group after
+the mesh, like the embed groups. With dp_shard == dp (the default) dp_shard_group is dp_group and there
+is no replicate group; with dp_shard == 1 dp_replicate_group is dp_group.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain.config import ParallelConfig
+from pipetrain.parallel.layout import resolve_dp_shard
 
 # Mesh dims, slowest-varying first; ranks are row-major over them.
 MESH_DIM_NAMES = ("dp", "pp", "tp")
@@ -80,6 +89,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     rank: int = 0
+    dp_shard: Optional[int] = None   # None = dp (one replica)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # The (dp, pp, tp) DeviceMesh with MESH_DIM_NAMES; None without a process group.
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
@@ -88,8 +98,16 @@ class ParallelDims:
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     # First and last pp stage of this (dp, tp) coordinate: all-reduces the tied embedding's gradient.
     embed_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    dp_shard_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    dp_replicate_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # Every rank of this replica (same dp_replicate coordinate); None when there is one replica.
+    replica_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.dp_shard is None:
+            self.dp_shard = self.dp
+        assert isinstance(self.dp_shard, int) and self.dp_shard >= 1 and self.dp % self.dp_shard == 0, \
+            f"dp_shard={self.dp_shard!r} must divide dp={self.dp}"
         for name in MESH_DIM_NAMES:
             value = getattr(self, name)
             assert isinstance(value, int) and value >= 1, f"{name}={value!r} must be an integer >= 1"
@@ -117,6 +135,23 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.rank // (self.tp * self.pp)
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.dp_shard
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks in one replica: dp_shard * pp * tp."""
+        return self.dp_shard * self.pp * self.tp
 
     def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         """The global rank at mesh coordinate (dp_rank, pp_rank, tp_rank)."""
@@ -163,6 +198,12 @@ class ParallelDims:
             out[kind] = mesh_rank_lists(shape, (kind,)) if shape[kind] > 1 else []
         out["embed"] = ([[lists[0], lists[-1]] for lists in mesh_rank_lists(shape, ("pp",))]
                         if self.pp > 1 else [])
+        split = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "pp": self.pp, "tp": self.tp}
+        both = self.dp_shard > 1 and self.dp_replicate > 1  # otherwise one of them is the dp group itself
+        out["dp_shard"] = mesh_rank_lists(split, ("dp_shard",)) if both else []
+        out["dp_replicate"] = mesh_rank_lists(split, ("dp_replicate",)) if both else []
+        out["replica"] = (mesh_rank_lists(split, ("dp_shard", "pp", "tp"))
+                          if self.dp_replicate > 1 and self.replica_size > 1 else [])
         return out
 
     # ---- construction with process groups ----
@@ -173,13 +214,15 @@ class ParallelDims:
         The world size and rank come from torch.distributed when it is initialised (a `world_size`
         argument must then agree); otherwise this is a single process and the world size is 1.
         """
-        return cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp,
-                                world_size=world_size)
+        dims = cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, world_size=world_size,
+                                dp_shard=lambda dp: resolve_dp_shard(parallel_cfg, dp))
+        return dims
 
     @classmethod
     def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1,
-                     world_size: int | None = None) -> "ParallelDims":
-        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), building the mesh and every group."""
+                     world_size: int | None = None, dp_shard=None) -> "ParallelDims":
+        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), building the mesh and every group.
+        dp_shard: an int, None (= dp) or a function of the resolved dp."""
         initialised = dist.is_available() and dist.is_initialized()
         actual = dist.get_world_size() if initialised else 1
         assert isinstance(tp, int) and tp >= 1 and isinstance(pp, int) and pp >= 1, f"tp={tp!r}, pp={pp!r}"
@@ -188,7 +231,9 @@ class ParallelDims:
         assert actual % (tp * pp) == 0, f"world size {actual} is not divisible by tp*pp={tp}*{pp}"
         dp = actual // (tp * pp) if dp is None else dp
         assert dp * tp * pp == actual, f"dp*tp*pp={dp}*{tp}*{pp} does not equal the world size {actual}"
-        dims = cls(dp=dp, tp=tp, pp=pp, rank=dist.get_rank() if initialised else 0, device=default_device())
+        dp_shard = dp_shard(dp) if callable(dp_shard) else dp_shard
+        dims = cls(dp=dp, tp=tp, pp=pp, rank=dist.get_rank() if initialised else 0, device=default_device(),
+                   dp_shard=dp_shard)
         if dims.device.type == "cuda":
             torch.cuda.set_device(dims.device)  # before the mesh, so nccl binds this rank's device
         if initialised:
@@ -209,3 +254,13 @@ class ParallelDims:
             pg = dist.new_group(ranks)
             if self.rank in ranks:
                 self.embed_group = pg
+        lists = self.group_rank_lists()
+        for kind in ("dp_shard", "dp_replicate", "replica"):
+            for ranks in lists[kind]:
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    setattr(self, f"{kind}_group", pg)
+        if self.dp_shard == self.dp:
+            self.dp_shard_group = self.dp_group
+        elif self.dp_shard == 1:
+            self.dp_replicate_group = self.dp_group

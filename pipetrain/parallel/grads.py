@@ -59,11 +59,13 @@ def sync_model_parallel_grads(model: nn.Module, dims) -> None:
             all_reduce_(tied.grad, dims.embed_group)
 
 
-def sync_grads(model: nn.Module, dims) -> None:
-    """Make every gradient the full single-process gradient of its (shard of the) parameter."""
+def sync_grads(model: nn.Module, dims, dp_group="dp") -> None:
+    """Make every gradient the full single-process gradient of its (shard of the) parameter; dp_group
+    ("dp": dims.dp_group) is the data-parallel group summed over (a relaxed run's dp_shard group)."""
     sync_model_parallel_grads(model, dims)
-    if dims.dp > 1:
-        allreduce_grads([p for p in model.parameters() if p.grad is not None], dims.dp_group)
+    group = dims.dp_group if dp_group == "dp" else dp_group
+    if group is not None:
+        allreduce_grads([p for p in model.parameters() if p.grad is not None], group)
 
 
 def _tied_param(model: nn.Module) -> nn.Parameter | None:
@@ -98,13 +100,16 @@ def grad_sq_norms(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return sharded, replicated
 
 
-def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False) -> float:
+def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
+                     shard_group="dp") -> float:
     """The global L2 norm from this rank's sums of squares over tp-sharded and tp-replicated grads.
 
     dp_sharded: each dp rank holds different rows (ZeRO), so both sums are first summed over dp;
-    without it every dp rank holds the same full gradients and dp is not summed (no double count)."""
-    if dp_sharded and dims.dp > 1:
-        both = all_reduce_(torch.stack([sharded, replicated]), dims.dp_group)
+    without it every dp rank holds the same full gradients and dp is not summed (no double count).
+    shard_group: the group the rows are split over ("dp": dims.dp_group; ZeRO passes its dp_shard group)."""
+    group = dims.dp_group if shard_group == "dp" else shard_group
+    if dp_sharded and group is not None:
+        both = all_reduce_(torch.stack([sharded, replicated]), group)
         sharded, replicated = both[0], both[1]
     if dims.tp > 1:
         sharded = all_reduce_(sharded.clone(), dims.tp_group)

@@ -26,7 +26,8 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
         f"virtual_stages={p.virtual_stages}, world size {world_size})"
     return (mesh_problems(recipe, world_size)
             + tensor_parallel_problems(recipe.model, p.tp, recipe.train.seq_len, p.sequence_parallel)
-            + pipeline_problems(recipe.model, p))
+            + pipeline_problems(recipe.model, p)
+            + relaxed_problems(recipe, world_size))
 
 
 def resolve_dp(recipe: Recipe, world_size: int) -> int:
@@ -50,6 +51,35 @@ def mesh_problems(recipe: Recipe, world_size: int) -> list[str]:
     if t.global_batch % (dp * p.microbatches):
         problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
                         f"{dp}*{p.microbatches}={dp * p.microbatches}")
+    return problems
+
+
+def resolve_dp_shard(pcfg: ParallelConfig, dp: int) -> int:
+    """parallel.dp_shard, or its default: dp with zero >= 1 (one replica, ZeRO over all of dp, as before
+    the split), else 1 (every dp rank its own replica)."""
+    if pcfg.dp_shard is not None:
+        return pcfg.dp_shard
+    return dp if pcfg.zero >= 1 else 1
+
+
+def relaxed_problems(recipe: Recipe, world_size: int) -> list[str]:
+    """dp = dp_replicate x dp_shard must split; a relaxed parallel.dp_sync needs dp_replicate > 1; injected
+    slow ranks must lie inside the world."""
+    p, f = recipe.parallel, recipe.faults
+    problems = []
+    dp = resolve_dp(recipe, world_size)
+    shard = resolve_dp_shard(p, dp)
+    if shard < 1 or dp % shard:
+        problems.append(f"parallel.dp_shard: must divide dp={dp}, got {shard}; use one of {_divisors(dp)}")
+    elif p.dp_sync != "bsp" and dp // shard < 2:
+        problems.append(f"parallel.dp_sync={p.dp_sync}: needs dp_replicate = dp/dp_shard >= 2, got "
+                        f"{dp}/{shard}={dp // shard}; lower parallel.dp_shard, launch more ranks or use bsp")
+    bad = [r for r in f.slow_ranks if not 0 <= r < world_size]
+    if bad:
+        problems.append(f"faults.slow_ranks: ranks must lie in [0, {world_size}), got {bad}; "
+                        f"list global ranks below the world size {world_size}")
+    if f.kill_rank is not None and f.kill_rank >= world_size:
+        problems.append(f"faults.kill_rank: must be < the world size {world_size}, got {f.kill_rank}")
     return problems
 
 

@@ -42,8 +42,8 @@ import torch.nn as nn
 
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import param_layout
-from pipetrain.parallel.adamw import (MOMENTS, ReadBox, adamw_state_bytes, adamw_state_items, build_adamw, decays,
-                                      is_tied, load_adamw_state, set_lr)
+from pipetrain.parallel.adamw import MOMENTS, ReadBox, decays, is_tied, set_lr
+from pipetrain.parallel.inner_optim import build_inner, inner_state_bytes, inner_state_items, load_inner_state
 from pipetrain.parallel.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
@@ -116,11 +116,13 @@ class ZeroOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer: stage must be 1 or 2, got {stage}; use pipetrain.optim.Optimizer "
                              "for parallel.zero=0")
-        if dims.dp > 1 and dims.dp_group is None:
-            raise ValueError(f"{dims.coords} ZeroOptimizer: dp={dims.dp} but dims has no dp_group; build dims with "
+        if dims.dp_shard > 1 and dims.dp_shard_group is None:
+            raise ValueError(f"{dims.coords} ZeroOptimizer: dp_shard={dims.dp_shard} but dims has no dp_shard_group; "
+                             "build dims with "
                              "ParallelDims.init / from_degrees after init_process_group")
         self.model, self.dims, self.cfg, self.stage, self.overlap = model, dims, cfg, stage, overlap
-        self.dp_size, self.dp_rank, self.dp_group = dims.dp, dims.dp_rank, dims.dp_group
+        # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas; see parallel/dims.py)
+        self.dp_size, self.dp_rank, self.dp_group = dims.dp_shard, dims.dp_shard_rank, dims.dp_shard_group
         layout = param_layout(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -143,7 +145,7 @@ class ZeroOptimizer:
             if shard.numel(self.dp_rank):
                 self.views[i] = nn.Parameter(self._rows(p.detach(), i))
                 groups[0 if decays(name, p, is_tied(model)) else 1]["params"].append(self.views[i])
-        self.inner = build_adamw(groups, cfg)
+        self.inner = build_inner(groups, cfg)
         self.steps_taken = 0
         self._expected: Optional[list[int]] = None  # accumulations per parameter per step, learned at step 1
         self._counts = [0] * len(self.params)
@@ -305,7 +307,7 @@ class ZeroOptimizer:
                 replicated += sq
             else:
                 sharded += sq
-        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True)
+        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dp_group)
         coef = clip_coefficient(norm, max_norm)
         if coef is not None:
             if self.stage == 1:  # scale the full gradients, so p.grad matches zero 0 after clipping too
@@ -371,16 +373,16 @@ class ZeroOptimizer:
         "exp_avg/<name>" and "exp_avg_sq/<name>" for its non-empty row shards, and the scalar "step".
         The tied head copy on the last stage is left out (the first stage's embed.weight entries
         hold the same values)."""
-        return adamw_state_items(self.inner, self._entries(include_tied_copy=False), self.steps_taken)
+        return inner_state_items(self.inner, self._entries(include_tied_copy=False), self.steps_taken)
 
     def load_state_items(self, read: ReadBox) -> None:
         """Load this rank's row shards of every moment; the tied head copy reads embed.weight's."""
-        self.steps_taken = load_adamw_state(self.inner, self._entries(include_tied_copy=True), read,
+        self.steps_taken = load_inner_state(self.inner, self._entries(include_tied_copy=True), read,
                                             is_tied(self.model))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its rows of the AdamW moments)."""
-        return adamw_state_bytes(self.inner)
+        return inner_state_bytes(self.inner)
 
     def expected_state_bytes(self) -> int:
         """The ZeRO formula for this rank: 2 moments x element size x its rows of every parameter
