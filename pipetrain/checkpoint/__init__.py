@@ -29,11 +29,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipetrain.checkpoint.manifest import check_manifest, file_metadata, seal
 from pipetrain.config import ConfigError
 from pipetrain.models.init import param_layout
 from pipetrain.parallel.grads import tied_copy_names
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
               "tie_embeddings", "qkv_bias")
 
@@ -108,14 +109,14 @@ class Checkpointer:
         if torch.cuda.is_available():
             tensors["rng/cuda"] = torch.cuda.get_rng_state(dims.device)
         path = os.path.join(tmp, file)
-        save_file(tensors, path)
+        save_file(tensors, path, metadata=file_metadata(items))
         _fsync(path)
         entry = {"file": file, "sha256": file_sha256(path), "bytes": os.path.getsize(path), "rank": dims.rank,
                  "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
                              "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
         entries = _gather(entry, dims)
         if dims.rank == 0:
-            manifest = self._manifest(trainer, entries)
+            manifest = seal(self._manifest(trainer, entries))
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -183,7 +184,9 @@ def _gather(obj, dims) -> list:
 
 # ---- reading ------------------------------------------------------------------------------------
 
-def read_manifest(ckpt_dir: str) -> dict:
+def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
+    """The checkpoint's manifest, verified (pipetrain.checkpoint.manifest.check_manifest): its checksum,
+    its structure and, with check_files, the headers of the files it names. ConfigError if not."""
     path = os.path.join(ckpt_dir, "manifest.json")
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
@@ -193,11 +196,14 @@ def read_manifest(ckpt_dir: str) -> dict:
             manifest = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path}: format version {version!r} is newer than this pipetrain reads "
                           f"({FORMAT_VERSION}); upgrade pipetrain")
-    return manifest
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path}: format version {version!r} has no manifest checksum, which this "
+                          f"pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
+    return check_manifest(manifest, ckpt_dir, check_files=check_files)
 
 
 def verify_files(ckpt_dir: str, manifest: dict, files=None) -> None:
