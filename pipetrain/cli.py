@@ -2,14 +2,15 @@
 
 Parses the arguments, checks the recipe's layout for the world size, starts the process group,
 prepares the output directory, calls pipetrain.build.build_trainer and runs it. Exit codes:
-0 success, 2 bad input (one `error: ...` line on stderr, no traceback), 1 any other failure
-(TrainingDiverged prints one line), 130 on Ctrl-C.
+0 success (also after SIGTERM: saved at the next step boundary), 2 bad input (one `error: ...` line
+on stderr, no traceback), 1 any other failure (TrainingDiverged prints one line), 130 on Ctrl-C, 143
+when SIGTERM found no step boundary within run.stop_timeout_s or a second SIGTERM came
+(pipetrain.stopping).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -22,6 +23,7 @@ from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
+from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
 
 
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = resolve_init_from(load_recipe(args.recipe, args.set))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     problems = layout_problems(recipe, world_size)
+    if recipe.run.stop_timeout_s <= 0:
+        problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)
@@ -76,10 +80,14 @@ def run(args: argparse.Namespace) -> int:
         trainer.evaluate()
         trainer.logger.close()
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
-    trainer.fit()
-    barrier(world_size)  # every rank has finished its collectives before any tears its groups down
-    if rank == 0 and recipe.run.sample_tokens:
+    guard = StopGuard(trainer, recipe.run.stop_timeout_s, os.path.join(recipe.run.output_dir, "checkpoints"),
+                      rank).install()
+    try:
+        trainer.fit()
+        barrier(world_size)  # every rank has finished its collectives before any tears its groups down
+    finally:
+        guard.uninstall()
+    if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested:
         print(end_of_run_sample(trainer.model, trainer.tokenizer, recipe, trainer.dims, trainer.step), flush=True)
     return 0
 
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         if rank == 0:
             print("interrupted: stopped before finishing (no partial checkpoint was written)", file=sys.stderr)
-        return 130
+        return INTERRUPT_EXIT
     except TrainingDiverged as exc:  # exit 1 as DESIGN.md specifies, with one line instead of a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,51 @@
+"""Hardening end to end: no input makes train.py hang, print a traceback, or resume from wrong state."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.e2e.common import ROOT, SMALL, TINY
+
+STOP_TIMEOUT_S = 3
+
+
+def _popen(out, overrides, token_cache):
+    sets = SMALL + [f"run.output_dir={out}", f"data.cache_dir={token_cache}"] + overrides
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", TINY] + [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+
+
+def _wait_for_start(proc) -> None:
+    """Read stdout until the loop starts (the banner's last line is printed inside fit)."""
+    for line in proc.stdout:
+        if line.startswith("start:"):
+            return
+    raise AssertionError(f"the run never started: {proc.stderr.read()[-3000:]}")
+
+
+def test_sigterm_during_a_step_that_cannot_finish_exits_within_the_timeout(tmp_path, token_cache):
+    # 512 microbatches per step: a step takes far longer than the timeout on any machine that runs tests
+    proc = _popen(tmp_path, ["train.global_batch=4096", "parallel.microbatches=512", "train.steps=3",
+                             "checkpoint.every=1", f"run.stop_timeout_s={STOP_TIMEOUT_S}"], token_cache)
+    _wait_for_start(proc)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=STOP_TIMEOUT_S + 30)  # the bound; a timeout here is the failure
+    err = proc.stderr.read()
+    assert code == 143, err[-3000:]
+    assert "did not reach a step boundary and save within run.stop_timeout_s=3" in err and "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists() or not [n for n in os.listdir(tmp_path / "checkpoints")
+                                                           if n.startswith(".tmp-")]
+
+
+def test_second_sigterm_exits_at_once(tmp_path, token_cache):
+    proc = _popen(tmp_path, ["train.global_batch=4096", "parallel.microbatches=512", "train.steps=3",
+                             "run.stop_timeout_s=600"], token_cache)
+    _wait_for_start(proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)  # two signals sent back to back can merge into one pending signal
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    err = proc.stderr.read()
+    assert code == 143 and "second SIGTERM" in err and "Traceback" not in err, err[-3000:]
