@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.build import build_trainer, resolve_init_from
+from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
@@ -110,6 +111,10 @@ def main(argv=None) -> int:
         return INTERRUPT_EXIT
     except TrainingDiverged as exc:  # exit 1 as DESIGN.md specifies, with one line instead of a traceback
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except CheckpointSaveError as exc:  # the file system failed, not the input: exit 1, one line (every rank agrees)
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

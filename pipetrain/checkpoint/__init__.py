@@ -94,42 +94,70 @@ class Checkpointer:
         self.recipe, self.dims = recipe, dims
 
     def save(self, trainer) -> str:
+        """Write the checkpoint of trainer.step on every rank. An OSError on any rank (no space,
+        permissions, quota) raises CheckpointSaveError on every rank, naming the path and the free
+        space, after rank 0 removed the temporary folder: the previous checkpoint stays `latest`.
+        A stray non-directory where a checkpoint folder goes is a ConfigError."""
         dims, step = self.dims, trainer.step
         final = os.path.join(self.root, step_dir_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
+        failure = None
         if dims.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-            os.makedirs(tmp)
-        _barrier(dims)
-        items = owned_tensors(trainer.model, trainer.optimizer, dims)
-        file = f"rank-{dims.rank:05d}.safetensors"
+            failure = _attempt(lambda: self._make_tmp(tmp, final), tmp)
+        failure = _first(_gather(failure, dims))  # every rank learns of a failure, or none proceeds
+        entry = None
+        if failure is None:
+            path = os.path.join(tmp, f"rank-{dims.rank:05d}.safetensors")
+            entry = _attempt(lambda: self._write_rank_file(path, trainer), path) or self._entry
+        entries = _gather(entry, dims)
+        failure = failure or _first(e for e in entries if e is not None and "error" in e)
+        if dims.rank == 0 and failure is None:
+            failure = _attempt(lambda: self._commit(trainer, entries, tmp, final, step), tmp)
+        failure = _first(_gather(failure, dims))
+        if failure is not None:
+            if dims.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kind, message = failure["error"]
+            raise (ConfigError if kind == "config" else CheckpointSaveError)(message)
+        return final
+
+    def _make_tmp(self, tmp: str, final: str) -> None:
+        for path in (self.root, tmp, final):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise ConfigError(f"checkpoint: {path} exists and is not a directory; move it away so a "
+                                  "checkpoint folder can be written there")
+        os.makedirs(self.root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        os.makedirs(tmp)
+
+    def _write_rank_file(self, path: str, trainer) -> None:
+        """This rank's file, fsynced; self._entry becomes its manifest entry."""
+        items = owned_tensors(trainer.model, trainer.optimizer, self.dims)
         tensors = {name: t.contiguous().cpu() for name, t, _, _ in items}
         tensors["rng/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(dims.device)
-        path = os.path.join(tmp, file)
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.dims.device)
         save_file(tensors, path, metadata=file_metadata(items))
         _fsync(path)
-        entry = {"file": file, "sha256": file_sha256(path), "bytes": os.path.getsize(path), "rank": dims.rank,
-                 "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
-                             "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
-        entries = _gather(entry, dims)
-        if dims.rank == 0:
-            manifest = seal(self._manifest(trainer, entries))
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync(tmp)
-            if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync(self.root)
-            _write_latest(self.root, step_dir_name(step))
-            self._rotate()
-        _barrier(dims)
-        return final
+        self._entry = {"file": os.path.basename(path), "sha256": file_sha256(path), "bytes": os.path.getsize(path),
+                       "rank": self.dims.rank,
+                       "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
+                                   "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
+
+    def _commit(self, trainer, entries: list[dict], tmp: str, final: str, step: int) -> None:
+        """Rank 0: manifest last, then the atomic rename and `latest`."""
+        manifest = seal(self._manifest(trainer, entries))
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(self.root)
+        _write_latest(self.root, step_dir_name(step))
+        self._rotate()
 
     def _manifest(self, trainer, entries: list[dict]) -> dict:
         tensors: dict[str, dict] = {}
@@ -157,6 +185,41 @@ class Checkpointer:
         done = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
         for name in done[:-self.recipe.checkpoint.keep]:
             shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on the file system (no space, permissions, quota); the previous checkpoint is intact."""
+
+
+def _free_space(path: str) -> str:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path or '.').free / 1e6:,.1f} MB free"
+    except OSError:
+        return "free space unknown"
+
+
+def _attempt(action, path: str) -> dict | None:
+    """None when action() succeeds, else {"error": (kind, one-line message)} that can be all-gathered."""
+    try:
+        action()
+    except ConfigError as exc:
+        return {"error": ("config", str(exc))}
+    except OSError as exc:  # safetensors reports write failures as its own error type: caught below
+        where = exc.filename or path
+        return {"error": ("os", f"checkpoint save failed writing {where}: {exc.strerror or exc} ({_free_space(where)}"
+                                f"); the temporary folder was removed and the previous checkpoint stays latest")}
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError wraps the OSError of a full disk
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        return {"error": ("os", f"checkpoint save failed writing {path}: {exc} ({_free_space(path)}); the "
+                                "temporary folder was removed and the previous checkpoint stays latest")}
+    return None
+
+
+def _first(failures) -> dict | None:
+    return next((f for f in failures if f is not None), None)
 
 
 def _write_latest(root: str, name: str) -> None:

@@ -5,7 +5,10 @@ import subprocess
 import sys
 import time
 
-from tests.e2e.common import ROOT, SMALL, TINY
+import pytest
+
+from pipetrain.checkpoint import read_manifest, verify_files
+from tests.e2e.common import ROOT, SMALL, TINY, run_train
 
 STOP_TIMEOUT_S = 3
 
@@ -49,3 +52,28 @@ def test_second_sigterm_exits_at_once(tmp_path, token_cache):
     code = proc.wait(timeout=30)
     err = proc.stderr.read()
     assert code == 143 and "second SIGTERM" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 24 MB tmpfs: room for one checkpoint of the small model (~14 MB), not two."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_tmpfs, token_cache):
+    out = tiny_tmpfs / "run"
+    proc, _ = run_train(str(out), ["train.steps=3", "checkpoint.every=1", "checkpoint.keep=1", "run.eval_every=0"],
+                        cache_dir=token_cache)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "checkpoint save failed writing" in errors[0] and "MB free" in errors[0]
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001"]  # no .tmp-* left
+    verify_files(str(root / "step-00000001"), read_manifest(str(root / "step-00000001")))
