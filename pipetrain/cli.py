@@ -24,6 +24,7 @@ from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
+from pipetrain.run_lock import RunLock
 from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
 
@@ -50,19 +51,38 @@ def _init_distributed(world_size: int) -> None:
     dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10))))
 
 
-def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> None:
-    """Rank 0 creates run.output_dir, refuses to overwrite another run's checkpoints, and saves the
-    resolved recipe there."""
+def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLock | None:
+    """Rank 0 creates run.output_dir, locks it for this run (one run per output directory), refuses to
+    overwrite another run's checkpoints or to save where a stray file sits, and saves the resolved
+    recipe there. Returns the lock (None on other ranks)."""
     out = recipe.run.output_dir
-    if rank == 0:
+    if rank != 0:
+        return None
+    try:
         os.makedirs(out, exist_ok=True)
-        if resume is None and os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(
-                os.path.join(out, "checkpoints")):
+    except OSError as exc:
+        raise ConfigError(f"run.output_dir={out}: cannot be created ({exc.strerror or exc}: {exc.filename or out}); "
+                          "choose a writable folder") from None
+    lock = RunLock(out).acquire()
+    try:
+        ckpts = os.path.join(out, "checkpoints")
+        if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+            raise ConfigError(f"run.output_dir={out}: {ckpts} is a file, not a folder; move it away")
+        stray = sorted(n for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else [])
+                       if n.startswith(("step-", ".tmp-step-")) and not os.path.isdir(os.path.join(ckpts, n)))
+        if stray:
+            raise ConfigError(f"run.output_dir={out}: {os.path.join(ckpts, stray[0])} is a file where a checkpoint "
+                              "folder would go; move it away")
+        if resume is None and os.path.isdir(ckpts) and os.listdir(ckpts):
             raise ConfigError(f"run.output_dir={out} already holds checkpoints; pass --resume auto to continue "
                               "that run or set run.output_dir to a new folder")
         if resume is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
         dump_recipe(recipe, os.path.join(out, "recipe.yaml"))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +95,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _prepare_output_dir(recipe, rank, args.resume)
+    lock = _prepare_output_dir(recipe, rank, args.resume)
+    try:
+        return _train(args, recipe, rank, world_size)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> int:
     trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only)
     if args.eval_only:
         trainer.evaluate()

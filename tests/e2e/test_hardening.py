@@ -1,6 +1,8 @@
 """Hardening end to end: no input makes train.py hang, print a traceback, or resume from wrong state."""
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,3 +79,26 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert sorted(os.listdir(root)) == ["latest", "step-00000001"]  # no .tmp-* left
     verify_files(str(root / "step-00000001"), read_manifest(str(root / "step-00000001")))
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path, token_cache):
+    first = _popen(tmp_path, ["train.steps=500"], token_cache)
+    try:
+        _wait_for_start(first)
+        proc, _ = run_train(str(tmp_path), ["train.steps=500"], cache_dir=token_cache, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "is in use by another run" in proc.stderr and f"pid {first.pid}" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-3000:]
+
+
+def test_a_stale_lock_is_reported_and_taken_over(tmp_path, token_cache):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is (almost surely) free now
+    (tmp_path / ".pipetrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    proc, metrics = run_train(str(tmp_path), ["train.steps=1", "run.eval_every=0"], cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "taking over a stale lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
+    assert (tmp_path / ".pipetrain.lock").read_text() == ""  # released on exit
