@@ -24,6 +24,7 @@ from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
+from pipetrain.preflight import preflight
 from pipetrain.run_lock import RunLock
 from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
         raise ConfigError("; ".join(problems))
+    preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock = _prepare_output_dir(recipe, rank, args.resume)

@@ -102,3 +102,48 @@ def test_a_stale_lock_is_reported_and_taken_over(tmp_path, token_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "taking over a stale lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
     assert (tmp_path / ".pipetrain.lock").read_text() == ""  # released on exit
+
+
+def _refused(tmp_path, token_cache, overrides, out=None):
+    """train.py exits 2 with one `error:` line and no traceback; returns that line."""
+    proc, _ = run_train(str(out or tmp_path / "run"), overrides, cache_dir=token_cache, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, token_cache):
+    line = _refused(tmp_path, token_cache, ["model.d_model=10000000"])
+    assert "model.d_model=10000000" in line and "GB is available" in line
+
+
+def test_a_batch_that_cannot_fit_is_refused(tmp_path, token_cache):
+    line = _refused(tmp_path, token_cache, ["train.global_batch=1000000000000"])
+    assert "train.global_batch=1000000000000" in line
+
+
+def test_a_batch_the_corpus_cannot_supply_is_refused(tmp_path, token_cache):
+    # 8 sequences per microbatch (fits easily), but more sequences per step than the corpus has windows
+    line = _refused(tmp_path, token_cache, ["train.global_batch=65536", "parallel.microbatches=8192"])
+    assert "train.global_batch=65536 needs 65,536 training windows" in line
+
+
+def test_a_non_utf8_text_file_is_refused(tmp_path, token_cache):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 100)
+    line = _refused(tmp_path, token_cache, [f"data.path={bad}"])
+    assert str(bad) in line and "is not UTF-8 text" in line
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path, token_cache):
+    (tmp_path / "file").write_text("")
+    line = _refused(tmp_path, token_cache, [], out=tmp_path / "file" / "run")
+    assert "cannot be created" in line
+
+
+def test_a_stray_file_where_a_checkpoint_goes_is_refused(tmp_path, token_cache):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000002").write_text("not a checkpoint")
+    line = _refused(tmp_path, token_cache, ["train.steps=2", "checkpoint.every=2"], out=tmp_path / "run")
+    assert "step-00000002 is a file where a checkpoint folder would go" in line
