@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
         raise ConfigError("; ".join(problems))
-    preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock = _prepare_output_dir(recipe, rank, args.resume)
     try:
+        preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply
         return _train(args, recipe, rank, world_size)
     finally:
         if lock is not None:

@@ -20,7 +20,8 @@ import os
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.data import build_data, is_prepared, load_tokenizer, prepared_dir_for, sources_of
+from pipetrain.build import _build_tokenizer
+from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
 from pipetrain.models import build
 from pipetrain.models.decoder import count_params
@@ -69,7 +70,7 @@ def preflight(recipe: Recipe, world_size: int) -> None:
                           "train.global_batch or train.seq_len, or raise parallel.microbatches")
     # the windows: opening the prepared corpus is cheap (memory-mapped); preparing it now is work the
     # loader would do anyway. Its checksums are verified once, by the loader.
-    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    tokenizer = _build_tokenizer(recipe)  # build's tokenizer rules (vocab size) come before preparing data
     for where, path, _ in sources_of(recipe.data):
         if not is_prepared(prepared_dir_for(path, recipe.data.text_field, tokenizer, recipe.data.cache_dir)):
             check_utf8(path, where)
