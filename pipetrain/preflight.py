@@ -60,8 +60,8 @@ def preflight(recipe: Recipe, world_size: int) -> None:
     available, source = device_memory(world_size)
     if state > available:
         raise ConfigError(f"model.d_model={m.d_model}, model.n_layers={m.n_layers}: {params:,} parameters need "
-                          f"{state / GB:,.1f} GB per rank for weights, gradients and AdamW state (tp={p.tp}, pp={p.pp}, "
-                          f"zero={p.zero}), but {available / GB:,.1f} GB is available ({source}); shrink the model "
+                          f"{state / GB:,.1f} GB per rank for weights, gradients and AdamW state "
+                          f"(tp={p.tp}, pp={p.pp}, zero={p.zero}), but {available / GB:,.1f} GB is available ({source}); shrink the model "
                           "or raise parallel.tp, parallel.pp or parallel.zero")
     if state + activations > available:
         raise ConfigError(f"train.global_batch={t.global_batch}: a microbatch of {micro} x {t.seq_len} tokens needs "

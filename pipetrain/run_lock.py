@@ -30,8 +30,8 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"run.output_dir={os.path.dirname(self.path)} is in use by another run ({_describe(holder)}"
-                              f", lock {self.path}); wait for it to finish or choose another run.output_dir") from None
+            raise ConfigError(f"run.output_dir={os.path.dirname(self.path)} is in use by another run "
+                              f"({_describe(holder)}, lock {self.path}); wait for it to finish or choose another run.output_dir") from None
         if holder:
             alive = holder.get("host") == socket.gethostname() and _pid_alive(holder.get("pid"))
             print(f"warning: {self.path}: taking over a stale lock of {_describe(holder)}"

@@ -197,7 +197,8 @@ def _header_problem(m: dict, ckpt_dir: str) -> str | None:
                 return (f"tensor {name} in {file} is {entry.get('dtype') if isinstance(entry, dict) else '?'} "
                         f"{entry.get('shape') if isinstance(entry, dict) else '?'}, manifest says {dtype} {shape}")
             if where != {"offsets": offsets, "global_shape": global_shape}:
-                return f"tensor {name} in {file} was saved at {where}, manifest says offsets {offsets} of {global_shape}"
+                return (f"tensor {name} in {file} was saved at {where}, manifest says offsets {offsets} "
+                        f"of {global_shape}")
         if file in m["rng"].values() and "rng/cpu" not in header:
             return f"file {file} holds no RNG state"
     return None
