@@ -192,11 +192,27 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
 
 
 def _truncate_metrics(path: str, step: int) -> None:
-    """A resumed run rewrites history after its checkpoint: drop metric lines past that step."""
+    """A resumed run rewrites history after its checkpoint: drop metric lines past that step. A line
+    that is not complete JSON (a kill during a metrics write leaves a torn last line) ends the file
+    there, with a warning."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path + ".tmp", "w") as f:
+    keep = []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            print(f"warning: {path} line {number} is not a complete JSON record (a torn write?); "
+                  f"cutting the file back to the {len(keep)} complete line(s) before it", file=sys.stderr)
+            break
+        if record.get("step", 0) <= step:
+            keep.append(raw + b"\n")
+    with open(path + ".tmp", "wb") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)

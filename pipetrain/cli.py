@@ -2,14 +2,15 @@
 
 Parses the arguments, checks the recipe's layout for the world size, starts the process group,
 prepares the output directory, calls pipetrain.build.build_trainer and runs it. Exit codes:
-0 success, 2 bad input (one `error: ...` line on stderr, no traceback), 1 any other failure
-(TrainingDiverged prints one line), 130 on Ctrl-C.
+0 success (also after SIGTERM: saved at the next step boundary), 2 bad input (one `error: ...` line
+on stderr, no traceback), 1 any other failure (TrainingDiverged prints one line), 130 on Ctrl-C, 143
+when SIGTERM found no step boundary within run.stop_timeout_s or a second SIGTERM came
+(pipetrain.stopping).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -18,12 +19,16 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.build import build_trainer, resolve_init_from
+from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.plan.auto import resolve_at_launch
+from pipetrain.preflight import preflight
+from pipetrain.run_lock import RunLock
+from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
 
 
@@ -51,19 +56,38 @@ def _init_distributed(world_size: int) -> None:
     dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10))))
 
 
-def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> None:
-    """Rank 0 creates run.output_dir, refuses to overwrite another run's checkpoints, and saves the
-    resolved recipe there."""
+def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLock | None:
+    """Rank 0 creates run.output_dir, locks it for this run (one run per output directory), refuses to
+    overwrite another run's checkpoints or to save where a stray file sits, and saves the resolved
+    recipe there. Returns the lock (None on other ranks)."""
     out = recipe.run.output_dir
-    if rank == 0:
+    if rank != 0:
+        return None
+    try:
         os.makedirs(out, exist_ok=True)
-        if resume is None and os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(
-                os.path.join(out, "checkpoints")):
+    except OSError as exc:
+        raise ConfigError(f"run.output_dir={out}: cannot be created ({exc.strerror or exc}: {exc.filename or out}); "
+                          "choose a writable folder") from None
+    lock = RunLock(out).acquire()
+    try:
+        ckpts = os.path.join(out, "checkpoints")
+        if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+            raise ConfigError(f"run.output_dir={out}: {ckpts} is a file, not a folder; move it away")
+        stray = sorted(n for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else [])
+                       if n.startswith(("step-", ".tmp-step-")) and not os.path.isdir(os.path.join(ckpts, n)))
+        if stray:
+            raise ConfigError(f"run.output_dir={out}: {os.path.join(ckpts, stray[0])} is a file where a checkpoint "
+                              "folder would go; move it away")
+        if resume is None and os.path.isdir(ckpts) and os.listdir(ckpts):
             raise ConfigError(f"run.output_dir={out} already holds checkpoints; pass --resume auto to continue "
                               "that run or set run.output_dir to a new folder")
         if resume is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
         dump_recipe(recipe, os.path.join(out, "recipe.yaml"))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,20 +97,35 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(recipe, world_size, int(os.environ.get("RANK", 0)))
     problems = layout_problems(recipe, world_size)
+    if recipe.run.stop_timeout_s <= 0:
+        problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _prepare_output_dir(recipe, rank, args.resume)
+    lock = _prepare_output_dir(recipe, rank, args.resume)
+    try:
+        preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply
+        return _train(args, recipe, rank, world_size)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> int:
     trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only)
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
-    trainer.fit()
-    barrier(world_size)  # every rank has finished its collectives before any tears its groups down
-    if rank == 0 and recipe.run.sample_tokens:
+    guard = StopGuard(trainer, recipe.run.stop_timeout_s, os.path.join(recipe.run.output_dir, "checkpoints"),
+                      rank).install()
+    try:
+        trainer.fit()
+        barrier(world_size)  # every rank has finished its collectives before any tears its groups down
+    finally:
+        guard.uninstall()
+    if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested:
         print(end_of_run_sample(trainer.model, trainer.tokenizer, recipe, trainer.dims, trainer.step), flush=True)
     return 0
 
@@ -106,9 +145,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         if rank == 0:
             print("interrupted: stopped before finishing (no partial checkpoint was written)", file=sys.stderr)
-        return 130
+        return INTERRUPT_EXIT
     except TrainingDiverged as exc:  # exit 1 as DESIGN.md specifies, with one line instead of a traceback
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except CheckpointSaveError as exc:  # the file system failed, not the input: exit 1, one line (every rank agrees)
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

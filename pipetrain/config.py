@@ -155,6 +155,10 @@ class RunConfig:
     sample_tokens: int = 200         # tokens generated at the end of a run (0 = none)
     progress: bool = True
     trackers: list = field(default_factory=list)  # any of tensorboard, wandb (optional extras); [] = none
+    # seconds from SIGTERM to a saved exit; past it the run exits 143 without saving. Default 20: below
+    # the 30 s that Slurm (KillWait) and Kubernetes (terminationGracePeriodSeconds) wait before SIGKILL,
+    # leaving 10 s for the save to finish and the process to exit on its own terms
+    stop_timeout_s: float = 20.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipetrain.checkpoint.manifest import check_manifest, file_metadata, seal
 from pipetrain.config import ConfigError
 from pipetrain.models.init import param_layout
 from pipetrain.parallel.grads import tied_copy_names
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
               "tie_embeddings", "qkv_bias", "lora_rank")  # lora_rank: adapters only load into adapters
 
@@ -101,47 +102,76 @@ class Checkpointer:
         self.base: dict | None = None  # base_reference(recipe), hashed once at the first save
 
     def save(self, trainer) -> str:
+        """Write the checkpoint of trainer.step on every rank. An OSError on any rank (no space,
+        permissions, quota) raises CheckpointSaveError on every rank, naming the path and the free
+        space, after rank 0 removed the temporary folder: the previous checkpoint stays `latest`.
+        A stray non-directory where a checkpoint folder goes is a ConfigError."""
         dims, step = self.dims, trainer.step
         if hasattr(trainer, "drain_replicas"):  # relaxed dp_sync: apply pending updates, average replicas
             trainer.drain_replicas()
         final = os.path.join(self.root, step_dir_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
+        failure = None
         if dims.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-            os.makedirs(tmp)
-        _barrier(dims)
-        items = owned_tensors(trainer.model, trainer.optimizer, dims, trainable_only=self.adapters_only)
-        file = f"rank-{dims.rank:05d}.safetensors"
+            failure = _attempt(lambda: self._make_tmp(tmp, final), tmp)
+        failure = _first(_gather(failure, dims))  # every rank learns of a failure, or none proceeds
+        entry = None
+        if failure is None:
+            path = os.path.join(tmp, f"rank-{dims.rank:05d}.safetensors")
+            entry = _attempt(lambda: self._write_rank_file(path, trainer), path) or self._entry
+        entries = _gather(entry, dims)
+        failure = failure or _first(e for e in entries if e is not None and "error" in e)
+        if dims.rank == 0 and failure is None:
+            failure = _attempt(lambda: self._commit(trainer, entries, tmp, final, step), tmp)
+        failure = _first(_gather(failure, dims))
+        if failure is not None:
+            if dims.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kind, message = failure["error"]
+            raise (ConfigError if kind == "config" else CheckpointSaveError)(message)
+        return final
+
+    def _make_tmp(self, tmp: str, final: str) -> None:
+        for path in (self.root, tmp, final):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise ConfigError(f"checkpoint: {path} exists and is not a directory; move it away so a "
+                                  "checkpoint folder can be written there")
+        os.makedirs(self.root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        os.makedirs(tmp)
+
+    def _write_rank_file(self, path: str, trainer) -> None:
+        """This rank's file, fsynced; self._entry becomes its manifest entry."""
+        items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
         tensors = {name: t.contiguous().cpu() for name, t, _, _ in items}
         tensors["rng/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(dims.device)
-        path = os.path.join(tmp, file)
-        save_file(tensors, path)
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.dims.device)
+        save_file(tensors, path, metadata=file_metadata(items))
         _fsync(path)
-        entry = {"file": file, "sha256": file_sha256(path), "bytes": os.path.getsize(path), "rank": dims.rank,
-                 "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
-                             "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
-        entries = _gather(entry, dims)
-        if dims.rank == 0:
-            manifest = self._manifest(trainer, entries)
-            if self.adapters_only:
-                self.base = self.base or base_reference(self.recipe.model.init_from, self.recipe.train.seed)
-                manifest["base"] = self.base
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync(tmp)
-            if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync(self.root)
-            _write_latest(self.root, step_dir_name(step))
-            self._rotate()
-        _barrier(dims)
-        return final
+        self._entry = {"file": os.path.basename(path), "sha256": file_sha256(path), "bytes": os.path.getsize(path),
+                       "rank": self.dims.rank,
+                       "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
+                                   "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
+
+    def _commit(self, trainer, entries: list[dict], tmp: str, final: str, step: int) -> None:
+        """Rank 0: manifest last, then the atomic rename and `latest`."""
+        manifest = self._manifest(trainer, entries)
+        if self.adapters_only:
+            self.base = self.base or base_reference(self.recipe.model.init_from, self.recipe.train.seed)
+            manifest["base"] = self.base
+        manifest = seal(manifest)
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(self.root)
+        _write_latest(self.root, step_dir_name(step))
+        self._rotate()
 
     def _manifest(self, trainer, entries: list[dict]) -> dict:
         tensors: dict[str, dict] = {}
@@ -193,6 +223,41 @@ def check_base(manifest: dict, init_from: str | None, seed: int, ckpt_dir: str) 
                           "set model.init_from (and train.seed) to the base the adapters were trained on")
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed on the file system (no space, permissions, quota); the previous checkpoint is intact."""
+
+
+def _free_space(path: str) -> str:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path or '.').free / 1e6:,.1f} MB free"
+    except OSError:
+        return "free space unknown"
+
+
+def _attempt(action, path: str) -> dict | None:
+    """None when action() succeeds, else {"error": (kind, one-line message)} that can be all-gathered."""
+    try:
+        action()
+    except ConfigError as exc:
+        return {"error": ("config", str(exc))}
+    except OSError as exc:  # safetensors reports write failures as its own error type: caught below
+        where = exc.filename or path
+        return {"error": ("os", f"checkpoint save failed writing {where}: {exc.strerror or exc} ({_free_space(where)}"
+                                f"); the temporary folder was removed and the previous checkpoint stays latest")}
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError wraps the OSError of a full disk
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        return {"error": ("os", f"checkpoint save failed writing {path}: {exc} ({_free_space(path)}); the "
+                                "temporary folder was removed and the previous checkpoint stays latest")}
+    return None
+
+
+def _first(failures) -> dict | None:
+    return next((f for f in failures if f is not None), None)
+
+
 def _write_latest(root: str, name: str) -> None:
     tmp = os.path.join(root, ".latest.tmp")
     with open(tmp, "w") as f:
@@ -218,7 +283,9 @@ def _gather(obj, dims) -> list:
 
 # ---- reading ------------------------------------------------------------------------------------
 
-def read_manifest(ckpt_dir: str) -> dict:
+def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
+    """The checkpoint's manifest, verified (pipetrain.checkpoint.manifest.check_manifest): its checksum,
+    its structure and, with check_files, the headers of the files it names. ConfigError if not."""
     path = os.path.join(ckpt_dir, "manifest.json")
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
@@ -228,11 +295,14 @@ def read_manifest(ckpt_dir: str) -> dict:
             manifest = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path}: format version {version!r} is newer than this pipetrain reads "
                           f"({FORMAT_VERSION}); upgrade pipetrain")
-    return manifest
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path}: format version {version!r} has no manifest checksum, which this "
+                          f"pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
+    return check_manifest(manifest, ckpt_dir, check_files=check_files)
 
 
 def verify_files(ckpt_dir: str, manifest: dict, files=None) -> None:

@@ -147,11 +147,24 @@ def test_damaged_checkpoint_is_reported_with_the_file(reference_run, tmp_path, d
         verify_files(str(ckpt), read_manifest(str(ckpt)))
 
 
-def test_corrupt_checkpoint_exits_2_and_auto_falls_back(reference_run, tmp_path, token_cache):
+def _retype_manifest(ckpt, file):
+    """The issue's silent rounding: a dtype edited to bfloat16 (the checksum is not updated)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    next(iter(manifest["tensors"].values()))["dtype"] = "bfloat16"
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+@pytest.mark.parametrize("damage,message,names", [
+    (_flip_byte, "SHA-256 does not match", "rank-00000"),
+    (_retype_manifest, "manifest checksum does not match", "manifest.json"),
+])
+def test_corrupt_checkpoint_exits_2_and_auto_falls_back(reference_run, tmp_path, token_cache, damage, message,
+                                                        names):
     out, _ = reference_run
-    ckpt = _damaged_copy(reference_run, tmp_path, _flip_byte)
+    ckpt = _damaged_copy(reference_run, tmp_path, damage)
     proc, _ = run_train(str(tmp_path / "x"), CKPT, cache_dir=token_cache, extra_args=["--resume", str(ckpt)])
-    assert proc.returncode == 2 and "SHA-256 does not match" in proc.stderr and "rank-00000" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr and names in proc.stderr
+    assert "Traceback" not in proc.stderr
     shutil.copytree(out / "checkpoints" / "step-00000004", tmp_path / "checkpoints" / "step-00000004")
     assert find_resumable(str(tmp_path)) == str(tmp_path / "checkpoints" / "step-00000004")
     proc, metrics = run_train(str(tmp_path), CKPT, cache_dir=token_cache, extra_args=["--resume", "auto"])

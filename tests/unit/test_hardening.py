@@ -1,0 +1,63 @@
+"""Hardening without training: torn metrics, the output-dir lock, pre-flight sizes, failed saves."""
+import errno
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from pipetrain import checkpoint
+from pipetrain.build import _truncate_metrics
+from pipetrain.checkpoint import CheckpointSaveError, Checkpointer, read_manifest, verify_files
+from pipetrain.config import load_recipe
+from pipetrain.models import build, materialize
+from pipetrain.optim import build_optimizer
+from pipetrain.parallel.dims import ParallelDims
+from tests.e2e.common import SMALL, TINY
+
+
+def test_torn_metrics_line_is_cut_back_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 4, "lo')  # killed mid-write
+    _truncate_metrics(str(path), 2)
+    assert path.read_text() == "\n".join(lines[:2]) + "\n"
+    assert "line 4 is not a complete JSON record" in capsys.readouterr().err
+
+
+def test_complete_metrics_lines_past_the_step_are_dropped_silently(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    _truncate_metrics(str(path), 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture
+def saver(tmp_path):
+    """A Checkpointer and a trainer-shaped object (one process, the small model), one step saved."""
+    recipe = load_recipe(TINY, SMALL + [f"run.output_dir={tmp_path}"])
+    dims = ParallelDims.init(recipe.parallel)
+    model = materialize(build(recipe.model, device="meta"), recipe.model, recipe.train.seed, dims.device)
+    trainer = SimpleNamespace(step=1, tokens_seen=0, model=model, optimizer=build_optimizer(model, dims, recipe.train),
+                              loader=SimpleNamespace(state_dict=lambda: {"samples": 8}))
+    ckpt = Checkpointer(str(tmp_path), recipe, dims)
+    ckpt.save(trainer)
+    trainer.step = 2
+    return ckpt, trainer, tmp_path / "checkpoints"
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", args[1] if len(args) > 1 else None)
+
+
+@pytest.mark.parametrize("target", ["save_file", "seal"])  # a rank's tensor file; rank 0's manifest phase
+def test_an_oserror_during_a_save_keeps_the_previous_checkpoint(saver, monkeypatch, target):
+    ckpt, trainer, root = saver
+    monkeypatch.setattr(checkpoint, target, _no_space)
+    with pytest.raises(CheckpointSaveError, match=r"No space left on device \(.* MB free\)") as info:
+        ckpt.save(trainer)
+    assert "\n" not in str(info.value) and str(root) in str(info.value)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001"]  # the temporary folder is gone
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    verify_files(str(root / "step-00000001"), read_manifest(str(root / "step-00000001")))
