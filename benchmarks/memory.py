@@ -42,6 +42,7 @@ from pipetrain.optim import lr_at  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.recompute import apply_recompute  # noqa: E402
 from pipetrain.parallel.zero import ZeroOptimizer  # noqa: E402
+from tests.harness import saved_activation_bytes  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
                    ffn_hidden=704, max_seq_len=256)
@@ -139,25 +140,6 @@ def bench_zero(steps: int) -> None:
 
 # ---- recomputation ----
 
-def _saved_activation_bytes(model, inputs, targets, autocast) -> int:
-    """Bytes of the unique non-parameter storages autograd saves for backward in one forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast:
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(storages.values())
-
-
 def _rss_bytes(field: str = "VmRSS") -> int:
     """Current (VmRSS) or peak since the last reset (VmHWM) resident bytes of this process."""
     with open("/proc/self/status") as f:
@@ -192,7 +174,7 @@ def _recompute_child(size: str, mode: str, precision: str, steps: int) -> dict:
     _reset_peak_rss()
     times = [step() for _ in range(steps)]
     peak = _rss_bytes("VmHWM")
-    saved = _saved_activation_bytes(model, inputs, targets, autocast)
+    saved = saved_activation_bytes(model, inputs, targets, autocast)
     return {"saved": saved, "peak_rss_increase": peak - before, "step_s": statistics.median(times)}
 
 

@@ -6,6 +6,7 @@ models that the import/export tests in tests/unit and tests/dist share.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -85,3 +86,25 @@ def save_tiny_hf(hf_config, out_dir: str, seed: int = 0, **save_kwargs):
 
 def tokens(vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(5))
+
+
+def saved_activation_bytes(model, inputs, targets=None, autocast=None) -> int:
+    """Bytes of the unique non-parameter storages autograd saves for backward in one forward of model
+    (what activations cost between forward and backward); runs the backward and clears the grads.
+    targets None: the model ends before the head (a middle pipeline stage) and out.sum() is the loss."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast if autocast is not None else contextlib.nullcontext():
+            out = model(inputs)
+        loss = (torch.nn.functional.cross_entropy(out.float().flatten(0, 1), targets.flatten())
+                if targets is not None else out.sum())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())

@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
 
@@ -46,3 +49,14 @@ def read_metrics(out_dir: str) -> list[dict]:
 
 def step_losses(metrics: list[dict]) -> list[float]:
     return [m["loss"] for m in metrics if "loss" in m]
+
+
+def save_tiny_hf_llama(out) -> None:
+    """A tiny random llama (vocab 8192, d 64, 2 layers, untied) with the shipped tokenizer, saved like a
+    hub download: config, weights and tokenizer."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(os.path.join(ROOT, "pipetrain", "assets", "tokenizer")).save_pretrained(out)

@@ -6,15 +6,14 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetrain import checkpoint
 from pipetrain.config import DataConfig, ModelConfig
 from pipetrain.data import IGNORE_INDEX, Loader, build_data
 from pipetrain.models import build, materialize
-from tests.e2e.common import ROOT, run_train
+from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama
 
-TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
 FINETUNE = os.path.join(ROOT, "recipes", "finetune-llama.yaml")
 FT = ["run.sample_tokens=0", "run.progress=false", "run.log_every=1", "train.steps=3", "train.seq_len=32", "train.global_batch=4", "run.eval_batches=1", "run.eval_every=0",
       "data.val_fraction=0.2", "parallel.microbatches=1"]
@@ -24,12 +23,7 @@ FT = ["run.sample_tokens=0", "run.progress=false", "run.log_every=1", "train.ste
 def hf_model(tmp_path_factory):
     """A tiny random llama saved like a hub download: config, weights and tokenizer."""
     out = tmp_path_factory.mktemp("hf-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(out)
+    save_tiny_hf_llama(out)
     return out
 
 

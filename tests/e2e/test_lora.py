@@ -13,16 +13,15 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from pipetrain.checkpoint import file_sha256, read_manifest
 from pipetrain.generate import model_from_checkpoint
 from pipetrain.hf.export import lora_checkpoint_model
-from tests.e2e.common import ROOT, run_train, step_losses
+from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama, step_losses
 
 peft = pytest.importorskip("peft")  # the test extra installs it
 
-TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
 FINETUNE = os.path.join(ROOT, "recipes", "finetune-llama.yaml")
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=1",
         "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "run.sample_tokens=0", "run.progress=false",
@@ -33,12 +32,7 @@ LORA = ["model.lora_rank=4", "model.lora_alpha=8", "train.lr=1e-2", "train.min_l
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(out)
+    save_tiny_hf_llama(out)
     return out
 
 

@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.models import build, materialize
@@ -25,7 +24,7 @@ from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.plan.memory import activation_bytes, model_state_bytes, rank_memory
-from tests.harness import run_ranks
+from tests.harness import run_ranks, saved_activation_bytes
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
 # (model, dp, tp, pp, zero, extra parallel keys); dp*tp*pp = 2. LLAMA's rows divide by 2 (no ZeRO padding).
@@ -73,22 +72,6 @@ def test_model_state_bytes_equal_what_a_run_allocates(tmp_path):
             assert list(predicted) == row["measured"], (layout[1:], rank)
 
 
-def _saved_bytes(model, x, targets) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-        loss = F.cross_entropy(out.float().flatten(0, 1), targets.flatten()) if targets is not None else out.sum()
-    loss.backward()
-    return sum(storages.values())
-
-
 MID = ModelConfig(family="llama", vocab_size=512, d_model=128, n_layers=4, n_heads=8, n_kv_heads=4,
                   ffn_hidden=384, max_seq_len=64)
 
@@ -111,7 +94,7 @@ def test_activation_bytes_within_15_percent_of_saved_tensors(model_cfg, pp, reco
         apply_recompute(model, recipe.parallel)
         first, last = pp_rank == 0, pp_rank == pp - 1
         x = tokens[:, :-1] if first else torch.randn(micro, seq_len, model_cfg.d_model, requires_grad=True)
-        measured = _saved_bytes(model, x, tokens[:, 1:] if last else None)
+        measured = saved_activation_bytes(model, x, tokens[:, 1:] if last else None)
         predicted = activation_bytes(recipe, pp, pp_rank, in_flight=1)
         assert abs(predicted - measured) <= 0.15 * measured, (pp_rank, predicted, measured)
 
