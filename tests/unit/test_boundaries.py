@@ -62,3 +62,48 @@ def test_no_pickle_based_loading_in_product_code():
             text = path.read_text()
             for needle in ("torch.load(", "torch.save(", "pickle.load", "pickle.dump"):
                 assert needle not in text, f"{path} uses {needle}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """pipetrain module -> the pipetrain modules it imports anywhere (function bodies and __main__ blocks
+    included; `from pkg import name` counts as importing pkg.name when that is a module)."""
+    files = {}
+    for path in (ROOT / "pipetrain").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (ROOT / "kernels").glob("*.py"):
+        files["pipetrain.kernels" + ("" if path.stem == "__init__" else "." + path.stem)] = path
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_the_package_has_no_import_cycles():
+    graph = _module_graph()
+    assert "pipetrain.build" in graph and "pipetrain.parallel.schedules.replay" in graph, sorted(graph)
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt])
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
