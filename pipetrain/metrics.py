@@ -24,6 +24,7 @@ import torch
 
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.models import build, count_params
+from pipetrain.plan.memory import rank_memory
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device, no sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {
@@ -202,6 +203,10 @@ class MetricsLogger:
         self.write(f"output: {os.path.abspath(recipe.run.output_dir)}")
         self.write(f"start: resuming at step {start_step} of {t.steps}" if start_step else
                    f"start: fresh run from step 0 of {t.steps}")
+        busiest = max(rank_memory(recipe, dims.world_size), key=lambda r: r.total)
+        self.write(f"memory: predicted peak {busiest.total / 2**30:.2f} GiB per rank (pp rank {busiest.pp_rank}: "
+                   f"parameters {busiest.params / 2**30:.2f}, gradients {busiest.grads / 2**30:.2f}, optimizer "
+                   f"{busiest.optim / 2**30:.2f}, activations {busiest.activations / 2**30:.2f} GiB; pipetrain.plan)")
 
     def save_checkpoint(self, checkpointer, trainer) -> str:
         """checkpointer.save(trainer) on every rank, timed; rank 0 prints the path, size and seconds."""

@@ -41,9 +41,10 @@ def test_a_real_run_reports_where_it_is():
     assert all(" | elapsed " in ln and " | eta " in ln for ln in steps)
     assert steps[-1].endswith("eta 0s")
     first = next(i for i, ln in enumerate(lines) if ln.startswith("model: "))  # the data layer may print first
-    banner = "\n".join(lines[first:first + 5])
+    banner = "\n".join(lines[first:first + 6])
     for part in ("model: llama", "parameters", "layout: 1 rank(s) = dp 1 x tp 1 x pp 1",
-                 "tokens per step: 8 sequences x 32 = 256", f"output: {out}", "start: fresh run from step 0 of 6"):
+                 "tokens per step: 8 sequences x 32 = 256", f"output: {out}", "start: fresh run from step 0 of 6",
+                 "memory: predicted peak "):
         assert part in banner, banner
     saves = [ln for ln in lines if ln.startswith("checkpoint at step")]
     assert len(saves) == 2 and os.path.join(out, "checkpoints", "step-00000006") in saves[1]
