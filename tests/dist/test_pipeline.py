@@ -91,6 +91,7 @@ def test_pp2_schedules_match_single_process_grads_with_tied_embeddings(schedule,
     run_ranks(2, _pipeline_worker, GPT2, 2, 1, schedule, v, 4, split)
 
 
+@pytest.mark.slow
 def test_pp4_1f1b_split_backward_matches_single_process_grads():
     run_ranks(4, _pipeline_worker, LLAMA, 4, 1, "1f1b", 1, 4, True)
 
@@ -106,7 +107,8 @@ LLAMA8 = dataclasses.replace(LLAMA, n_layers=8)  # pp 4 in a V: 8 stages
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-@pytest.mark.parametrize("pp,cfg,num", [(2, GPT2, 4), (4, LLAMA8, 8)], ids=["pp2-gpt2-tied", "pp4-llama"])
+@pytest.mark.parametrize("pp,cfg,num", [pytest.param(2, GPT2, 4, id="pp2-gpt2-tied"),
+                                        pytest.param(4, LLAMA8, 8, id="pp4-llama", marks=pytest.mark.slow)])
 def test_v_schedules_match_single_process_grads(schedule, pp, cfg, num):
     # two chunks per rank in a V: rank 0 holds the embedding and the (tied) head, rank pp-1's two chunks
     # hand over locally; the split backward's W actions fill the waits

@@ -215,6 +215,7 @@ def test_llama_with_split_kv_heads_matches_single_process_at_tp2():
     run_ranks(2, _model_worker, "llama_gqa", False)
 
 
+@pytest.mark.slow
 def test_llama_with_replicated_kv_heads_and_sequence_parallel_matches_single_process_at_tp4():
     run_ranks(4, _model_worker, "llama_gqa", True)
 

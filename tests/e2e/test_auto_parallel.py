@@ -12,7 +12,7 @@ from tests.harness import TP_FP32
 LOSS_TOL = TP_FP32["rtol"]
 
 
-@pytest.mark.parametrize("nproc,fixed", [(2, ["parallel.pp=2"]), (4, [])])
+@pytest.mark.parametrize("nproc,fixed", [(2, ["parallel.pp=2"]), pytest.param(4, [], marks=pytest.mark.slow)])
 def test_auto_layout_trains_like_one_process_and_keeps_fixed_keys(single_process_run, tmp_path, token_cache,
                                                                     nproc, fixed):
     proc, metrics = run_train(str(tmp_path), ["parallel.auto=true"] + fixed, nproc=nproc, cache_dir=token_cache)

@@ -21,7 +21,7 @@ def short_documents(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_document_mask_layouts_match_single_process(tmp_path, short_documents, family):
     common = [f"data.path={short_documents}", "data.document_mask=true", f"model.family={family}",
               "train.steps=6", "run.eval_every=3", "parallel.microbatches=2"]

@@ -26,11 +26,13 @@ def test_dp2_tp2_sequence_parallel_matches_single_process(single_process_run, tm
                            token_cache)
 
 
+@pytest.mark.slow  # the dist pipeline tests cover pp2 x tp2 split backward in the default run
 def test_pp2_tp2_1f1b_split_backward_matches_single_process(single_process_run, tmp_path, token_cache):
     _assert_matches_single(single_process_run, tmp_path, ["parallel.tp=2", "parallel.pp=2",
                                                            "parallel.split_backward=true"], 4, token_cache)
 
 
+@pytest.mark.slow  # the dist pipeline tests cover interleaved-1f1b in the default run
 def test_dp2_pp2_interleaved_matches_single_process(single_process_run, tmp_path, token_cache):
     _assert_matches_single(single_process_run, tmp_path, ["parallel.pp=2", "parallel.schedule=interleaved-1f1b",
                                                            "parallel.virtual_stages=2"], 4, token_cache)

@@ -1,5 +1,6 @@
 """train.py end to end: metrics contract, learning, eval-only, and bad input exiting 2."""
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
@@ -49,14 +50,20 @@ def _bad(tmp_path, overrides, recipe=TINY):
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):
-    assert "unknown key 'train.stepz'" in _bad(tmp_path, ["train.stepz=3"])
-    assert "did you mean 'steps'" in _bad(tmp_path, ["train.stepz=3"])
-    assert "train.steps='many' must be int" in _bad(tmp_path, ["train.steps=many"])
-    assert "model.d_model=66 must be divisible by model.n_heads=4" in _bad(tmp_path, ["model.d_model=66"])
-    assert "data.path" in _bad(tmp_path, [f"data.path={tmp_path}/missing"])
-    assert "data.tokenizer" in _bad(tmp_path, [f"data.tokenizer={tmp_path}/missing"])
-    assert "vocab_size" in _bad(tmp_path, ["model.vocab_size=100"])
-    assert "not found" in _bad(tmp_path, [], recipe=str(tmp_path / "nope.yaml"))
+    cases = [  # (overrides, recipe, what the one line says); the runs are independent: two at a time
+        (["train.stepz=3"], TINY, ["unknown key 'train.stepz'", "did you mean 'steps'"]),
+        (["train.steps=many"], TINY, ["train.steps='many' must be int"]),
+        (["model.d_model=66"], TINY, ["model.d_model=66 must be divisible by model.n_heads=4"]),
+        ([f"data.path={tmp_path}/missing"], TINY, ["data.path"]),
+        ([f"data.tokenizer={tmp_path}/missing"], TINY, ["data.tokenizer"]),
+        (["model.vocab_size=100"], TINY, ["vocab_size"]),
+        ([], str(tmp_path / "nope.yaml"), ["not found"]),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lines = list(pool.map(lambda i: _bad(tmp_path / f"case{i}", cases[i][0], recipe=cases[i][1]),
+                              range(len(cases))))
+    for (_, _, expected), line in zip(cases, lines):
+        assert all(text in line for text in expected), (expected, line)
 
 
 def test_existing_checkpoints_are_never_overwritten_by_a_fresh_run(tmp_path):

@@ -126,6 +126,7 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     assert "--top-p must be in (0, 1]" in _one_error_line(capsys, [out, "--prompt", "x", "--top-p", "0"])
 
 
+@pytest.mark.slow
 def test_a_multi_process_run_samples_on_rank_0_from_its_final_checkpoint(tmp_path):
     proc, _ = run_train(str(tmp_path), ["train.steps=2", "run.sample_tokens=8", "parallel.pp=2",
                                         "parallel.microbatches=2"], nproc=2)
