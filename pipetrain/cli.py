@@ -22,6 +22,7 @@ from pipetrain.build import build_trainer, resolve_init_from
 from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
+from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.layout import layout_problems
@@ -53,7 +54,18 @@ def _init_distributed(world_size: int) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10))))
+    timeout = timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10)))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts one store for every attempt and env:// does not prefix its keys, so after
+        # a restart a rank can read the previous attempt's gloo/NCCL addresses and fail to connect; the
+        # keys of each attempt get their own prefix here.
+        store = dist.PrefixStore(f"pipetrain/attempt-{restart_count()}/",
+                                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                               is_master=False, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLock | None:
@@ -103,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if restart_count() > 0 and args.resume is None:  # torchrun --max-restarts: a restarted attempt continues
+        args.resume = "auto"
+        if rank == 0:
+            print(f"torchrun restart {restart_count()}: resuming from the newest intact checkpoint "
+                  f"(as --resume auto)", flush=True)
     lock = _prepare_output_dir(recipe, rank, args.resume)
     try:
         preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply

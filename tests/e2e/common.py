@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,8 +24,10 @@ SMALL = ["train.grad_accumulation_fusion_min_numel=0",
 
 
 def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: str = TINY, extra_args=(),
-              cache_dir: str | None = None, timeout: int = 600, base=SMALL) -> tuple[subprocess.CompletedProcess,
-                                                                                      list[dict]]:
+              cache_dir: str | None = None, timeout: int = 600, base=SMALL,
+              launcher_args=()) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """train.py on the tiny recipe (cut down by `base`) with overrides; nproc > 1 under torchrun, with
+    launcher_args (e.g. --max-restarts=1) before the script. Returns the process and metrics.jsonl."""
     sets = list(base) + [f"run.output_dir={out_dir}"] + list(overrides)
     if cache_dir:
         sets.append(f"data.cache_dir={cache_dir}")
@@ -33,10 +36,20 @@ def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: s
         cmd = [sys.executable, os.path.join(ROOT, "train.py")] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               os.path.join(ROOT, "train.py")] + args
+               *launcher_args, os.path.join(ROOT, "train.py")] + args
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc, read_metrics(out_dir)
+
+
+def checkpoint_tensors(ckpt_dir) -> dict:
+    """Every tensor of a checkpoint folder by name, except the per-rank RNG states."""
+    out = {}
+    for file in sorted(os.listdir(ckpt_dir)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt_dir, file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith("rng/")})
+    return out
 
 
 def read_metrics(out_dir: str) -> list[dict]:

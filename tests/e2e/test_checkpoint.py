@@ -8,13 +8,12 @@ import sys
 import time
 
 import pytest
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pipetrain.checkpoint import find_resumable, iter_full_tensors, read_manifest, verify_files
 from pipetrain.checkpoint.tools import consolidate, inspect
 from pipetrain.config import ConfigError
-from tests.e2e.common import ROOT, SMALL, TINY, read_metrics, run_train, step_losses
+from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, step_losses
 from tests.harness import TP_FP32
 
 CKPT = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=2", "run.eval_every=0", "parallel.microbatches=2"]
@@ -36,15 +35,6 @@ def _resume_copy(src_run, step, dest):
     return dest
 
 
-def _tensors(ckpt_dir):
-    out = {}
-    for file in sorted(os.listdir(ckpt_dir)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(ckpt_dir, file), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith("rng/")})
-    return out
-
-
 def test_keep_k_rotation_and_latest(reference_run):
     out, _ = reference_run
     names = sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step-"))
@@ -62,13 +52,15 @@ def test_resume_is_bitwise_identical(reference_run, tmp_path, token_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     assert step_losses(got) == step_losses(metrics)[4:]  # exact float equality, steps 5 and 6
-    a, b = _tensors(out / "checkpoints" / "step-00000006"), _tensors(resumed / "checkpoints" / "step-00000006")
+    a = checkpoint_tensors(out / "checkpoints" / "step-00000006")
+    b = checkpoint_tensors(resumed / "checkpoints" / "step-00000006")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights/moments differ"
 
 
 @pytest.mark.parametrize("overrides,nproc", [
     (["parallel.zero=2"], 2),                                                    # one process -> dp2 zero2
-    (["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4),  # -> tp2 x pp2
+    pytest.param(["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4,  # -> tp2 x pp2
+                 marks=pytest.mark.slow),
 ])
 def test_checkpoint_reshards_into_another_layout(reference_run, tmp_path, token_cache, overrides, nproc):
     out, metrics = reference_run
@@ -156,7 +148,8 @@ def _retype_manifest(ckpt, file):
 
 @pytest.mark.parametrize("damage,message,names", [
     (_flip_byte, "SHA-256 does not match", "rank-00000"),
-    (_retype_manifest, "manifest checksum does not match", "manifest.json"),
+    pytest.param(_retype_manifest, "manifest checksum does not match", "manifest.json",
+                 marks=pytest.mark.slow),  # tests/unit/test_manifest_fuzz.py covers manifest damage by default
 ])
 def test_corrupt_checkpoint_exits_2_and_auto_falls_back(reference_run, tmp_path, token_cache, damage, message,
                                                         names):
