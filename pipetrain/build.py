@@ -37,6 +37,7 @@ from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
 from pipetrain.optim import build_optimizer
 from pipetrain.parallel.comm import broadcast_object_from_rank0
+from pipetrain.parallel.dbs import DynamicBatch, count_rules
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.lora import apply_lora
@@ -115,19 +116,22 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         start = manifest["step"]
         if hasattr(optimizer, "anchor"):  # relaxed dp_sync: local periods count from the (drained) checkpoint
             optimizer.anchor = start
-        if dims.rank == 0:
-            print(f"resumed from {ckpt_dir} at step {start}", flush=True)
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
     if resume is not None and dims.rank == 0:
-        _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending
+        logged = _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending
+        if ckpt_dir is not None:
+            lost = f"; {logged - start} logged step(s) after it are lost and will be redone" if logged > start else ""
+            print(f"resumed from {ckpt_dir} at step {start}{lost}", flush=True)
 
     executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype)
     actions, eval_actions = _build_schedules(recipe, dims)
+    dynamic = _build_dynamic_batch(recipe, dims, loader)
     logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
     checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
     return Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
                    checkpointer=checkpointer, start_step=start,
-                   peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer)
+                   peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer,
+                   dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k))
 
 
 def _build_tokenizer(recipe: Recipe):
@@ -160,13 +164,41 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
                     loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), autocast=autocast)
 
 
+def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) -> list:
+    """This rank's actions for a training step of `microbatches` microbatches."""
+    p = recipe.parallel
+    # Schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
+    backward_cost = 3.0 if p.recompute == "full" else 2.0
+    return build_schedule(p.schedule, dims.pp_rank, dims.pp, microbatches, p.virtual_stages,
+                          backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
+
+
+def _build_dynamic_batch(recipe: Recipe, dims: ParallelDims, loader: Loader) -> DynamicBatch | None:
+    """parallel.dynamic_batch: the replicas' microbatch counts, continued from a checkpoint of the same
+    layout (an even split otherwise), installed in the loader."""
+    p = recipe.parallel
+    if not p.dynamic_batch:
+        return None
+    granule, minimum = count_rules(p.schedule, dims.pp, p.virtual_stages)
+    micro = recipe.train.global_batch // dims.dp // p.microbatches
+    dbs = DynamicBatch(dims.dp_replicate, p.microbatches, p.dynamic_batch_every, dims.pp, granule, minimum)
+    saved = getattr(loader, "saved_split", None)
+    if saved is not None:
+        same = (saved.get("dp_replicate"), saved.get("dp_shard"), saved.get("microbatch")) == \
+            (dims.dp_replicate, dims.dp_shard, micro)
+        if same and dbs.valid(saved.get("counts")):
+            dbs.counts = list(saved["counts"])
+        elif dims.rank == 0:
+            print(f"dynamic batch: the checkpoint's split {saved.get('counts')} was for another layout; "
+                  "starting from an even split", flush=True)
+    loader.use_counts(dbs.counts, dims.dp_shard, micro)
+    return dbs
+
+
 def _build_schedules(recipe: Recipe, dims: ParallelDims) -> tuple[list, list]:
     """This rank's actions for a training step and for an evaluation batch (forward only)."""
     p = recipe.parallel
-    # Built once: schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
-    backward_cost = 3.0 if p.recompute == "full" else 2.0
-    actions = build_schedule(p.schedule, dims.pp_rank, dims.pp, p.microbatches, p.virtual_stages,
-                             backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
+    actions = _training_schedule(recipe, dims, p.microbatches)
     if p.virtual_stages == 1:
         eval_actions = gpipe(dims.pp_rank, dims.pp, p.microbatches)
     else:
@@ -191,13 +223,13 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
     return choice
 
 
-def _truncate_metrics(path: str, step: int) -> None:
+def _truncate_metrics(path: str, step: int) -> int:
     """A resumed run rewrites history after its checkpoint: drop metric lines past that step. A line
     that is not complete JSON (a kill during a metrics write leaves a torn last line) ends the file
-    there, with a warning."""
+    there, with a warning. Returns the newest step the file had logged (0 without a file)."""
     if not os.path.exists(path):
-        return
-    keep = []
+        return 0
+    keep, newest = [], 0
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     for number, raw in enumerate(lines, 1):
@@ -211,8 +243,11 @@ def _truncate_metrics(path: str, step: int) -> None:
             print(f"warning: {path} line {number} is not a complete JSON record (a torn write?); "
                   f"cutting the file back to the {len(keep)} complete line(s) before it", file=sys.stderr)
             break
+        if isinstance(record.get("step"), int):
+            newest = max(newest, record["step"])
         if record.get("step", 0) <= step:
             keep.append(raw + b"\n")
     with open(path + ".tmp", "wb") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
+    return newest

@@ -100,6 +100,8 @@ class ParallelConfig:
     sync_warmup_steps: int = 0       # local_sgd: bsp steps before local steps (post-local SGD)
     outer_lr: float = 0.7            # diloco: outer Nesterov SGD learning rate
     outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
+    dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/dbs.py)
+    dynamic_batch_every: int = 5     # steps per measurement window: the split may move at its end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +170,7 @@ class FaultsConfig:
     slow_factor: float = 1.0         # a slow step takes this many times its compute
     slow_prob: float = 1.0           # per step, seeded by (seed, step, rank): 1 persistent, < 1 transient
     seed: int = 0
-    kill_rank: Optional[int] = None  # validated only: the failover issue implements kills
+    kill_rank: Optional[int] = None  # this global rank SIGKILLs itself as step kill_at_step begins (first attempt)
     kill_at_step: Optional[int] = None
 
 
@@ -418,6 +420,8 @@ def _relaxed_problems(r: Recipe) -> list[str]:
         need(p.staleness_min <= p.staleness, f"parallel.staleness_min: must be <= parallel.staleness="
              f"{p.staleness}, got {p.staleness_min}; lower staleness_min or raise staleness")
     need(p.sync_every >= 1, f"parallel.sync_every: must be >= 1, got {p.sync_every}; use 1 or more steps")
+    need(p.dynamic_batch_every >= 1, f"parallel.dynamic_batch_every: must be >= 1, got {p.dynamic_batch_every}; "
+         "use 5 (a median over 5 steps ignores one slow step)")
     need(p.sync_warmup_steps >= 0, f"parallel.sync_warmup_steps: must be >= 0, got {p.sync_warmup_steps}")
     need(p.outer_lr > 0, f"parallel.outer_lr: must be > 0, got {p.outer_lr}; DiLoCo uses about 0.7")
     need(0 <= p.outer_momentum < 1, f"parallel.outer_momentum: must be in [0, 1), got {p.outer_momentum}; "
@@ -434,6 +438,8 @@ def _relaxed_problems(r: Recipe) -> list[str]:
         need(f.kill_rank >= 0, f"faults.kill_rank: must be >= 0, got {f.kill_rank}")
     if f.kill_at_step is not None:
         need(f.kill_at_step >= 1, f"faults.kill_at_step: must be >= 1, got {f.kill_at_step}")
+    need((f.kill_rank is None) == (f.kill_at_step is None), "faults.kill_rank and faults.kill_at_step go "
+         f"together (got kill_rank={f.kill_rank}, kill_at_step={f.kill_at_step}); set both or neither")
     return out
 
 

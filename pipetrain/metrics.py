@@ -197,6 +197,10 @@ class MetricsLogger:
                    f"zero {p.zero} | {p.microbatches} microbatch(es){pipeline if dims.pp > 1 else ''} | "
                    f"recompute {p.recompute}{' | sequence parallel' if p.sequence_parallel else ''} | "
                    f"{t.precision} on {dims.device.type}")
+        if dims.dp_replicate > 1:
+            dynamic = (f" | dynamic batch ON: the split follows measured speed, re-measured every "
+                       f"{p.dynamic_batch_every} steps" if p.dynamic_batch else "")
+            self.write(f"replicas: {dims.dp_replicate} x dp_shard {dims.dp_shard} | dp_sync {p.dp_sync}{dynamic}")
         self.write(f"tokens per step: {t.global_batch} sequences x {t.seq_len} = {t.global_batch * t.seq_len:,} | "
                    f"{t.steps} steps, {t.steps * t.global_batch * t.seq_len:,} tokens | lr {t.lr:g} "
                    f"({t.lr_schedule}, {t.warmup_steps} warmup)")

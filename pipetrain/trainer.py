@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,8 +20,9 @@ from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
 from pipetrain.optim import lr_at
-from pipetrain.parallel.comm import all_reduce_, any_over_world, sum_over_world_
+from pipetrain.parallel.comm import all_reduce_, max_over_world_async, sum_over_world_
 from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.dbs import DynamicBatch
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.schedules import Action
@@ -47,10 +48,13 @@ class Trainer:
     def __init__(self, recipe: Recipe, dims: ParallelDims, model: nn.Module, optimizer, loader: Loader,
                  executor: Executor, actions: Sequence[Action], eval_actions: Sequence[Action],
                  logger: MetricsLogger, *, checkpointer=None, start_step: int = 0,
-                 peak_tflops: float | None = None, tokenizer=None):
+                 peak_tflops: float | None = None, tokenizer=None,
+                 dynamic_batch: DynamicBatch | None = None, schedule_for: Callable[[int], list] | None = None):
         """model: this rank's (pruned, sharded) module, which executor runs chunk by chunk; actions /
         eval_actions: this rank's schedule for a training step / an evaluation batch; peak_tflops: per
-        device, for MFU (None: no MFU); checkpointer None: save nothing."""
+        device, for MFU (None: no MFU); checkpointer None: save nothing. dynamic_batch: the replicas'
+        microbatch counts (parallel.dynamic_batch; the loader already serves them); schedule_for(k):
+        this rank's training schedule for k microbatches."""
         self.recipe, self.dims, self.model, self.optimizer, self.loader = recipe, dims, model, optimizer, loader
         self.executor, self.actions, self.eval_actions = executor, list(actions), list(eval_actions)
         self.logger, self.checkpointer, self.tokenizer = logger, checkpointer, tokenizer
@@ -60,11 +64,24 @@ class Trainer:
         self.tokens_seen = start_step * recipe.train.global_batch * recipe.train.seq_len
         self.flops_per_token = flops_per_token(recipe.model, recipe.train.seq_len)
         self.stop_requested = False  # set by a SIGTERM handler: save and exit cleanly
+        self.dbs, self.schedule_for = dynamic_batch, schedule_for
+        self._schedules = {recipe.parallel.microbatches: self.actions}
+        self._slot_seconds = 0.0  # this step's compute per pipeline slot (dynamic batch measurement)
+        self._agreements: list = []  # (step, vector, work) of agreements not yet waited for
 
     # -- one step ------------------------------------------------------------------------------
+    def microbatches(self) -> int:
+        """This rank's microbatches this step: parallel.microbatches, or its replica's dynamic count."""
+        if self.dbs is None:
+            return self.recipe.parallel.microbatches
+        return self.dbs.counts[self.dims.dp_replicate_rank]
+
     def forward_backward(self, batch: Batch, num_targets: int) -> torch.Tensor:
         """Run the step's schedule over every microbatch; return this rank's summed loss (not averaged)."""
-        return self.executor.run(self.actions, batch.split(self.recipe.parallel.microbatches), num_targets)
+        k = self.microbatches()
+        if k not in self._schedules:  # schedules are data: one per count, built when first needed
+            self._schedules[k] = self.schedule_for(k)
+        return self.executor.run(self._schedules[k], batch.split(k), num_targets)
 
     def _global_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
         """Every rank gets the step's loss: summed over dp ranks and stages (only the last stage holds
@@ -84,7 +101,13 @@ class Trainer:
             local_sum.zero_()
         if self.dims.replica_group is not None:
             all_reduce_(local_sum, self.dims.replica_group)
-        return float(local_sum) * self.dims.dp_replicate / num_targets
+        return float(local_sum) * self._replica_scale() / num_targets
+
+    def _replica_scale(self) -> float:
+        """Global batch / this replica's samples: dp_replicate for an even split."""
+        if self.dbs is None:
+            return float(self.dims.dp_replicate)
+        return self.dbs.total / self.dbs.counts[self.dims.dp_replicate_rank]
 
     def _faults(self) -> Faults:
         if getattr(self, "_faults_obj", None) is None:
@@ -104,6 +127,7 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.recipe.train
         faults = self._faults()
+        faults.maybe_kill(self.step + 1)
         self.model.train()
         self.optimizer.zero_grad()
         batch, num_targets = self.loader.next()
@@ -111,6 +135,9 @@ class Trainer:
         # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
         compute_s = time.perf_counter() - t0
         slept = faults.straggle(self.step + 1, compute_s)
+        if self.dbs is not None:
+            self._slot_seconds = (compute_s + slept) / self.dbs.slots(self.microbatches())
+            self.optimizer.replica_scale = self._replica_scale()  # local_sgd / diloco: the replica's mean
         self.optimizer.reduce_grads()
         relaxed = getattr(self.optimizer, "sync_step", None)
         if relaxed is not None and self.recipe.parallel.dp_sync != "bsp":
@@ -148,6 +175,8 @@ class Trainer:
         if slept:
             record["injected_delay_s"] = slept
         record.update(extra)  # relaxed sync: wait_s, replica_bytes, clock_lead / clock_lag, applied
+        if self.dbs is not None:  # samples of the global batch each replica took
+            record["dbs_shares"] = [k * self.dbs_microbatch * self.dims.dp_shard for k in self.dbs.counts]
         return record
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -172,11 +201,49 @@ class Trainer:
         self.logger.log(record)
         return record
 
-    def _stop_agreed(self) -> bool:
-        """True when any rank was asked to stop: SIGTERM reaches ranks at different moments, and
-        every rank must leave the loop after the same step or the next collective hangs."""
-        self.stop_requested = any_over_world(self.stop_requested, self.dims.world_size, self.device)
-        return self.stop_requested
+    @property
+    def dbs_microbatch(self) -> int:
+        """Samples in one microbatch (the dynamic batch's unit)."""
+        return self.recipe.train.global_batch // self.dims.dp // self.recipe.parallel.microbatches
+
+    def agreement_lag(self) -> int:
+        """Steps between starting a step's agreement and acting on it: 0 under bsp; under a relaxed
+        dp_sync its own bound (staleness, sync_every), so agreeing couples replicas no tighter than
+        the mode already does."""
+        p = self.recipe.parallel
+        if self.dims.dp_replicate == 1 or p.dp_sync == "bsp":
+            return 0
+        return p.staleness if p.dp_sync in ("ssp", "dssp") else p.sync_every
+
+    def agree(self, final: bool = False) -> bool:
+        """After each step: every rank contributes (stop requested?, its replica's seconds per slot) to a
+        max over the world, started now and acted on agreement_lag() steps later, so every rank acts on
+        the same step's agreement at the same step. Returns True when every rank is to stop now: SIGTERM
+        reaches ranks at different moments, and all must leave the loop after the same step or the next
+        collective hangs. Under a dynamic batch the agreed times feed the split (DynamicBatch.update).
+        final: wait for every agreement still in flight (the loop ends)."""
+        if self.dims.world_size == 1 and self.dbs is None:
+            return self.stop_requested
+        width = 1 + (self.dbs.replicas if self.dbs is not None else 0)
+        if not final:
+            vector = torch.zeros(width, dtype=torch.float64, device=self.device)
+            vector[0] = float(self.stop_requested)
+            if self.dbs is not None:
+                vector[1 + self.dims.dp_replicate_rank] = self._slot_seconds
+            self._agreements.append((vector, max_over_world_async(vector, self.dims.world_size)))
+        stop = False
+        while len(self._agreements) > (0 if final else self.agreement_lag()):
+            vector, work = self._agreements.pop(0)
+            work.wait()
+            values = vector.tolist()
+            stop = stop or values[0] > 0
+            if self.dbs is not None:
+                self.dbs.observe(values[1:])
+                if self.dbs.update():
+                    self.loader.use_counts(self.dbs.counts, self.dims.dp_shard, self.dbs_microbatch)
+        if stop:
+            self.stop_requested = True
+        return stop
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -193,9 +260,10 @@ class Trainer:
                     self.evaluate()
                 if self.checkpointer and every and self.step % every == 0 and self.step < steps:
                     self.logger.save_checkpoint(self.checkpointer, self)
-                if self._stop_agreed():
+                if self.agree():
                     self.logger.write(f"stop requested: saving at step {self.step} and exiting")
                     break
+            self.agree(final=True)
             if self.checkpointer:
                 self.logger.save_checkpoint(self.checkpointer, self)
             if not self.stop_requested:

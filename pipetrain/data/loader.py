@@ -238,20 +238,37 @@ class BlendedData:
 
 
 class Loader:
-    """Serves each step's batch for one dp rank; its whole state is the number of samples consumed."""
+    """Serves each step's batch for one dp rank; its whole state is the number of samples consumed (and,
+    under parallel.dynamic_batch, the replicas' microbatch counts)."""
 
     def __init__(self, data: PackedData | BlendedData, global_batch: int, dp_rank: int, dp_size: int):
         self.data, self.global_batch, self.dp_rank, self.dp_size = data, global_batch, dp_rank, dp_size
         self.samples = 0
+        self.split: Optional[dict] = None  # dynamic batch: {"dp_shard", "microbatch", "counts"}
+        self.saved_split: Optional[dict] = None  # a checkpoint's split, read by pipetrain.build
 
     @property
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
 
+    def use_counts(self, counts: list[int], dp_shard: int, microbatch: int) -> None:
+        """From the next step, replica r (dp ranks r*dp_shard ..) takes counts[r] microbatches of
+        `microbatch` samples on each of its dp ranks; the counts cover the global batch."""
+        assert sum(counts) * dp_shard * microbatch == self.global_batch, (counts, dp_shard, microbatch)
+        self.split = {"dp_shard": dp_shard, "microbatch": microbatch, "counts": list(counts)}
+
+    def _slice(self) -> tuple[int, int]:
+        """(first sample of this dp rank inside the global batch, its number of samples)."""
+        if self.split is None:
+            return self.dp_rank * self.local_batch, self.local_batch
+        shard, mb, counts = self.split["dp_shard"], self.split["microbatch"], self.split["counts"]
+        replica, s = divmod(self.dp_rank, shard)
+        return (sum(counts[:replica]) * shard + s * counts[replica]) * mb, counts[replica] * mb
+
     def next(self) -> tuple[Batch, int]:
         """(this dp rank's slice of the next global batch, target tokens in the whole global batch)."""
-        start = self.samples + self.dp_rank * self.local_batch
-        batch = self.data.train_batch(start, self.local_batch)
+        offset, count = self._slice()
+        batch = self.data.train_batch(self.samples + offset, count)
         total = self.data.count_targets(self.samples, self.global_batch)
         self.samples += self.global_batch
         return batch, total
@@ -267,7 +284,10 @@ class Loader:
         return out
 
     def state_dict(self) -> dict:
-        return {"samples": self.samples, **self.data.signature()}
+        state = {"samples": self.samples, **self.data.signature()}
+        if self.split is not None:
+            state["dynamic_batch"] = {"dp_replicate": len(self.split["counts"]), **self.split}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.data.signature()
@@ -276,3 +296,4 @@ class Loader:
                               f"and data.seed={state.get('seed')}, but this data gives {mine['num_train_windows']} "
                               f"and data.seed={mine['seed']}; resume with the same data, seq_len and seed")
         self.samples = int(state["samples"])
+        self.saved_split = state.get("dynamic_batch")  # the trainer keeps it when the layout is the same

@@ -288,13 +288,11 @@ def sum_over_world_(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return x
 
 
-def any_over_world(flag: bool, world_size: int, device: torch.device) -> bool:
-    """True on every rank when flag is True on any rank."""
+def max_over_world_async(x: torch.Tensor, world_size: int):
+    """Start an elementwise maximum of x over every rank, in place; wait() on the result before reading x."""
     if world_size == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        return _Done()
+    return dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
 
 
 def broadcast_object_from_rank0(obj, world_size: int):

@@ -13,6 +13,7 @@ layer can call it without an import cycle.
 from __future__ import annotations
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+from pipetrain.parallel.dbs import dbs_problems
 from pipetrain.parallel.schedules import schedule_problems
 
 
@@ -74,6 +75,8 @@ def relaxed_problems(recipe: Recipe, world_size: int) -> list[str]:
     elif p.dp_sync != "bsp" and dp // shard < 2:
         problems.append(f"parallel.dp_sync={p.dp_sync}: needs dp_replicate = dp/dp_shard >= 2, got "
                         f"{dp}/{shard}={dp // shard}; lower parallel.dp_shard, launch more ranks or use bsp")
+    elif p.dynamic_batch:
+        problems += dbs_problems(p.schedule, p.pp, p.virtual_stages, p.microbatches, dp // shard)
     bad = [r for r in f.slow_ranks if not 0 <= r < world_size]
     if bad:
         problems.append(f"faults.slow_ranks: ranks must lie in [0, {world_size}), got {bad}; "

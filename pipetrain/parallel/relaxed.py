@@ -85,6 +85,7 @@ class RelaxedOptimizer:
         self.R = dims.dp_replicate
         self.group = dims.dp_replicate_group
         self.pending: list[_Pending] = []
+        self.replica_scale = float(self.R)  # global batch / this replica's samples (the trainer sets it under DBS)
         self.anchor = start_step  # local_sgd / diloco: steps are counted from here to the next sync
         self.applied: list[int] = []  # clocks whose update was applied at the last sync_step
         self._last_applied = 0  # the newest clock whose update was applied
@@ -193,7 +194,7 @@ class RelaxedOptimizer:
             self.global_params = [t.clone() for t in self._params()]
         grads = self._grads()
         if self.R > 1:
-            torch._foreach_mul_(grads, float(self.R))  # the replica's own mean gradient
+            torch._foreach_mul_(grads, self.replica_scale)  # the replica's own mean gradient
         norm = self.inner.clip_grad_norm(grad_clip)
         check(norm)
         lr = lr_at(clock)

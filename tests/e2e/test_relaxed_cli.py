@@ -23,6 +23,23 @@ def test_bad_relaxed_input_exits_2_naming_the_key(tmp_path):
     assert "parallel.dp_sync=ssp: needs dp_replicate" in _bad(tmp_path, ["parallel.dp_sync=ssp"])
     assert "parallel.staleness_min" in _bad(tmp_path, ["parallel.dp_sync=dssp", "parallel.staleness_min=3"])
     assert "faults.slow_ranks" in _bad(tmp_path, ["faults.slow_ranks=[2]", "faults.slow_factor=2"])
+    assert "parallel.dynamic_batch: needs dp_replicate" in _bad(tmp_path, ["parallel.dynamic_batch=true"])
+    proc, _ = run_train(str(tmp_path), ["parallel.dynamic_batch=true", "parallel.dp=2"], extra_args=["--dry-run",
+                                                                                                 "--nproc", "2"])
+    assert proc.returncode == 2 and "parallel.microbatches=1 leaves no microbatch to move" in proc.stderr, proc.stderr
+
+
+def test_ssp_with_dynamic_batch_moves_work_off_a_persistent_straggler(tmp_path, token_cache):
+    overrides = ["parallel.dp_sync=ssp", "parallel.staleness=1", "parallel.dynamic_batch=true",
+                 "parallel.dynamic_batch_every=2", "parallel.microbatches=4", "train.global_batch=16",
+                 "train.steps=8", "run.eval_every=0", "checkpoint.every=0", "faults.slow_ranks=[1]",
+                 "faults.slow_factor=4"]
+    proc, metrics = run_train(str(tmp_path), overrides, nproc=2, cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamic batch ON" in proc.stdout + proc.stderr
+    shares = [m["dbs_shares"] for m in metrics if "loss" in m]
+    assert len(shares) == 8 and all(sum(s) == 16 for s in shares), shares
+    assert shares[0] == [8, 8] and shares[-1][1] < shares[-1][0], shares  # rank 1's replica is 4x slower
 
 
 @pytest.mark.slow

@@ -1,0 +1,108 @@
+"""Dynamic batch sizing on 4 gloo CPU processes (pipetrain.parallel.dbs).
+
+One world of 4 runs every case once; each test checks one claim: with bsp the loss at every step is the
+single process's while the split moves (4 replicas, one slowed by injected faults; pp 2 inside each of 2
+replicas), and a run resumed mid-way continues the saved split and the uninterrupted run's losses.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipetrain.build import build_trainer
+from pipetrain.config import FaultsConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
+from pipetrain.data import Loader, PackedData
+from pipetrain.parallel.dims import ParallelDims
+from tests.harness import EXACT_FP32, run_ranks
+from tests.unit.common import LLAMA
+
+STEPS = 8
+LAYOUT_AFTER_ADAM = dict(rtol=1e-4, atol=1e-5)  # as tests/dist/test_zero.py: round-off signs after AdamW
+SLOW = FaultsConfig(slow_ranks=[3], slow_factor=4.0, slow_prob=1.0)
+
+
+def _make(out, dims, *, faults=None, resume=None, **parallel):
+    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, **parallel),
+                    train=TrainConfig(steps=STEPS, global_batch=8, seq_len=16, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+                                      grad_accumulation_fusion_min_numel=0),
+                    run=RunConfig(output_dir=out, progress=False), faults=faults or FaultsConfig())
+    rng = np.random.default_rng(0)
+    num = 64 * 17
+    data = PackedData(rng.integers(0, LLAMA.vocab_size, num).astype(np.int32), np.ones(num, dtype=bool), 16, 0.0, 2)
+    return build_trainer(recipe, dims, loader=Loader(data, 8, dims.dp_rank, dims.dp), resume=resume)
+
+
+def _steps(trainer, n):
+    """n steps as fit() takes them: each followed by the agreement that feeds the split."""
+    records = []
+    for _ in range(n):
+        records.append(trainer.train_step())
+        trainer.agree()
+    return records
+
+
+def _worker(rank, world_size, out):
+    torch.manual_seed(0)
+    res = {}
+    one = ParallelDims()
+    four = ParallelDims.from_degrees(dp_shard=1)  # 4 replicas of one rank
+    pp2 = ParallelDims.from_degrees(pp=2, dp_shard=1)  # 2 replicas of a 2-stage pipeline
+
+    res["ref"] = [r["loss"] for r in _steps(_make(out, one, microbatches=2), STEPS)]
+    records = _steps(_make(out, four, microbatches=2, dynamic_batch=True, dynamic_batch_every=2, faults=SLOW), STEPS)
+    res["four"] = {"loss": [r["loss"] for r in records], "shares": [r["dbs_shares"] for r in records]}
+    records = _steps(_make(out, pp2, microbatches=4, dynamic_batch=True, dynamic_batch_every=2,
+                           faults=FaultsConfig(slow_ranks=[2, 3], slow_factor=4.0, slow_prob=1.0)), STEPS)
+    res["pp2"] = {"loss": [r["loss"] for r in records], "shares": [r["dbs_shares"] for r in records]}
+
+    ck_out = os.path.join(out, "ck")
+    if rank == 0:
+        os.makedirs(ck_out, exist_ok=True)
+    dist.barrier()
+    kw = dict(microbatches=2, dynamic_batch=True, dynamic_batch_every=2, faults=SLOW)
+    trainer = _make(ck_out, four, **kw)
+    _steps(trainer, 4)
+    saved_counts = list(trainer.dbs.counts)
+    ckpt = trainer.checkpointer.save(trainer)
+    cont = _steps(trainer, 4)
+    resumed = _make(ck_out, four, resume=ckpt, **kw)
+    res["resume"] = {"saved": saved_counts, "restored": list(resumed.dbs.counts), "start": resumed.step,
+                     "cont": [r["loss"] for r in cont], "resumed": [r["loss"] for r in _steps(resumed, 4)]}
+    hsdp = ParallelDims.from_degrees(dp_shard=2)  # 2 replicas x dp_shard 2: another layout
+    res["resume"]["other_layout"] = list(_make(ck_out, hsdp, resume=ckpt, dp_shard=2, **kw).dbs.counts)
+    dist.barrier()
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dbs-world4"))
+    run_ranks(4, _worker, out)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+
+
+@pytest.mark.parametrize("case", ["four", "pp2"])
+def test_bsp_with_a_moving_split_gives_the_single_process_loss_at_every_step(world4, case):
+    even = {"four": [2, 2, 2, 2], "pp2": [4, 4]}[case]
+    for res in world4:
+        got = res[case]
+        torch.testing.assert_close(got["loss"][0], res["ref"][0], **EXACT_FP32)
+        torch.testing.assert_close(got["loss"], res["ref"], **LAYOUT_AFTER_ADAM)
+        assert all(sum(s) == 8 for s in got["shares"]), got["shares"]
+        assert got["shares"][0] == even  # every run starts even
+        # the slowed replica (the last) lost samples to the others once its slowness was measured
+        assert got["shares"][-1][-1] < even[-1] and got["shares"][-1][-1] == min(got["shares"][-1]), got["shares"]
+        assert got["shares"] == world4[0][case]["shares"]  # every rank logged the same split
+
+
+def test_resume_continues_the_saved_split_and_the_losses(world4):
+    for res in world4:
+        r = res["resume"]
+        assert r["start"] == 4
+        assert r["restored"] == r["saved"] and r["saved"] != [2, 2, 2, 2]
+        torch.testing.assert_close(r["resumed"], r["cont"], **LAYOUT_AFTER_ADAM)
+        assert r["other_layout"] == [2, 2]  # the saved split was for 4 replicas: start even
