@@ -1,11 +1,16 @@
 """Checkpoint benchmark: save and load time, and bytes written per rank, on CPU.
 
     python benchmarks/checkpoint.py [--reps 3]
+    python benchmarks/checkpoint.py --stall [--reps 5]
 
 For the tiny recipe's model (~10M) and a ~100M llama-style model, in one process and at dp2 zero1
 (2 gloo processes, each writing its optimizer shard): median save time (write + fsync + SHA-256 +
 rename), median load time (manifest, checksum verification of every file, slice reads), and the bytes
 each rank wrote. The load is repeated with checkpoint.verify=false to show what verification costs.
+
+--stall: the training stall per save of the ~100M model in one process, synchronous against
+checkpoint.async (the time save() holds the training thread: the whole write, or the host snapshot),
+with the background write's own duration; saves alternate between the modes, medians of --reps.
 """
 from __future__ import annotations
 
@@ -40,11 +45,10 @@ class _State:
         self.model, self.optimizer, self.loader, self.step, self.tokens_seen = model, optimizer, loader, 1, 0
 
 
-def _bench(rank, world_size, model_kw, zero, reps, out_dir):
-    """(params, median save s, median load s, median unverified load s, bytes this rank wrote)."""
-    torch.set_num_threads(1 if world_size > 1 else 2)
+def _setup(model_kw, zero, extra=None):
+    """A recipe, mesh, model and optimizer with AdamW moments, and a stand-in trainer state."""
     recipe = build_recipe({"model": model_kw, "parallel": {"zero": zero}, "data": {"path": "x", "tokenizer": "y"},
-                           "checkpoint": {"keep": 1}})
+                           "checkpoint": {"keep": 1, **(extra or {})}})
     dims = ParallelDims.init(recipe.parallel)
     model = materialize(build(recipe.model), recipe.model, 0, "cpu")
     optimizer = build_optimizer(model, dims, recipe.train, zero)
@@ -53,7 +57,36 @@ def _bench(rank, world_size, model_kw, zero, reps, out_dir):
     optimizer.reduce_grads()
     optimizer.step(1e-4)  # moments exist
     data = PackedData(torch.arange(10_000).numpy() % 100, torch.ones(10_000, dtype=torch.bool).numpy(), 16, 0.0, 0)
-    state = _State(model, optimizer, Loader(data, 8, dims.dp_rank, dims.dp))
+    return recipe, dims, model, optimizer, _State(model, optimizer, Loader(data, 8, dims.dp_rank, dims.dp))
+
+
+def _stall(model_kw, reps):
+    """Median seconds save() holds the caller, sync and async, and the async background write's."""
+    torch.set_num_threads(2)
+    times = {"sync": [], "async": [], "write": []}
+    with tempfile.TemporaryDirectory() as sync_dir, tempfile.TemporaryDirectory() as async_dir:
+        _, dims, model, optimizer, state = _setup(model_kw, 0)
+        recipes = {mode: build_recipe({"model": model_kw, "data": {"path": "x", "tokenizer": "y"},
+                                       "checkpoint": {"keep": 1, "async": mode == "async"}})
+                   for mode in ("sync", "async")}
+        ckpts = {"sync": checkpoint.Checkpointer(sync_dir, recipes["sync"], dims),
+                 "async": checkpoint.Checkpointer(async_dir, recipes["async"], dims)}
+        for _ in range(reps):
+            for mode in ("sync", "async"):
+                t0 = time.perf_counter()
+                ckpts[mode].save(state)
+                times[mode].append(time.perf_counter() - t0)
+                if mode == "async":  # the write runs in the background; here it is waited for before timing on
+                    ckpts[mode].wait()
+                    times["write"].append(time.perf_counter() - t0)
+            state.step += 1
+    return count_params(model), {k: statistics.median(v) for k, v in times.items()}
+
+
+def _bench(rank, world_size, model_kw, zero, reps, out_dir):
+    """(params, median save s, median load s, median unverified load s, bytes this rank wrote)."""
+    torch.set_num_threads(1 if world_size > 1 else 2)
+    recipe, dims, model, optimizer, state = _setup(model_kw, zero)
     ckpt = checkpoint.Checkpointer(out_dir, recipe, dims)
     saves, loads, loads_noverify = [], [], []
     for _ in range(reps):
@@ -75,7 +108,14 @@ def _bench(rank, world_size, model_kw, zero, reps, out_dir):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--stall", action="store_true", help="sync against checkpoint.async stall per save")
     args = parser.parse_args()
+    if args.stall:
+        n, t = _stall(MODELS["~100M llama"], args.reps)
+        print(f"~100M llama ({n / 1e6:.1f}M params, weights + 2 AdamW moments), 1 process, median of {args.reps}")
+        print(f"sync save: {t['sync']:.2f} s | async stall (snapshot): {t['async']:.3f} s = "
+              f"{t['async'] / t['sync']:.1%} of sync | async background write: {t['write']:.2f} s")
+        return
     print("| model | layout | params | save s | load s (verified) | load s (no verify) | bytes written by rank 0 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, kw in MODELS.items():

@@ -120,8 +120,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if resume is not None and dims.rank == 0:
         logged = _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending
         if ckpt_dir is not None:
-            lost = f"; {logged - start} logged step(s) after it are lost and will be redone" if logged > start else ""
-            print(f"resumed from {ckpt_dir} at step {start}{lost}", flush=True)
+            print(f"resumed from {ckpt_dir} at step {start}; {max(0, logged - start)} logged step(s) after it are "
+                  "lost and will be redone", flush=True)
 
     executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype)
     actions, eval_actions = _build_schedules(recipe, dims)

@@ -145,6 +145,7 @@ class CheckpointConfig:
     every: int = 0                   # steps; 0 = only at the end
     keep: int = 3                    # newest K checkpoints kept
     verify: bool = True              # verify per-file checksums on load
+    async_: bool = False             # YAML key `async`: snapshot to host, write in the background
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,13 +186,18 @@ class Recipe:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for (section, key), field in _KEY_ALIASES.items():
+            out[section][key] = out[section].pop(field)
+        return out
 
 
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
     "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig, "faults": FaultsConfig,
 }
+# Recipe keys that are Python keywords, and their dataclass fields.
+_KEY_ALIASES = {("checkpoint", "async"): "async_"}
 # Paths in a YAML file are relative to that file; paths from --set are relative to the cwd.
 _PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
               ("model", "init_from"), ("run", "output_dir")}
@@ -300,10 +306,11 @@ def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = No
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for key, value in values[section].items():
-            if key not in hints:
+            field = _KEY_ALIASES.get((section, key), key)
+            if field not in hints:
                 problems.append(f"unknown key '{section}.{key}'{_closest(key, hints)}")
                 continue
-            kwargs[key] = _check_type(f"{section}.{key}", value, hints[key], problems)
+            kwargs[field] = _check_type(f"{section}.{key}", value, hints[field], problems)
         if problems:
             continue
         sections[section] = cls(**kwargs)

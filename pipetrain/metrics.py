@@ -217,7 +217,10 @@ class MetricsLogger:
         t0 = time.perf_counter()
         path = checkpointer.save(trainer)
         seconds = time.perf_counter() - t0
-        if self.enabled:
+        if self.enabled and getattr(checkpointer, "in_flight", False):
+            self.write(f"checkpoint at step {trainer.step}: {path} (snapshot taken in {seconds:.1f} s, "
+                       "writing in the background)")
+        elif self.enabled:
             size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
             self.write(f"checkpoint at step {trainer.step}: {path} ({size / 1e6:.1f} MB, {seconds:.1f} s)")
         return path

@@ -67,7 +67,7 @@ class Trainer:
         self.dbs, self.schedule_for = dynamic_batch, schedule_for
         self._schedules = {recipe.parallel.microbatches: self.actions}
         self._slot_seconds = 0.0  # this step's compute per pipeline slot (dynamic batch measurement)
-        self._agreements: list = []  # (step, vector, work) of agreements not yet waited for
+        self._agreements: list = []  # (vector, work) of agreements not yet waited for
 
     # -- one step ------------------------------------------------------------------------------
     def microbatches(self) -> int:
@@ -220,16 +220,21 @@ class Trainer:
         max over the world, started now and acted on agreement_lag() steps later, so every rank acts on
         the same step's agreement at the same step. Returns True when every rank is to stop now: SIGTERM
         reaches ranks at different moments, and all must leave the loop after the same step or the next
-        collective hangs. Under a dynamic batch the agreed times feed the split (DynamicBatch.update).
+        collective hangs. A background checkpoint that failed on any rank raises its error on every rank
+        at the same step. Under a dynamic batch the agreed times feed the split (DynamicBatch.update).
         final: wait for every agreement still in flight (the loop ends)."""
+        save_failed = bool(self.checkpointer is not None and self.checkpointer.failed)
         if self.dims.world_size == 1 and self.dbs is None:
+            if save_failed:
+                self.checkpointer.wait()  # raises the background save's error
             return self.stop_requested
-        width = 1 + (self.dbs.replicas if self.dbs is not None else 0)
+        width = 2 + (self.dbs.replicas if self.dbs is not None else 0)
         if not final:
             vector = torch.zeros(width, dtype=torch.float64, device=self.device)
             vector[0] = float(self.stop_requested)
+            vector[1] = float(save_failed)
             if self.dbs is not None:
-                vector[1 + self.dims.dp_replicate_rank] = self._slot_seconds
+                vector[2 + self.dims.dp_replicate_rank] = self._slot_seconds
             self._agreements.append((vector, max_over_world_async(vector, self.dims.world_size)))
         stop = False
         while len(self._agreements) > (0 if final else self.agreement_lag()):
@@ -237,8 +242,10 @@ class Trainer:
             work.wait()
             values = vector.tolist()
             stop = stop or values[0] > 0
+            if values[1] > 0:  # a background checkpoint failed: every rank raises its error at this step
+                self.checkpointer.wait()
             if self.dbs is not None:
-                self.dbs.observe(values[1:])
+                self.dbs.observe(values[2:])
                 if self.dbs.update():
                     self.loader.use_counts(self.dbs.counts, self.dims.dp_shard, self.dbs_microbatch)
         if stop:
@@ -266,6 +273,7 @@ class Trainer:
             self.agree(final=True)
             if self.checkpointer:
                 self.logger.save_checkpoint(self.checkpointer, self)
+                self.checkpointer.wait()  # the run ends with its last checkpoint written
             if not self.stop_requested:
                 self.evaluate()
             self.logger.summary()

@@ -23,6 +23,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -92,43 +94,110 @@ def owned_tensors(model, optimizer, dims,
     return out
 
 
+@dataclass
+class Snapshot:
+    """What one rank saves for one step, taken at the step boundary: host copies under checkpoint.async,
+    so training may go on while a background thread writes them."""
+    step: int
+    tokens: int
+    data: dict                 # the loader's state
+    items: list                # owned_tensors' (name, tensor, global shape, offsets), tensors on the host
+    rng: dict                  # "rng/cpu" (and "rng/cuda") generator states
+
+
 class Checkpointer:
-    """Saves the trainer's state every checkpoint.every steps, at the end and on SIGTERM."""
+    """Saves the trainer's state every checkpoint.every steps, at the end and on SIGTERM. With
+    checkpoint.async, save() takes a host snapshot and returns; a background thread writes it (at most
+    one save in flight: the next save, or the end of the run, waits for the previous one first)."""
 
     def __init__(self, output_dir: str, recipe, dims):
         self.root = os.path.join(output_dir, "checkpoints")
         self.recipe, self.dims = recipe, dims
         self.adapters_only = recipe.model.lora_rank is not None  # LoRA: the adapters plus a base reference
         self.base: dict | None = None  # base_reference(recipe), hashed once at the first save
+        self.is_async = recipe.checkpoint.async_
+        self._thread: threading.Thread | None = None
+        self._outcome: BaseException | None = None  # the background save's exception, once it ended
+        self.events: list[tuple[str, int]] = []  # ("snapshot" | "written", step) in order, for tests
 
     def save(self, trainer) -> str:
-        """Write the checkpoint of trainer.step on every rank. An OSError on any rank (no space,
+        """Write the checkpoint of trainer.step on every rank (under checkpoint.async: snapshot it and
+        start writing it in the background; wait() finishes it). An OSError on any rank (no space,
         permissions, quota) raises CheckpointSaveError on every rank, naming the path and the free
         space, after rank 0 removed the temporary folder: the previous checkpoint stays `latest`.
         A stray non-directory where a checkpoint folder goes is a ConfigError."""
-        dims, step = self.dims, trainer.step
+        self.wait()  # at most one save in flight
         if hasattr(trainer, "drain_replicas"):  # relaxed dp_sync: apply pending updates, average replicas
             trainer.drain_replicas()
+        snap = self._snapshot(trainer, copy=self.is_async)
+        self.events.append(("snapshot", snap.step))
+        if not self.is_async:
+            return self._write(snap, None)
+        group = self.dims.checkpoint_group()  # collectives of the writer thread stay off the training groups
+        self._outcome = None
+        self._thread = threading.Thread(target=self._background, args=(snap, group), daemon=True,
+                                        name=f"checkpoint-{snap.step}")
+        self._thread.start()
+        return os.path.join(self.root, step_dir_name(snap.step))
+
+    def _background(self, snap: Snapshot, group) -> None:
+        try:
+            self._write(snap, group)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
+            self._outcome = exc
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        """The background save ended with an error (every rank's writer learns of any rank's failure)."""
+        return self._thread is not None and not self._thread.is_alive() and self._outcome is not None
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any; raise its error here, on the training thread."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread, outcome, self._outcome = None, self._outcome, None
+        if outcome is not None:
+            raise outcome
+
+    def _snapshot(self, trainer, copy: bool) -> Snapshot:
+        items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
+        if copy:  # host copies: the next steps change the originals while the writer runs
+            items = [(n, t.detach().to("cpu", copy=True), g, o) for n, t, g, o in items]
+        rng = {"rng/cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["rng/cuda"] = torch.cuda.get_rng_state(self.dims.device)
+        return Snapshot(trainer.step, trainer.tokens_seen, trainer.loader.state_dict(), items, rng)
+
+    def _write(self, snap: Snapshot, group) -> str:
+        """Write snap into checkpoints/.tmp-step-..., then rank 0 commits it (manifest, rename, latest).
+        group: the process group of the agreement collectives (None: the default group)."""
+        dims, step = self.dims, snap.step
         final = os.path.join(self.root, step_dir_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
         failure = None
         if dims.rank == 0:
             failure = _attempt(lambda: self._make_tmp(tmp, final), tmp)
-        failure = _first(_gather(failure, dims))  # every rank learns of a failure, or none proceeds
+        failure = _first(_gather(failure, dims, group))  # every rank learns of a failure, or none proceeds
         entry = None
         if failure is None:
             path = os.path.join(tmp, f"rank-{dims.rank:05d}.safetensors")
-            entry = _attempt(lambda: self._write_rank_file(path, trainer), path) or self._entry
-        entries = _gather(entry, dims)
+            entry = _attempt(lambda: self._write_rank_file(path, snap), path) or self._entry
+        entries = _gather(entry, dims, group)
         failure = failure or _first(e for e in entries if e is not None and "error" in e)
         if dims.rank == 0 and failure is None:
-            failure = _attempt(lambda: self._commit(trainer, entries, tmp, final, step), tmp)
-        failure = _first(_gather(failure, dims))
+            failure = _attempt(lambda: self._commit(snap, entries, tmp, final, step), tmp)
+        failure = _first(_gather(failure, dims, group))
         if failure is not None:
             if dims.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             kind, message = failure["error"]
             raise (ConfigError if kind == "config" else CheckpointSaveError)(message)
+        self.events.append(("written", step))
         return final
 
     def _make_tmp(self, tmp: str, final: str) -> None:
@@ -140,13 +209,11 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
         os.makedirs(tmp)
 
-    def _write_rank_file(self, path: str, trainer) -> None:
+    def _write_rank_file(self, path: str, snap: Snapshot) -> None:
         """This rank's file, fsynced; self._entry becomes its manifest entry."""
-        items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
+        items = snap.items
         tensors = {name: t.contiguous().cpu() for name, t, _, _ in items}
-        tensors["rng/cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.dims.device)
+        tensors.update(snap.rng)
         save_file(tensors, path, metadata=file_metadata(items))
         _fsync(path)
         self._entry = {"file": os.path.basename(path), "sha256": file_sha256(path), "bytes": os.path.getsize(path),
@@ -154,9 +221,9 @@ class Checkpointer:
                        "pieces": [{"name": n, "offsets": list(o), "shape": list(t.shape), "global_shape": list(g),
                                    "dtype": str(t.dtype).replace("torch.", "")} for n, t, g, o in items]}
 
-    def _commit(self, trainer, entries: list[dict], tmp: str, final: str, step: int) -> None:
+    def _commit(self, snap: Snapshot, entries: list[dict], tmp: str, final: str, step: int) -> None:
         """Rank 0: manifest last, then the atomic rename and `latest`."""
-        manifest = self._manifest(trainer, entries)
+        manifest = self._manifest(snap, entries)
         if self.adapters_only:
             self.base = self.base or base_reference(self.recipe.model.init_from, self.recipe.train.seed)
             manifest["base"] = self.base
@@ -173,7 +240,7 @@ class Checkpointer:
         _write_latest(self.root, step_dir_name(step))
         self._rotate()
 
-    def _manifest(self, trainer, entries: list[dict]) -> dict:
+    def _manifest(self, snap: Snapshot, entries: list[dict]) -> dict:
         tensors: dict[str, dict] = {}
         for e in entries:
             for piece in e["pieces"]:
@@ -183,8 +250,8 @@ class Checkpointer:
         d = self.dims
         return {
             "format_version": FORMAT_VERSION,
-            "step": trainer.step,
-            "tokens": trainer.tokens_seen,
+            "step": snap.step,
+            "tokens": snap.tokens,
             "recipe": self.recipe.to_dict(),
             "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
                        "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size,
@@ -192,8 +259,8 @@ class Checkpointer:
             "tensors": tensors,
             "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},
             "rng": {str(e["rank"]): e["file"] for e in entries},
-            "data": trainer.loader.state_dict(),
-            "lr_schedule": {"step": trainer.step, "name": "warmup-cosine"},
+            "data": snap.data,
+            "lr_schedule": {"step": snap.step, "name": "warmup-cosine"},
         }
 
     def _rotate(self) -> None:
@@ -273,11 +340,11 @@ def _barrier(dims) -> None:
         dist.barrier()
 
 
-def _gather(obj, dims) -> list:
+def _gather(obj, dims, group=None) -> list:
     if dims.world_size == 1:
         return [obj]
     out = [None] * dims.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

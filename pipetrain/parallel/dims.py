@@ -240,6 +240,16 @@ class ParallelDims:
             dims._build_mesh()
         return dims
 
+    def checkpoint_group(self):
+        """A gloo group of every rank for the background checkpoint writer's agreement, created at its first
+        use (every rank saves at the same step, so every rank makes this call at the same point); None
+        with one process. Its own group keeps the writer's collectives out of the training groups' order."""
+        if self.world_size == 1:
+            return None
+        if getattr(self, "_checkpoint_group", None) is None:
+            self._checkpoint_group = dist.new_group(list(range(self.world_size)), backend="gloo")
+        return self._checkpoint_group
+
     def _build_mesh(self) -> None:
         """Build the (dp, pp, tp) device mesh and read this rank's groups from it, then create the embed
         groups; every rank makes the same calls in the same order. The backend is the default group's."""

@@ -201,8 +201,9 @@ def _worker_pid(rank: int) -> int | None:
     return None
 
 
-def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache):
-    proc = _start(tmp_path, ["train.steps=200", "checkpoint.every=1", "checkpoint.keep=3"], token_cache)
+@pytest.mark.parametrize("how", [[], ["checkpoint.async=true"]], ids=["sync", "async"])
+def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache, how):
+    proc = _start(tmp_path, ["train.steps=200", "checkpoint.every=1", "checkpoint.keep=3"] + how, token_cache)
     root = tmp_path / "checkpoints"
     killed_mid_save = False
     deadline = time.time() + 300
