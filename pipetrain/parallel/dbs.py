@@ -19,7 +19,10 @@ Damping, so transient noise does not make the split chase its tail (benchmarks/d
   steps: one slow step in five moves nothing (a straggler hitting 3 of 5 steps with probability 0.2 per
   step happens 6% of the time);
 - a new split is adopted only when its predicted step time, max over r of slot_r * (counts[r] + pp - 1),
-  beats the current split's prediction by more than DBS_GAIN (5%).
+  beats the current split's prediction by more than DBS_GAIN (10%) in DBS_WINDOWS (2) windows in a row.
+  With 4 replicas on 2 shared cores, single windows predicted gains above 5% from noise alone, and
+  under ssp the split moved at nearly every window and cost 11% (benchmarks/dbs.py); a persistent
+  straggler passes both tests at once, at the cost of one window's delay.
 The new split is proportional to speed (1 / time per slot), in largest-remainder integers, every replica
 keeping at least the schedule's minimum, counts a multiple of pp for interleaved-1f1b.
 """
@@ -29,7 +32,8 @@ import math
 import statistics
 from typing import Sequence
 
-DBS_GAIN = 0.05  # a new split must predict a step this much shorter than the current one
+DBS_GAIN = 0.10  # a new split must predict a step this much shorter than the current one ...
+DBS_WINDOWS = 2  # ... in this many measurement windows in a row
 
 
 def apportion(weights: Sequence[float], total: int, minimum: int = 1) -> list[int]:
@@ -94,6 +98,7 @@ class DynamicBatch:
         assert self.valid(self.counts), f"invalid microbatch counts {self.counts}"
         self.window: list[list[float]] = []  # per observed step: seconds per slot of each replica
         self.changes = 0
+        self.streak = 0  # windows in a row whose proposal gained more than DBS_GAIN
 
     def valid(self, counts: Sequence[int]) -> bool:
         return (len(counts) == self.replicas and sum(counts) == self.total
@@ -118,16 +123,19 @@ class DynamicBatch:
         return [u * g for u in units]
 
     def update(self) -> bool:
-        """At the end of a window of `every` observed steps: adopt a new split when it predicts a step
-        more than DBS_GAIN shorter. Returns whether the counts changed."""
+        """At the end of a window of `every` observed steps: adopt this window's split when it, and the
+        windows' before it, predicted a step more than DBS_GAIN shorter DBS_WINDOWS times in a row.
+        Returns whether the counts changed."""
         if len(self.window) < self.every:
             return False
         slot = [statistics.median(step[r] for step in self.window) for r in range(self.replicas)]
         self.window = []
         proposal = self.propose(slot)
-        if proposal != self.counts and \
-                self.predicted(proposal, slot) < (1 - DBS_GAIN) * self.predicted(self.counts, slot):
-            self.counts = proposal
-            self.changes += 1
-            return True
-        return False
+        gains = proposal != self.counts and \
+            self.predicted(proposal, slot) < (1 - DBS_GAIN) * self.predicted(self.counts, slot)
+        self.streak = self.streak + 1 if gains else 0
+        if self.streak < DBS_WINDOWS:
+            return False
+        self.counts, self.streak = proposal, 0
+        self.changes += 1
+        return True

@@ -291,6 +291,7 @@ def single_reference(tmp_path_factory):
     return step_losses(metrics)
 
 
+@pytest.mark.slow  # train.py runs dp2 zero2 in the default run through the checkpoint resharding e2e test
 def test_train_py_dp2_zero2_matches_single_process_losses(tmp_path, single_reference):
     proc, metrics = run_train(str(tmp_path), E2E + ["parallel.zero=2"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 import numpy as np
 from pipetrain.config import ParallelConfig, Recipe, validate
 from pipetrain.data import Loader, PackedData
-from pipetrain.parallel.dbs import DBS_GAIN, DynamicBatch, apportion, count_rules, dbs_problems
+from pipetrain.parallel.dbs import DBS_GAIN, DBS_WINDOWS, DynamicBatch, apportion, count_rules, dbs_problems
 from pipetrain.parallel.layout import layout_problems
 
 
@@ -27,42 +27,51 @@ def test_apportion_is_largest_remainder_with_ties_to_the_lower_index():
     assert apportion([100, 1], 6, minimum=2) == [4, 2]
 
 
-def test_the_split_follows_speed_and_ignores_noise_below_the_gain():
+def _windows(dbs, slots, count=DBS_WINDOWS):
+    """Feed `count` full windows of the same per-replica times; the result of each update."""
+    out = []
+    for _ in range(count):
+        for _ in range(dbs.every):
+            dbs.observe(slots)
+        out.append(dbs.update())
+    return out
+
+
+def test_the_split_follows_speed_after_two_windows_and_ignores_noise_below_the_gain():
     dbs = DynamicBatch(replicas=4, microbatches=2, every=3, pp=1, granule=1, minimum=1)
-    for _ in range(3):  # replica 3 takes twice as long per microbatch
-        dbs.observe([1.0, 1.0, 1.0, 2.0])
-    assert dbs.update() and dbs.counts == [3, 2, 2, 1]  # quotas 2.29, 2.29, 2.29, 1.14: the spare one to index 0
+    assert (DBS_GAIN, DBS_WINDOWS) == (0.10, 2)
+    assert _windows(dbs, [1.0, 1.0, 1.0, 2.0]) == [False, True]  # replica 3 takes twice as long: moved once sure
+    assert dbs.counts == [3, 2, 2, 1]  # quotas 2.29, 2.29, 2.29, 1.14: the spare one to index 0
     before = list(dbs.counts)
-    for _ in range(3):  # a few percent of noise: the proposal would gain less than DBS_GAIN
-        dbs.observe([1.0, 1.02, 0.99, 2.0])
-    assert not dbs.update() and dbs.counts == before
-    assert DBS_GAIN == 0.05
+    assert _windows(dbs, [1.0, 1.02, 0.99, 2.0], 4) == [False] * 4  # a few percent of noise: below the gain
+    assert dbs.counts == before
 
 
-def test_one_slow_step_in_a_window_moves_nothing():
+def test_one_slow_step_in_a_window_moves_nothing_and_one_noisy_window_is_forgotten():
     dbs = DynamicBatch(replicas=2, microbatches=4, every=5, pp=1, granule=1, minimum=1)
     for slow in (False, True, False, False, False):  # a transient straggler: x4 once
         dbs.observe([1.0, 4.0 if slow else 1.0])
-    assert not dbs.update() and dbs.counts == [4, 4]
-    for _ in range(5):  # persistently x4: the slow replica gets a fifth of the work
-        dbs.observe([1.0, 4.0])
-    assert dbs.update() and dbs.counts == [6, 2]  # speeds 1 : 1/4 of 8 microbatches = 6.4 : 1.6
+    assert not dbs.update() and dbs.counts == [4, 4] and dbs.streak == 0
+    assert _windows(dbs, [1.0, 4.0], 1) == [False] and dbs.streak == 1  # one window says move ...
+    assert _windows(dbs, [1.0, 1.0], 1) == [False] and dbs.streak == 0  # ... the next does not: forgotten
+    assert _windows(dbs, [1.0, 4.0]) == [False, True]  # persistently x4: the slow replica gets a fifth
+    assert dbs.counts == [6, 2]  # speeds 1 : 1/4 of 8 microbatches = 6.4 : 1.6
 
 
 def test_update_waits_for_a_full_window_and_skips_unmeasured_steps():
     dbs = DynamicBatch(replicas=2, microbatches=2, every=2, pp=1, granule=1, minimum=1)
     dbs.observe([1.0, 3.0])
     dbs.observe([0.0, 3.0])  # a replica without a time this step: not a measurement
-    assert not dbs.update() and dbs.counts == [2, 2]
+    assert not dbs.update() and dbs.counts == [2, 2] and dbs.streak == 0
     dbs.observe([1.0, 3.0])
-    assert dbs.update() and dbs.counts == [3, 1]
+    assert not dbs.update() and dbs.streak == 1
+    assert _windows(dbs, [1.0, 3.0], 1) == [True] and dbs.counts == [3, 1]
 
 
 def test_pipelines_count_their_bubble_and_interleaved_counts_stay_multiples_of_pp():
     dbs = DynamicBatch(replicas=2, microbatches=4, every=1, pp=2, granule=2, minimum=2)
     assert dbs.slots(4) == 5
-    dbs.observe([1.0, 3.0])
-    assert dbs.update() and dbs.counts == [6, 2]
+    assert _windows(dbs, [1.0, 3.0]) == [False, True] and dbs.counts == [6, 2]
     assert all(k % 2 == 0 for k in dbs.counts)
     assert count_rules("interleaved-1f1b", 2, 2) == (2, 2)
     assert count_rules("1f1b", 4, 1) == (1, 1)
