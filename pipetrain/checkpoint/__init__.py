@@ -119,6 +119,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._outcome: BaseException | None = None  # the background save's exception, once it ended
         self.events: list[tuple[str, int]] = []  # ("snapshot" | "written", step) in order, for tests
+        self._buffers: dict[str, torch.Tensor] = {}  # async: host copies, reused from save to save
 
     def save(self, trainer) -> str:
         """Write the checkpoint of trainer.step on every rank (under checkpoint.async: snapshot it and
@@ -167,11 +168,22 @@ class Checkpointer:
     def _snapshot(self, trainer, copy: bool) -> Snapshot:
         items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
         if copy:  # host copies: the next steps change the originals while the writer runs
-            items = [(n, t.detach().to("cpu", copy=True), g, o) for n, t, g, o in items]
+            items = [(n, self._host_copy(n, t), g, o) for n, t, g, o in items]
+            if self.dims.device.type == "cuda":  # the device-to-pinned copies were asynchronous
+                torch.cuda.synchronize(self.dims.device)
         rng = {"rng/cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["rng/cuda"] = torch.cuda.get_rng_state(self.dims.device)
         return Snapshot(trainer.step, trainer.tokens_seen, trainer.loader.state_dict(), items, rng)
+
+    def _host_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor copied into this name's host buffer, allocated at the first async save and reused after
+        (the previous write has finished: one save in flight), so later snapshots pay no page faults."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                              pin_memory=tensor.is_cuda)
+        return buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
 
     def _write(self, snap: Snapshot, group) -> str:
         """Write snap into checkpoints/.tmp-step-..., then rank 0 commits it (manifest, rename, latest).

@@ -107,6 +107,17 @@ def _worker(rank, world_size, out):
     res["tp_ssp0"] = _flat(_run(out, tp2, dp_sync="ssp", staleness=0)[0])
     res["tp_bsp_adam"] = _flat(_run(out, tp2)[0])  # two replicas: a flat sum of two equals the replica sum
 
+    # composition: a 2-stage pipeline inside each of 2 replicas, every mode
+    pp2 = ParallelDims.from_degrees(pp=2, dp_shard=1)
+    res["pp_bsp"] = _flat(_run(out, pp2, microbatches=2, **sgd)[0])
+    res["pp_local"] = _flat(_run(out, pp2, microbatches=2, dp_sync="local_sgd", sync_every=1, **sgd)[0])
+    res["pp_diloco"] = _flat(_run(out, pp2, microbatches=2, dp_sync="diloco", sync_every=1, outer_lr=1.0,
+                                  outer_momentum=0.0, **sgd)[0])
+    res["pp_ssp0"] = _flat(_run(out, pp2, microbatches=2, dp_sync="ssp", staleness=0, **sgd)[0])
+    for mode, kw in {"ssp": dict(staleness=1), "dssp": dict(staleness=2, staleness_min=1),
+                     "local_sgd": dict(sync_every=2), "diloco": dict(sync_every=2)}.items():
+        res[f"pp_{mode}_h"] = _flat(_run(out, pp2, microbatches=2, dp_sync=mode, **kw)[0])
+
     # checkpoint / resume: save at step 3 (drains), continue to 6; a resumed run reaches the same weights
     for mode, kw in {"ssp": dict(dp_sync="ssp", staleness=S), "local_sgd": dict(dp_sync="local_sgd", sync_every=2),
                      "diloco": dict(dp_sync="diloco", sync_every=2)}.items():
@@ -208,6 +219,17 @@ def test_modes_compose_with_tp_inside_a_replica(world4):
     # replicas (ranks 0,2 and 1,3 hold the same tp shard) end identical under ssp
     assert torch.equal(world4[0]["tp_ssp"], world4[2]["tp_ssp"])
     assert torch.equal(world4[1]["tp_ssp"], world4[3]["tp_ssp"])
+
+
+def test_every_mode_composes_with_a_pipeline_inside_a_replica(world4):
+    for res in world4:  # exact special cases: local_sgd H=1 and diloco (lr 1, no momentum) H=1 are bsp; ssp s=0 too
+        torch.testing.assert_close(res["pp_local"], res["pp_bsp"], **TP_FP32)
+        torch.testing.assert_close(res["pp_diloco"], res["pp_local"], **EXACT_FP32)
+        assert torch.equal(res["pp_ssp0"], res["pp_bsp"])
+    # ranks 0,2 (stage 0) and 1,3 (stage 1) are the two replicas' copies of a stage: identical after drain
+    for mode in ("ssp", "dssp", "local_sgd", "diloco"):
+        assert torch.equal(world4[0][f"pp_{mode}_h"], world4[2][f"pp_{mode}_h"]), mode
+        assert torch.equal(world4[1][f"pp_{mode}_h"], world4[3][f"pp_{mode}_h"]), mode
 
 
 @pytest.mark.parametrize("mode", ["ssp", "local_sgd", "diloco"])
