@@ -1,12 +1,17 @@
 """Step time of train.py at two commits, measured in one run: did a change cost speed?
 
     python benchmarks/step_time_ab.py --ref 7803dd2 [--rounds 3] [--steps 8] [--layouts single,pp2,tp2]
+    python benchmarks/step_time_ab.py --ref 7803dd2 --first-step [--rounds 3]
 
 The reference commit is checked out into a temporary git worktree; both trees run the same
 command (the tiny recipe, one process, or torchrun with 2 processes at pp 2 / tp 2), alternating
 round by round so machine noise hits both alike. Each run's step time is the median of
 `step_time_s` in its metrics.jsonl after the first two steps; the figure quoted is the median over
 rounds, and the ratio is new / ref (below 1 is faster).
+
+--first-step: seconds from launching the tiny recipe (one process) to its first step line in
+metrics.jsonl, cold (an empty data cache: the corpus is tokenised / prepared in that launch) and warm
+(the same cache again), per tree.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/tiny.yaml"
@@ -55,13 +61,57 @@ def _run(tree: str, layout: str, steps: int, out: str, cache: str) -> float:
     return statistics.median(times[2:])
 
 
+def _first_step(tree: str, out: str, cache: str) -> float:
+    """Seconds from launch to the first step record in metrics.jsonl (the run is then stopped)."""
+    args = ["--recipe", os.path.join(tree, RECIPE), "--set", "train.steps=3", "--set", f"run.output_dir={out}",
+            "--set", "run.eval_every=0", "--set", "run.progress=false", "--set", f"data.cache_dir={cache}"]
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=tree)
+    metrics = os.path.join(out, "metrics.jsonl")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, os.path.join(tree, "train.py")] + args, cwd=tree, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.poll() is None:
+            if os.path.exists(metrics) and any('"step"' in line and '"loss"' in line for line in open(metrics)):
+                return time.perf_counter() - t0
+            time.sleep(0.05)
+        raise SystemExit(f"{tree} ended before a first step:\n{proc.stderr.read()[-2000:]}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def first_step_main(ref_rev: str, rounds: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _checkout(ref_rev, os.path.join(tmp, "ref"))
+        trees = {"ref": ref, "new": ROOT}
+        times = {(name, kind): [] for name in trees for kind in ("cold", "warm")}
+        try:
+            for rnd in range(rounds):
+                for name, tree in trees.items():
+                    cache = os.path.join(tmp, f"cache-{name}-{rnd}")
+                    for kind in ("cold", "warm"):
+                        out = os.path.join(tmp, f"{name}-{kind}-{rnd}")
+                        times[name, kind].append(_first_step(tree, out, cache))
+                        print(f"round {rnd} {name} {kind}: {times[name, kind][-1]:.2f} s", flush=True)
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", ref], capture_output=True)
+    print(f"\n| data cache | ref {ref_rev} s | new s | new / ref |\n|---|---|---|---|")
+    for kind in ("cold", "warm"):
+        r, n = statistics.median(times["ref", kind]), statistics.median(times["new", kind])
+        print(f"| {kind} | {r:.2f} | {n:.2f} | {n / r:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref", required=True, help="the commit to compare with (e.g. the one before a change)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layouts", default="single,pp2,tp2")
+    ap.add_argument("--first-step", action="store_true", help="time from launch to the first step, cold and warm")
     a = ap.parse_args()
+    if a.first_step:
+        return first_step_main(a.ref, a.rounds)
     layouts = a.layouts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         ref = _checkout(a.ref, os.path.join(tmp, "ref"))

@@ -42,6 +42,18 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300) -> None:
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, fn, args), nprocs=world_size)
 
 
+def _keep_result(rank: int, world_size: int, fn, out: str, args: tuple) -> None:
+    result = fn(rank, world_size, out, *args)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def rank_results(world_size: int, fn, out: str, *args) -> list:
+    """Run fn(rank, world_size, out, *args) on world_size gloo processes and return each rank's return
+    value, in rank order (saved under out by torch.save, read back here)."""
+    run_ranks(world_size, _keep_result, fn, out, args)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
 def our_traceback_frames(text: str) -> list[str]:
     """Files of the Python traceback frames in text that lie in this checkout's code (pipetrain/, kernels/,
     train.py), compared as real paths, so a checkout or venv whose path contains "pipetrain" is no false hit."""

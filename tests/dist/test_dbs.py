@@ -17,7 +17,7 @@ from pipetrain.build import build_trainer
 from pipetrain.config import FaultsConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.dims import ParallelDims
-from tests.harness import EXACT_FP32, run_ranks
+from tests.harness import EXACT_FP32, rank_results
 from tests.unit.common import LLAMA
 
 STEPS = 8
@@ -75,14 +75,12 @@ def _worker(rank, world_size, out):
     hsdp = ParallelDims.from_degrees(dp_shard=2)  # 2 replicas x dp_shard 2: another layout
     res["resume"]["other_layout"] = list(_make(ck_out, hsdp, resume=ckpt, dp_shard=2, **kw).dbs.counts)
     dist.barrier()
-    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    return res
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dbs-world4"))
-    run_ranks(4, _worker, out)
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    return rank_results(4, _worker, str(tmp_path_factory.mktemp("dbs-world4")))
 
 
 @pytest.mark.parametrize("case", ["four", "pp2"])

@@ -22,7 +22,7 @@ from pipetrain.build import build_trainer
 from pipetrain.config import FaultsConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.dims import ParallelDims
-from tests.harness import EXACT_FP32, TP_FP32, run_ranks
+from tests.harness import EXACT_FP32, TP_FP32, rank_results
 from tests.unit.common import LLAMA
 
 STEPS, S = 6, 2
@@ -140,14 +140,12 @@ def _worker(rank, world_size, out):
         res[f"ckpt_{mode}"] = {"cont": _flat(trainer), "resumed": _flat(resumed), "start": resumed.step,
                                "bsp_step": bsp_loaded.step, "bsp_record": bsp_loaded.train_step()["loss"]}
     dist.barrier()
-    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    return res
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("relaxed-world4"))
-    run_ranks(4, _worker, out)
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    return rank_results(4, _worker, str(tmp_path_factory.mktemp("relaxed-world4")))
 
 
 def test_bsp_over_replicas_and_shards_matches_the_single_process(world4):

@@ -4,7 +4,10 @@ flag, and the run ends with the uninterrupted run's losses and weights, bitwise.
 in the background (checkpoint.async), the reference synchronously."""
 import re
 
+import pytest
+
 from tests.e2e.common import checkpoint_tensors, run_train, step_losses
+from tests.harness import TP_FP32
 
 RUN = ["train.steps=6", "checkpoint.every=2", "run.eval_every=0", "parallel.microbatches=2"]
 
@@ -29,3 +32,22 @@ def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights_bitwise(tm
     a = checkpoint_tensors(ref / "checkpoints" / "step-00000006")
     b = checkpoint_tensors(killed / "checkpoints" / "step-00000006")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights/moments differ"
+
+
+@pytest.mark.slow
+def test_a_4_process_run_continues_on_2_processes_with_the_single_process_losses(single_process_run, tmp_path,
+                                                                                token_cache):
+    """Elastic by resharding: the world shrinks from 4 to 2 at a failure; dp follows the world, the global
+    batch stays, and the loss curve is the single-process run's (the layout rule)."""
+    tol = TP_FP32["rtol"]
+    out = tmp_path / "elastic"
+    proc, _ = run_train(str(out), ["checkpoint.every=10", "parallel.microbatches=2", "faults.kill_rank=0",
+                                   "faults.kill_at_step=11"], nproc=4, cache_dir=token_cache)
+    assert proc.returncode != 0 and "killing rank 0 at the start of step 11" in proc.stderr
+    proc, metrics = run_train(str(out), ["checkpoint.every=10", "parallel.microbatches=2"], nproc=2,
+                              cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 10;" in proc.stdout and "layout: 2 rank(s) = dp 2" in proc.stdout
+    got, ref = step_losses(metrics), step_losses(single_process_run)
+    assert len(got) == len(ref) == 20
+    assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), list(zip(got, ref))
