@@ -8,32 +8,22 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.build import build_trainer
-from pipetrain.config import FaultsConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
-from pipetrain.data import Loader, PackedData
+from pipetrain.config import FaultsConfig
 from pipetrain.parallel.dims import ParallelDims
+from tests.dist.common import replica_trainer
 from tests.harness import EXACT_FP32, rank_results
-from tests.unit.common import LLAMA
 
 STEPS = 8
 LAYOUT_AFTER_ADAM = dict(rtol=1e-4, atol=1e-5)  # as tests/dist/test_zero.py: round-off signs after AdamW
 SLOW = FaultsConfig(slow_ranks=[3], slow_factor=4.0, slow_prob=1.0)
 
 
-def _make(out, dims, *, faults=None, resume=None, **parallel):
-    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, **parallel),
-                    train=TrainConfig(steps=STEPS, global_batch=8, seq_len=16, lr=1e-2, min_lr=1e-3, warmup_steps=1,
-                                      grad_accumulation_fusion_min_numel=0),
-                    run=RunConfig(output_dir=out, progress=False), faults=faults or FaultsConfig())
-    rng = np.random.default_rng(0)
-    num = 64 * 17
-    data = PackedData(rng.integers(0, LLAMA.vocab_size, num).astype(np.int32), np.ones(num, dtype=bool), 16, 0.0, 2)
-    return build_trainer(recipe, dims, loader=Loader(data, 8, dims.dp_rank, dims.dp), resume=resume)
+def _make(out, dims, **kw):
+    return replica_trainer(out, dims, steps=STEPS, **kw)
 
 
 def _steps(trainer, n):
