@@ -35,13 +35,14 @@ from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
-from pipetrain.optim import build_optimizer
+from pipetrain.optim import build_optimizer, lr_at
 from pipetrain.parallel.comm import broadcast_object_from_rank0
 from pipetrain.parallel.dbs import DynamicBatch, count_rules
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.lora import apply_lora
 from pipetrain.parallel.pipeline import build_stage
+from pipetrain.parallel.ps import PSClient, PSEmbedding, Server
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.parallel.schedules import build_schedule, gpipe
 from pipetrain.parallel.tensor import apply_tensor_parallel
@@ -98,6 +99,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     t = recipe.train
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
+    ps_embed = _use_ps_embedding(model, recipe, dims)  # parallel.ps_servers: the table lives on servers
     ckpt_dir = _resume_dir(recipe, dims, resume)
     lora = recipe.model.lora_rank is not None
     if recipe.model.init_from and (ckpt_dir is None or lora):  # a LoRA checkpoint holds only the adapters
@@ -128,10 +130,36 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     dynamic = _build_dynamic_batch(recipe, dims, loader)
     logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
     checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    ps = PSClient(recipe, dims, ps_embed) if dims.ps_servers else None
     return Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
                    checkpointer=checkpointer, start_step=start,
                    peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer,
-                   dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k))
+                   dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k), ps=ps)
+
+
+def _use_ps_embedding(model: nn.Module, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:
+    """With parameter servers the first stage's embedding becomes a PSEmbedding (no weight: each
+    step's rows are pulled). Returns it (None on other stages or without servers)."""
+    if not dims.ps_servers or getattr(model, "embed", None) is None:
+        return None
+    m = recipe.model
+    model.embed = PSEmbedding(m.vocab_size, m.d_model, dims.tp_group, dims.tp_rank,
+                              recipe.parallel.sequence_parallel)
+    return model.embed
+
+
+def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) -> Server:
+    """A parameter-server rank (dims.is_server): its rows of the table, from the seed or the checkpoint
+    the workers resume from, and a checkpointer that joins their saves. serve() runs it."""
+    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))
+    ckpt_dir = _resume_dir(recipe, dims, resume)  # the same collective as the workers' in build_trainer
+    if ckpt_dir is not None:
+        manifest = checkpoint.read_manifest(ckpt_dir)
+        checkpoint.check_compatible(manifest, recipe, ckpt_dir)
+        reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
+        server.load(lambda name, offsets, shape: reader.read(name, offsets, shape, torch.float32), manifest["step"])
+    server.checkpointer = checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    return server
 
 
 def _build_tokenizer(recipe: Recipe):
@@ -216,8 +244,8 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
                               "folder or --resume auto")
         return resume
     # rank 0 verifies and chooses, so every rank resumes from the same checkpoint
-    choice = broadcast_object_from_rank0(
-        checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.world_size)
+    choice = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too
+        checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.full_world_size)
     if choice is None and dims.rank == 0:
         print(f"--resume auto: no complete checkpoint in {recipe.run.output_dir}; starting fresh", flush=True)
     return choice

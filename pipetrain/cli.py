@@ -18,13 +18,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipetrain.build import build_trainer, resolve_init_from
+from pipetrain.build import build_server, build_trainer, resolve_init_from
 from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
 from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
+from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.plan.auto import resolve_at_launch
 from pipetrain.preflight import preflight
@@ -105,10 +106,18 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
 def run(args: argparse.Namespace) -> int:
     recipe = resolve_init_from(load_recipe(args.recipe, args.set))
     world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
-    recipe = resolve_at_launch(recipe, args.recipe, args.set, world_size, int(os.environ.get("RANK", 0)))
+    servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps)
+    if servers and servers >= world_size:
+        raise ConfigError(f"parallel.ps_servers={servers} leaves no worker in a world of {world_size} processes; "
+                          f"launch dp*tp*pp + {servers} processes (torchrun --nproc-per-node)")
+    if servers and args.eval_only:
+        raise ConfigError("--eval-only with parallel.ps_servers: evaluate without servers (the checkpoint "
+                          "loads into any layout); drop parallel.ps_servers and launch dp*tp*pp processes")
+    workers = world_size - servers
+    recipe = resolve_at_launch(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)))
     if args.dry_run:
-        return dry_run(recipe, world_size, int(os.environ.get("RANK", 0)))
-    problems = layout_problems(recipe, world_size)
+        return dry_run(recipe, workers, int(os.environ.get("RANK", 0)))
+    problems = layout_problems(recipe, workers)
     if recipe.run.stop_timeout_s <= 0:
         problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
@@ -122,11 +131,19 @@ def run(args: argparse.Namespace) -> int:
                   f"(as --resume auto)", flush=True)
     lock = _prepare_output_dir(recipe, rank, args.resume)
     try:
-        preflight(recipe, world_size)  # before any allocation: sizes that cannot fit, batches the data cannot supply
-        return _train(args, recipe, rank, world_size)
+        preflight(recipe, workers)  # before any allocation: sizes that cannot fit, batches the data cannot supply
+        if rank >= workers:
+            return _serve(args, recipe)
+        return _train(args, recipe, rank, workers)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _serve(args: argparse.Namespace, recipe: Recipe) -> int:
+    """A parameter-server rank: hold and update the embedding rows until rank 0 says stop."""
+    build_server(recipe, ParallelDims.init(recipe.parallel), resume=args.resume).serve()
+    return 0
 
 
 def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> int:
@@ -142,7 +159,10 @@ def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int)
         barrier(world_size)  # every rank has finished its collectives before any tears its groups down
     finally:
         guard.uninstall()
-    if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested:
+    if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested and trainer.ps is not None:
+        print("run.sample_tokens: no sample under parallel.ps_servers (the table lives on the servers); "
+              "generate from the checkpoint: python -m pipetrain.generate", flush=True)
+    elif rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested:
         print(end_of_run_sample(trainer.model, trainer.tokenizer, recipe, trainer.dims, trainer.step), flush=True)
     return 0
 

@@ -452,6 +452,33 @@ def _relaxed_problems(r: Recipe) -> list[str]:
         need(f.kill_at_step >= 1, f"faults.kill_at_step: must be >= 1, got {f.kill_at_step}")
     need((f.kill_rank is None) == (f.kill_at_step is None), "faults.kill_rank and faults.kill_at_step go "
          f"together (got kill_rank={f.kill_rank}, kill_at_step={f.kill_at_step}); set both or neither")
+    return out + _ps_problems(r)
+
+
+def _ps_problems(r: Recipe) -> list[str]:
+    """parallel.ps_servers / ps_sync (pipetrain.parallel.ps): what a parameter server cannot serve."""
+    p, m = r.parallel, r.model
+    if not (isinstance(p.ps_servers, int) and not isinstance(p.ps_servers, bool) and p.ps_servers >= 0):
+        return [f"parallel.ps_servers: must be an integer >= 0, got {p.ps_servers!r}; 0 turns servers off"]
+    if p.ps_servers == 0:
+        return [] if p.ps_sync == "bsp" else [f"parallel.ps_sync={p.ps_sync} needs parameter servers; set "
+                                               "parallel.ps_servers >= 1 or drop parallel.ps_sync"]
+    out = []
+    if m.tied:
+        out.append(f"parallel.ps_servers: needs an untied input embedding, but model.family={m.family} ties it to "
+                   "the LM head (which reads every row every step); set model.tie_embeddings=false or drop "
+                   "parallel.ps_servers")
+    if p.ps_sync == "ssp" and p.staleness < 1:
+        out.append("parallel.ps_sync=ssp needs parallel.staleness >= 1 (the versions a pulled row may lag); set "
+                   "parallel.staleness, or use ps_sync=bsp (staleness 0)")
+    others = [(p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}"), (p.dynamic_batch, "parallel.dynamic_batch"),
+              (m.lora_rank is not None, "model.lora_rank"), (p.fault_tolerance != "none",
+                                                             f"parallel.fault_tolerance={p.fault_tolerance}"),
+              (bool(m.init_from), "model.init_from")]
+    for on, key in others:
+        if on:
+            out.append(f"parallel.ps_servers does not combine with {key}; drop one of them (servers keep the "
+                       "dense part bulk-synchronous and train the table from the seed or a checkpoint)")
     return out
 
 

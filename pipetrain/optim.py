@@ -45,7 +45,7 @@ class Optimizer:
         sync_grads(self.model, self.dims, self.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, self.dims, max_norm)
+        return clip_grad_norm(self.model, self.dims, max_norm, extra_sq=getattr(self, "extra_grad_sq", 0.0))
 
     def step(self, lr: float) -> None:
         set_lr(self.inner, lr)

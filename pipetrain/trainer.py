@@ -25,6 +25,7 @@ from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.parallel.dbs import DynamicBatch
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.grads import clip_coefficient
 from pipetrain.parallel.schedules import Action
 
 
@@ -49,12 +50,14 @@ class Trainer:
                  executor: Executor, actions: Sequence[Action], eval_actions: Sequence[Action],
                  logger: MetricsLogger, *, checkpointer=None, start_step: int = 0,
                  peak_tflops: float | None = None, tokenizer=None,
-                 dynamic_batch: DynamicBatch | None = None, schedule_for: Callable[[int], list] | None = None):
+                 dynamic_batch: DynamicBatch | None = None, schedule_for: Callable[[int], list] | None = None,
+                 ps=None):
         """model: this rank's (pruned, sharded) module, which executor runs chunk by chunk; actions /
         eval_actions: this rank's schedule for a training step / an evaluation batch; peak_tflops: per
         device, for MFU (None: no MFU); checkpointer None: save nothing. dynamic_batch: the replicas'
         microbatch counts (parallel.dynamic_batch; the loader already serves them); schedule_for(k):
-        this rank's training schedule for k microbatches."""
+        this rank's training schedule for k microbatches. ps: the parameter-server client
+        (pipetrain.parallel.ps.PSClient) when parallel.ps_servers > 0."""
         self.recipe, self.dims, self.model, self.optimizer, self.loader = recipe, dims, model, optimizer, loader
         self.executor, self.actions, self.eval_actions = executor, list(actions), list(eval_actions)
         self.logger, self.checkpointer, self.tokenizer = logger, checkpointer, tokenizer
@@ -68,6 +71,7 @@ class Trainer:
         self._schedules = {recipe.parallel.microbatches: self.actions}
         self._slot_seconds = 0.0  # this step's compute per pipeline slot (dynamic batch measurement)
         self._agreements: list = []  # (vector, work) of agreements not yet waited for
+        self.ps = ps
 
     # -- one step ------------------------------------------------------------------------------
     def microbatches(self) -> int:
@@ -131,6 +135,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         batch, num_targets = self.loader.next()
+        if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps)
+            self.ps.begin_step(self.step + 1, batch.inputs)
         local = self.forward_backward(batch, num_targets)
         # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
         compute_s = time.perf_counter() - t0
@@ -139,6 +145,8 @@ class Trainer:
             self._slot_seconds = (compute_s + slept) / self.dbs.slots(self.microbatches())
             self.optimizer.replica_scale = self._replica_scale()  # local_sgd / diloco: the replica's mean
         self.optimizer.reduce_grads()
+        if self.ps is not None:  # the table's rows go to the servers; bsp returns their squared norm
+            self.optimizer.extra_grad_sq = self.ps.push(self.step + 1)
         relaxed = getattr(self.optimizer, "sync_step", None)
         if relaxed is not None and self.recipe.parallel.dp_sync != "bsp":
             loss = self._replica_loss(local, num_targets)
@@ -160,6 +168,10 @@ class Trainer:
             grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
             check(grad_norm)
             lr = lr_at(self.step + 1, cfg)
+            if self.ps is not None:
+                self.ps.apply(self.step + 1, clip_coefficient(grad_norm, cfg.grad_clip), lr)
+                if self.step + 1 < cfg.steps:  # the next step's rows arrive while this step finishes
+                    self.ps.prefetch(self.step + 2, self.loader.peek_inputs())
             self.optimizer.step(lr)
         self.step += 1
         if self.device.type == "cuda":
@@ -174,6 +186,9 @@ class Trainer:
             record["mfu"] = self.flops_per_token * step_tokens / dt / (self.peak * 1e12 * self.dims.world_size)
         if slept:
             record["injected_delay_s"] = slept
+        if self.ps is not None:
+            record.update(ps_version=self.ps.version, ps_pull_bytes=self.ps.bytes_pulled,
+                          ps_push_bytes=self.ps.bytes_pushed)
         record.update(extra)  # relaxed sync: wait_s, replica_bytes, clock_lead / clock_lag, applied
         if self.dbs is not None:  # samples of the global batch each replica took
             record["dbs_shares"] = [k * self.dbs_microbatch * self.dims.dp_shard for k in self.dbs.counts]
@@ -186,6 +201,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         count = 0
         for batch in self.loader.val_batches(self.recipe.run.eval_batches):
+            if self.ps is not None:
+                self.ps.begin_eval(self.step, batch.inputs)
             total += self.executor.run(self.eval_actions, batch.split(self.recipe.parallel.microbatches), 1,
                                        forward_only=True)
             count += int((batch.targets != IGNORE_INDEX).sum())
@@ -276,6 +293,8 @@ class Trainer:
                 self.checkpointer.wait()  # the run ends with its last checkpoint written
             if not self.stop_requested:
                 self.evaluate()
+            if self.ps is not None:
+                self.ps.stop(self.step)
             self.logger.summary()
         finally:
             self.logger.close()

@@ -128,6 +128,9 @@ class Checkpointer:
         space, after rank 0 removed the temporary folder: the previous checkpoint stays `latest`.
         A stray non-directory where a checkpoint folder goes is a ConfigError."""
         self.wait()  # at most one save in flight
+        ps = getattr(trainer, "ps", None)
+        if ps is not None:  # parameter servers join this save (rank 0 tells them)
+            ps.announce_save(trainer.step)
         if hasattr(trainer, "drain_replicas"):  # relaxed dp_sync: apply pending updates, average replicas
             trainer.drain_replicas()
         snap = self._snapshot(trainer, copy=self.is_async)
@@ -166,7 +169,10 @@ class Checkpointer:
             raise outcome
 
     def _snapshot(self, trainer, copy: bool) -> Snapshot:
-        items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
+        if hasattr(trainer, "checkpoint_items"):  # a parameter server: its rows of the table and their state
+            items = trainer.checkpoint_items()
+        else:
+            items = owned_tensors(trainer.model, trainer.optimizer, self.dims, trainable_only=self.adapters_only)
         if copy:  # host copies: the next steps change the originals while the writer runs
             items = [(n, self._host_copy(n, t), g, o) for n, t, g, o in items]
             if self.dims.device.type == "cuda":  # the device-to-pinned copies were asynchronous
@@ -267,7 +273,8 @@ class Checkpointer:
             "recipe": self.recipe.to_dict(),
             "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
                        "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size,
-                       "dp_shard": d.dp_shard, "dp_sync": self.recipe.parallel.dp_sync},
+                       "dp_shard": d.dp_shard, "dp_sync": self.recipe.parallel.dp_sync,
+                       "ps_servers": d.ps_servers},
             "tensors": tensors,
             "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},
             "rng": {str(e["rank"]): e["file"] for e in entries},
@@ -348,14 +355,15 @@ def _write_latest(root: str, name: str) -> None:
 
 
 def _barrier(dims) -> None:
-    if dims.world_size > 1:
+    if dims.full_world_size > 1:
         dist.barrier()
 
 
 def _gather(obj, dims, group=None) -> list:
-    if dims.world_size == 1:
+    """obj of every process, parameter servers included."""
+    if dims.full_world_size == 1:
         return [obj]
-    out = [None] * dims.world_size
+    out = [None] * dims.full_world_size
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -519,7 +527,8 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
                                reader.read(f"optim/{name}", offsets, shape))
     loader.load_state_dict(manifest["data"])
     layout = manifest["layout"]
-    same = (layout["dp"], layout["tp"], layout["pp"]) == (dims.dp, dims.tp, dims.pp)
+    same = (layout["dp"], layout["tp"], layout["pp"], layout.get("ps_servers", 0)) == \
+        (dims.dp, dims.tp, dims.pp, dims.ps_servers)
     if same:
         rng_file = reader._open(manifest["rng"][str(dims.rank)])
         torch.set_rng_state(rng_file.get_tensor("rng/cpu"))

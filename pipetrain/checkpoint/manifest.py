@@ -104,9 +104,13 @@ def _structure_problem(m: dict, ckpt_dir: str) -> str | None:
         if not isinstance(info, dict) or not _int(info.get("bytes")) or not isinstance(info.get("sha256"), str) \
                 or not re.fullmatch(r"[0-9a-f]{64}", info["sha256"]):
             return f"files[{name!r}] should be {{sha256: 64 hex digits, bytes: int}}, got {info!r:.80}"
-    if sorted(m["rng"]) != sorted(str(r) for r in range(layout["world_size"])) or \
+    servers = layout.get("ps_servers", 0)
+    if not _int(servers):
+        return f"layout.ps_servers should be a non-negative int, got {servers!r:.60}"
+    processes = layout["world_size"] + servers  # parameter servers save a file of their own too
+    if sorted(m["rng"]) != sorted(str(r) for r in range(processes)) or \
             any(not isinstance(f, str) or f not in files for f in m["rng"].values()):
-        return f"rng should name a saved file for each of the {layout['world_size']} ranks"
+        return f"rng should name a saved file for each of the {processes} ranks"
     if not m["tensors"]:
         return "no tensors"
     for name, info in m["tensors"].items():

@@ -268,10 +268,23 @@ class Loader:
     def next(self) -> tuple[Batch, int]:
         """(this dp rank's slice of the next global batch, target tokens in the whole global batch)."""
         offset, count = self._slice()
-        batch = self.data.train_batch(self.samples + offset, count)
+        peeked = getattr(self, "_peeked", None)
+        if peeked is not None and peeked[0] == (self.samples, offset, count):
+            batch = peeked[1]
+        else:
+            batch = self.data.train_batch(self.samples + offset, count)
+        self._peeked = None
         total = self.data.count_targets(self.samples, self.global_batch)
         self.samples += self.global_batch
         return batch, total
+
+    def peek_inputs(self) -> torch.Tensor:
+        """This dp rank's input ids of the next step, without consuming it (the batch is kept for next())."""
+        offset, count = self._slice()
+        key = (self.samples, offset, count)
+        if getattr(self, "_peeked", None) is None or self._peeked[0] != key:
+            self._peeked = (key, self.data.train_batch(self.samples + offset, count))
+        return self._peeked[1].inputs
 
     def val_batches(self, num_batches: int):
         """The fixed validation set: num_batches global batches, this rank's slice of each."""

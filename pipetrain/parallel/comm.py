@@ -184,6 +184,37 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroup
 
 # ---- point-to-point (the pipeline executor) ----
 
+# -- tagged point-to-point on a group (the parameter servers' protocol: pipetrain.parallel.ps). Ranks
+# are global; recv_any_ takes a message from whichever member sent first and returns its rank.
+def isend(x: torch.Tensor, dst: int, pg: ProcessGroup, tag: int = 0):
+    return dist.isend(x, dst, group=pg, tag=tag)
+
+
+def irecv(x: torch.Tensor, src: int, pg: ProcessGroup, tag: int = 0):
+    return dist.irecv(x, src, group=pg, tag=tag)
+
+
+def send_(x: torch.Tensor, dst: int, pg: ProcessGroup, tag: int = 0) -> None:
+    dist.send(x, dst, group=pg, tag=tag)
+
+
+def recv_(x: torch.Tensor, src: int, pg: ProcessGroup, tag: int = 0) -> torch.Tensor:
+    dist.recv(x, src, group=pg, tag=tag)
+    return x
+
+
+def recv_any_(x: torch.Tensor, pg: ProcessGroup, tag: int = 0) -> int:
+    """Receive into x from any member of pg; returns the sender's global rank."""
+    return dist.recv(x, group=pg, tag=tag)
+
+
+def broadcast_(x: torch.Tensor, src: int, pg: ProcessGroup) -> torch.Tensor:
+    """x from global rank src on every member of pg, in place (a group of one: x unchanged)."""
+    if group_size(pg) > 1:
+        dist.broadcast(x, src, group=pg)
+    return x
+
+
 def batches_p2p_by_default() -> bool:
     """Whether the default backend's sends and receives can be posted as one batch_isend_irecv: not on
     gloo, where a send completes only once the peer posts its receive, so they are posted one by one."""
@@ -278,25 +309,36 @@ def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Te
 
 
 # -- trainer-level reductions
-# Whole-world collectives of the training loop and of building a run (the default group: every rank).
-# With one process they return their input and issue nothing.
+# Whole-world collectives of the training loop and of building a run: every rank of the mesh (the
+# default group, or with parameter servers the workers' group, which set_workers_group installs; the
+# servers, pipetrain.parallel.ps, never join these). With one process they return their input and
+# issue nothing.
+_WORKERS: ProcessGroup = None  # None: the default group
+
+
+def set_workers_group(pg: ProcessGroup) -> None:
+    """The group the whole-world collectives below use (ParallelDims sets it when servers exist)."""
+    global _WORKERS
+    _WORKERS = pg
+
 
 def sum_over_world_(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Sum x over every rank, in place; returns x."""
+    """Sum x over every worker rank, in place; returns x."""
     if world_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_WORKERS)
     return x
 
 
 def max_over_world_async(x: torch.Tensor, world_size: int):
-    """Start an elementwise maximum of x over every rank, in place; wait() on the result before reading x."""
+    """Start an elementwise maximum of x over every worker rank, in place; wait() on the result before
+    reading x."""
     if world_size == 1:
         return _Done()
-    return dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+    return dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True, group=_WORKERS)
 
 
 def broadcast_object_from_rank0(obj, world_size: int):
-    """Rank 0's obj (picklable) on every rank."""
+    """Rank 0's obj (picklable) on every process, servers included (world_size: all of them)."""
     if world_size == 1:
         return obj
     box = [obj]
@@ -305,6 +347,6 @@ def broadcast_object_from_rank0(obj, world_size: int):
 
 
 def barrier(world_size: int) -> None:
-    """Wait until every rank reaches this point."""
+    """Wait until every worker rank reaches this point."""
     if world_size > 1:
-        dist.barrier()
+        dist.barrier(group=_WORKERS)

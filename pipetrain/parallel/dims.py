@@ -28,6 +28,13 @@ dp_replicate, between ranks with the same (dp_shard, pp, tp) coordinate. These g
 group (every rank of one replica: its loss under a relaxed mode), are created with dist.new_group after
 the mesh, like the embed groups. With dp_shard == dp (the default) dp_shard_group is dp_group and there
 is no replicate group; with dp_shard == 1 dp_replicate_group is dp_group.
+
+Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps) are S extra ranks after the mesh:
+global ranks world_size .. world_size + S - 1 (`full_world_size` in all). They are outside the mesh
+(DeviceMesh gives them no coordinate) but make every group-creating call the workers make, in the same
+order, as torch.distributed requires. Two more groups then exist: `workers_group` (the mesh's ranks:
+the trainer's whole-world reductions, which servers do not join) and `ps_group`, a gloo group of the
+servers and the first stage's tp rank 0 of every dp rank (the ranks that pull and push rows).
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain.config import ParallelConfig
+from pipetrain.parallel.comm import set_workers_group
 from pipetrain.parallel.layout import resolve_dp_shard
 
 # Mesh dims, slowest-varying first; ranks are row-major over them.
@@ -102,6 +110,9 @@ class ParallelDims:
     dp_replicate_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     # Every rank of this replica (same dp_replicate coordinate); None when there is one replica.
     replica_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    ps_servers: int = 0              # extra server ranks after the mesh (parallel.ps_servers)
+    workers_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    ps_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.dp_shard is None:
@@ -111,13 +122,32 @@ class ParallelDims:
         for name in MESH_DIM_NAMES:
             value = getattr(self, name)
             assert isinstance(value, int) and value >= 1, f"{name}={value!r} must be an integer >= 1"
-        assert 0 <= self.rank < self.world_size, \
-            f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}={self.world_size}"
+        assert 0 <= self.rank < self.full_world_size, \
+            f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}={self.world_size} " \
+            f"plus {self.ps_servers} server(s)"
 
     # ---- rank arithmetic (no communication) ----
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
+
+    @property
+    def full_world_size(self) -> int:
+        """Every process: the mesh plus the parameter servers."""
+        return self.world_size + self.ps_servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank >= self.world_size
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return list(range(self.world_size, self.full_world_size))
+
+    @property
+    def ps_pushers(self) -> list[int]:
+        """The ranks that talk to the servers: first pp stage, tp rank 0, one per dp rank."""
+        return [self.global_rank(d, 0, 0) for d in range(self.dp)] if self.ps_servers else []
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -215,25 +245,27 @@ class ParallelDims:
         argument must then agree); otherwise this is a single process and the world size is 1.
         """
         dims = cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, world_size=world_size,
-                                dp_shard=lambda dp: resolve_dp_shard(parallel_cfg, dp))
+                                dp_shard=lambda dp: resolve_dp_shard(parallel_cfg, dp),
+                                ps_servers=parallel_cfg.ps_servers)
         return dims
 
     @classmethod
     def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1,
-                     world_size: int | None = None, dp_shard=None) -> "ParallelDims":
+                     world_size: int | None = None, dp_shard=None, ps_servers: int = 0) -> "ParallelDims":
         """Dims for explicit degrees (dp=None: world_size / (tp * pp)), building the mesh and every group.
-        dp_shard: an int, None (= dp) or a function of the resolved dp."""
+        dp_shard: an int, None (= dp) or a function of the resolved dp. ps_servers: ranks of the world
+        after the mesh that serve the embedding (world_size counts them; the mesh does not)."""
         initialised = dist.is_available() and dist.is_initialized()
-        actual = dist.get_world_size() if initialised else 1
+        actual = (dist.get_world_size() if initialised else 1) - ps_servers
         assert isinstance(tp, int) and tp >= 1 and isinstance(pp, int) and pp >= 1, f"tp={tp!r}, pp={pp!r}"
-        assert world_size is None or world_size == actual, \
+        assert world_size is None or world_size == actual + ps_servers, \
             f"world size {world_size} was requested but {actual} processes are running"
         assert actual % (tp * pp) == 0, f"world size {actual} is not divisible by tp*pp={tp}*{pp}"
         dp = actual // (tp * pp) if dp is None else dp
         assert dp * tp * pp == actual, f"dp*tp*pp={dp}*{tp}*{pp} does not equal the world size {actual}"
         dp_shard = dp_shard(dp) if callable(dp_shard) else dp_shard
         dims = cls(dp=dp, tp=tp, pp=pp, rank=dist.get_rank() if initialised else 0, device=default_device(),
-                   dp_shard=dp_shard)
+                   dp_shard=dp_shard, ps_servers=ps_servers)
         if dims.device.type == "cuda":
             torch.cuda.set_device(dims.device)  # before the mesh, so nccl binds this rank's device
         if initialised:
@@ -244,10 +276,10 @@ class ParallelDims:
         """A gloo group of every rank for the background checkpoint writer's agreement, created at its first
         use (every rank saves at the same step, so every rank makes this call at the same point); None
         with one process. Its own group keeps the writer's collectives out of the training groups' order."""
-        if self.world_size == 1:
+        if self.full_world_size == 1:
             return None
         if getattr(self, "_checkpoint_group", None) is None:
-            self._checkpoint_group = dist.new_group(list(range(self.world_size)), backend="gloo")
+            self._checkpoint_group = dist.new_group(list(range(self.full_world_size)), backend="gloo")
         return self._checkpoint_group
 
     def _build_mesh(self) -> None:
@@ -255,10 +287,13 @@ class ParallelDims:
         groups; every rank makes the same calls in the same order. The backend is the default group's."""
         grid = torch.arange(self.world_size).reshape(*self.mesh_shape.values())  # row-major: tp fastest
         self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=MESH_DIM_NAMES)
-        assert self.mesh.get_coordinate() == (self.dp_rank, self.pp_rank, self.tp_rank), \
-            f"{self.coords} sits at {self.mesh.get_coordinate()} of the device mesh"
+        if self.is_server:
+            assert self.mesh.get_coordinate() is None, f"server rank {self.rank} sits inside the device mesh"
+        else:
+            assert self.mesh.get_coordinate() == (self.dp_rank, self.pp_rank, self.tp_rank), \
+                f"{self.coords} sits at {self.mesh.get_coordinate()} of the device mesh"
         for name in MESH_DIM_NAMES:
-            if getattr(self, name) > 1:  # degree 1 keeps None: comm's "group of one"
+            if getattr(self, name) > 1 and not self.is_server:  # degree 1 keeps None: comm's "group of one"
                 setattr(self, f"{name}_group", self.mesh.get_group(name))
         for ranks in self.group_rank_lists()["embed"]:
             pg = dist.new_group(ranks)
@@ -274,3 +309,12 @@ class ParallelDims:
             self.dp_shard_group = self.dp_group
         elif self.dp_shard == 1:
             self.dp_replicate_group = self.dp_group
+        set_workers_group(None)
+        if self.ps_servers:
+            workers = dist.new_group(list(range(self.world_size)))
+            ps = dist.new_group(self.ps_pushers + self.server_ranks, backend="gloo")
+            if not self.is_server:
+                self.workers_group = workers
+                set_workers_group(workers)
+            if self.rank in self.ps_pushers or self.is_server:
+                self.ps_group = ps

@@ -101,16 +101,20 @@ def grad_sq_norms(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
-                     shard_group="dp") -> float:
+                     shard_group="dp", extra_sq: float = 0.0) -> float:
     """The global L2 norm from this rank's sums of squares over tp-sharded and tp-replicated grads.
 
     dp_sharded: each dp rank holds different rows (ZeRO), so both sums are first summed over dp;
     without it every dp rank holds the same full gradients and dp is not summed (no double count).
-    shard_group: the group the rows are split over ("dp": dims.dp_group; ZeRO passes its dp_shard group)."""
+    shard_group: the group the rows are split over ("dp": dims.dp_group; ZeRO passes its dp_shard group).
+    extra_sq: squares of gradients held elsewhere, counted once per (dp, pp) coordinate: the parameter
+    servers' table (pipetrain.parallel.ps), which the first stage's tp rank 0 of every dp rank passes."""
     group = dims.dp_group if shard_group == "dp" else shard_group
     if dp_sharded and group is not None:
         both = all_reduce_(torch.stack([sharded, replicated]), group)
         sharded, replicated = both[0], both[1]
+    if extra_sq:
+        sharded = sharded + extra_sq
     if dims.tp > 1:
         sharded = all_reduce_(sharded.clone(), dims.tp_group)
     total = sharded + replicated
@@ -126,10 +130,10 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
     return None
 
 
-def clip_grad_norm(model: nn.Module, dims, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0) -> float:
     """Global gradient L2 norm over all ranks; scales gradients in place when it exceeds max_norm > 0."""
     sharded, replicated = grad_sq_norms(model)
-    norm = global_grad_norm(sharded, replicated, dims)
+    norm = global_grad_norm(sharded, replicated, dims, extra_sq=extra_sq)
     coef = clip_coefficient(norm, max_norm)
     if coef is not None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -38,17 +38,21 @@ def resolve_dp(recipe: Recipe, world_size: int) -> int:
 
 
 def mesh_problems(recipe: Recipe, world_size: int) -> list[str]:
-    """The dp x tp x pp mesh must cover the world, and dp * microbatches must divide the global batch."""
+    """The dp x tp x pp mesh must cover the world, and dp * microbatches must divide the global batch.
+    world_size: the mesh's ranks (with parallel.ps_servers, the processes launched minus the servers)."""
     p, t = recipe.parallel, recipe.train
     tp_pp = p.tp * p.pp
+    servers = p.ps_servers
+    after = f" + {servers} server(s) (parallel.ps_servers)" if servers else ""
     if world_size % tp_pp:
-        return [f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp_pp}; "
-                f"launch a multiple of {tp_pp} processes"]
+        return [f"world size {world_size}{' without the servers' if servers else ''} is not divisible by "
+                f"parallel.tp*parallel.pp={tp_pp}; launch a multiple of {tp_pp} processes{after}"]
     problems = []
     dp = resolve_dp(recipe, world_size)
     if dp * tp_pp != world_size:
         problems.append(f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * tp_pp} does not equal the world size "
-                        f"{world_size}; launch {dp * tp_pp} processes or drop parallel.dp")
+                        f"{world_size}{' without the servers' if servers else ''}; launch {dp * tp_pp + servers} "
+                        f"processes ({dp * tp_pp} workers{after}) or drop parallel.dp")
     if t.global_batch % (dp * p.microbatches):
         problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
                         f"{dp}*{p.microbatches}={dp * p.microbatches}")
@@ -81,8 +85,8 @@ def relaxed_problems(recipe: Recipe, world_size: int) -> list[str]:
     if bad:
         problems.append(f"faults.slow_ranks: ranks must lie in [0, {world_size}), got {bad}; "
                         f"list global ranks below the world size {world_size}")
-    if f.kill_rank is not None and f.kill_rank >= world_size:
-        problems.append(f"faults.kill_rank: must be < the world size {world_size}, got {f.kill_rank}")
+    if f.kill_rank is not None and f.kill_rank >= world_size + p.ps_servers:  # a server may be killed too
+        problems.append(f"faults.kill_rank: must be < the world size {world_size + p.ps_servers}, got {f.kill_rank}")
     return problems
 
 

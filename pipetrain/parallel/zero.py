@@ -307,7 +307,8 @@ class ZeroOptimizer:
                 replicated += sq
             else:
                 sharded += sq
-        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dp_group)
+        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dp_group,
+                                extra_sq=getattr(self, "extra_grad_sq", 0.0))
         coef = clip_coefficient(norm, max_norm)
         if coef is not None:
             if self.stage == 1:  # scale the full gradients, so p.grad matches zero 0 after clipping too

@@ -1,0 +1,112 @@
+"""The parameter server (parallel.ps_servers) against the all-reduce run: bsp gives the single-process
+loss at every step in every layout; ssp's staleness bound and async's staleness records from the
+servers' logs; a checkpoint's round trip through a run without servers; the pull/push byte formulas."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipetrain.build import build_server
+from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.config import ModelConfig
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.ps import pull_bytes, push_bytes, row_range
+from tests.dist.common import replica_recipe, replica_trainer
+from tests.harness import EXACT_FP32, TP_FP32, rank_results
+
+# a vocabulary large enough that a batch (8 x 16 tokens) leaves most rows untouched
+MODEL = ModelConfig(family="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=64, max_seq_len=32)
+
+
+def _run(rank, world, out, keys, steps, resume=None):
+    """One rank of a run: a server serves until told to stop; a worker trains and returns its history,
+    the compact ids it pulled per step, and its global step."""
+    p = {k: v for k, v in keys.items() if k in ("ps_servers", "ps_sync", "staleness", "sequence_parallel",
+                                                 "microbatches", "zero")}
+    os.makedirs(out, exist_ok=True)
+    dims = ParallelDims.init(_parallel(keys))
+    if dims.is_server:
+        build_server(replica_recipe(out, dims, steps=steps, model=MODEL, **p), dims, resume=resume).serve()
+        return None
+    trainer = replica_trainer(out, dims, steps=steps, model=MODEL, resume=resume, **p)
+    unique = []
+    begin = trainer.ps.begin_step if trainer.ps is not None else None
+    if begin is not None:
+        def spy(step, inputs):
+            unique.append(int(torch.unique(inputs).numel()))
+            begin(step, inputs)
+        trainer.ps.begin_step = spy
+    history = trainer.fit()
+    return {"history": history, "unique": unique, "dims": (dims.dp_rank, dims.pp_rank, dims.tp_rank)}
+
+
+def _parallel(keys):
+    from pipetrain.config import ParallelConfig
+    return ParallelConfig(tp=keys.get("tp", 1), pp=keys.get("pp", 1), ps_servers=keys.get("ps_servers", 0),
+                          ps_sync=keys.get("ps_sync", "bsp"), staleness=keys.get("staleness", 0),
+                          sequence_parallel=keys.get("sequence_parallel", False),
+                          microbatches=keys.get("microbatches", 1), zero=keys.get("zero", 0))
+
+
+def full_tensors(ckpt_dir: str) -> dict:
+    """Every saved tensor of a checkpoint, whole, by its manifest name (model/..., optim/...)."""
+    manifest = read_manifest(ckpt_dir)
+    reader = TensorReader(ckpt_dir, manifest)
+    return {name: reader.read(name, [0] * len(info["global_shape"]), tuple(info["global_shape"]))
+            for name, info in manifest["tensors"].items()}
+
+
+def _losses(results):
+    return [r["loss"] for r in results[0]["history"]]
+
+
+def _server_log(out, index=0):
+    with open(os.path.join(out, f"ps-server-{index}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+LAYOUTS = [
+    pytest.param(dict(ps_servers=1), 3, EXACT_FP32, id="dp2+1server"),
+    pytest.param(dict(pp=2, ps_servers=1, microbatches=2), 5, EXACT_FP32, marks=pytest.mark.slow,
+                 id="dp2xpp2+1server"),
+    pytest.param(dict(tp=2, sequence_parallel=True, ps_servers=2), 4, TP_FP32, marks=pytest.mark.slow,
+                 id="tp2sp+2servers"),
+]
+
+
+@pytest.mark.parametrize("keys,world,tol", LAYOUTS)
+def test_bsp_ps_gives_the_single_process_loss(tmp_path, keys, world, tol):
+    steps = 4
+    ref = rank_results(1, _run, str(tmp_path / "ref"), {}, steps)
+    got = rank_results(world, _run, str(tmp_path / "ps"), keys, steps)
+    torch.testing.assert_close(torch.tensor(_losses(got)), torch.tensor(_losses(ref)), **tol)
+    norms = [r["grad_norm"] for r in got[0]["history"]]  # the global norm includes the servers' table
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor([r["grad_norm"] for r in ref[0]["history"]]),
+                               **tol)
+    # the table after training: the servers' rows in the final checkpoint equal the all-reduce run's
+    ps_final = full_tensors(os.path.join(tmp_path / "ps", "checkpoints", "step-00000004"))
+    ref_final = full_tensors(os.path.join(tmp_path / "ref", "checkpoints", "step-00000004"))
+    assert sorted(ps_final) == sorted(ref_final)
+    for name in ("model/embed.weight", "optim/exp_avg/embed.weight", "optim/exp_avg_sq/embed.weight"):
+        torch.testing.assert_close(ps_final[name], ref_final[name], **tol)
+    # bytes: what each pusher reports equals the unique-row formula of its batch
+    d, servers = MODEL.d_model, keys["ps_servers"]
+    for r in got:
+        if r is None or r["dims"][1:] != (0, 0):
+            continue
+        for record, unique in zip(r["history"], r["unique"]):
+            asked = servers  # every server owns some of a batch's rows here (checked below)
+            assert record["ps_pull_bytes"] == pull_bytes(unique, d, asked)
+            assert record["ps_push_bytes"] == push_bytes(unique, d, asked)
+            assert unique * d * 4 < MODEL.vocab_size * d * 4  # U x d, not V x d
+
+
+def test_row_ranges_cover_the_table():
+    for vocab, servers in ((256, 1), (256, 3), (10, 4)):
+        ranges = [row_range(vocab, servers, i) for i in range(servers)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
