@@ -99,7 +99,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     t = recipe.train
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
-    ps_embed = _use_ps_embedding(model, recipe, dims)  # parallel.ps_servers: the table lives on servers
+    ps_embed = _use_ps_embedding(model, chunks, recipe, dims)  # parallel.ps_servers: the table lives on servers
     ckpt_dir = _resume_dir(recipe, dims, resume)
     lora = recipe.model.lora_rank is not None
     if recipe.model.init_from and (ckpt_dir is None or lora):  # a LoRA checkpoint holds only the adapters
@@ -137,15 +137,18 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
                    dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k), ps=ps)
 
 
-def _use_ps_embedding(model: nn.Module, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:
+def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:
     """With parameter servers the first stage's embedding becomes a PSEmbedding (no weight: each
-    step's rows are pulled). Returns it (None on other stages or without servers)."""
+    step's rows are pulled), in the stage module and in the chunk that runs it. Returns it (None on
+    other stages or without servers)."""
     if not dims.ps_servers or getattr(model, "embed", None) is None:
         return None
     m = recipe.model
-    model.embed = PSEmbedding(m.vocab_size, m.d_model, dims.tp_group, dims.tp_rank,
-                              recipe.parallel.sequence_parallel)
-    return model.embed
+    embed = PSEmbedding(m.vocab_size, m.d_model, dims.tp_group, dims.tp_rank, recipe.parallel.sequence_parallel)
+    for module in [model, *chunks]:
+        if getattr(module, "embed", None) is not None:
+            module.embed = embed
+    return embed
 
 
 def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) -> Server:

@@ -91,8 +91,11 @@ def test_bsp_ps_gives_the_single_process_loss(tmp_path, keys, world, tol):
     ps_final = full_tensors(os.path.join(tmp_path / "ps", "checkpoints", "step-00000004"))
     ref_final = full_tensors(os.path.join(tmp_path / "ref", "checkpoints", "step-00000004"))
     assert sorted(ps_final) == sorted(ref_final)
+    # the rows' gradient is summed in another order (the server adds each worker's rows; the all-reduce
+    # adds dense tables), and Adam's division by sqrt(v) magnifies that round-off where v is tiny
+    state_tol = dict(rtol=1e-4, atol=1e-5)
     for name in ("model/embed.weight", "optim/exp_avg/embed.weight", "optim/exp_avg_sq/embed.weight"):
-        torch.testing.assert_close(ps_final[name], ref_final[name], **tol)
+        torch.testing.assert_close(ps_final[name], ref_final[name], **state_tol)
     # bytes: what each pusher reports equals the unique-row formula of its batch
     d, servers = MODEL.d_model, keys["ps_servers"]
     for r in got:
