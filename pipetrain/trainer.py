@@ -137,6 +137,8 @@ class Trainer:
         batch, num_targets = self.loader.next()
         if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps)
             self.ps.begin_step(self.step + 1, batch.inputs)
+            if self.ps.early and self.step + 1 < cfg.steps:  # ssp / async: the next rows overlap this step
+                self.ps.prefetch(self.step + 2, self.loader.peek_inputs())
         local = self.forward_backward(batch, num_targets)
         # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
         compute_s = time.perf_counter() - t0
@@ -170,7 +172,7 @@ class Trainer:
             lr = lr_at(self.step + 1, cfg)
             if self.ps is not None:
                 self.ps.apply(self.step + 1, clip_coefficient(grad_norm, cfg.grad_clip), lr)
-                if self.step + 1 < cfg.steps:  # the next step's rows arrive while this step finishes
+                if not self.ps.early and self.step + 1 < cfg.steps:  # bsp: the next rows arrive while this step ends
                     self.ps.prefetch(self.step + 2, self.loader.peek_inputs())
             self.optimizer.step(lr)
         self.step += 1

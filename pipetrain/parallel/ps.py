@@ -39,9 +39,13 @@ Consistency (parallel.ps_sync):
 Each server logs every pull (worker, step, version served) and every apply to
 run.output_dir/ps-server-<i>.jsonl: the staleness bounds are checked from these logs.
 
-Prefetch: as soon as a step's APPLY (bsp) or push (ssp, async) is sent, the pusher asks for the next
-step's rows (Loader.peek) and receives them while the dense optimizer step, logging and the next
-batch's preparation run.
+Prefetch: under bsp, as soon as a step's APPLY is sent the pusher asks for the next step's rows
+(Loader.peek_inputs) and receives them while the dense optimizer step, logging and the next batch's
+preparation run. Under ssp and async it asks for them right after the step's own rows arrived, so the
+pull overlaps the whole step: those rows cannot hold this step's update, hence a staleness of at least
+one from the second step on (ssp needs staleness >= 1 for this reason). The dense parameters stay
+bulk-synchronous, so workers never drift more than a step apart here: the bound s limits how far the
+table may lag behind the servers' slowest aggregation, not the workers' clocks.
 
 Checkpoints: rank 0 tells the servers to save; they join the same sharded checkpoint with their rows
 of model/embed.weight and of its optimizer state under the same names a run without servers writes,
@@ -152,6 +156,7 @@ class PSClient:
         p = recipe.parallel
         self.recipe, self.dims, self.embed = recipe, dims, embed
         self.mode, self.staleness = p.ps_sync, p.staleness
+        self.early = self.mode != "bsp"  # prefetch the next step's rows before this step's push
         self.vocab, self.d = recipe.model.vocab_size, recipe.model.d_model
         self.pusher = dims.rank in dims.ps_pushers
         self.servers = dims.server_ranks

@@ -26,7 +26,7 @@ def _run(rank, world, out, keys, steps, resume=None):
     """One rank of a run: a server serves until told to stop; a worker trains and returns its history,
     the compact ids it pulled per step, and its global step."""
     p = {k: v for k, v in keys.items() if k in ("ps_servers", "ps_sync", "staleness", "sequence_parallel",
-                                                 "microbatches", "zero")}
+                                                 "microbatches", "zero", "faults", "grad_clip")}
     os.makedirs(out, exist_ok=True)
     dims = ParallelDims.init(_parallel(keys))
     if dims.is_server:
@@ -113,3 +113,59 @@ def test_row_ranges_cover_the_table():
         ranges = [row_range(vocab, servers, i) for i in range(servers)]
         assert ranges[0][0] == 0 and ranges[-1][1] == vocab
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_ssp_pulls_stay_within_the_staleness_bound(tmp_path):
+    """ssp s=2 with worker 0 slowed 8x: the fast worker runs ahead and pulls rows older than the last
+    step, but never more than s versions behind (every pull in the server's log)."""
+    from pipetrain.config import FaultsConfig
+    s, steps = 2, 6
+    keys = dict(ps_servers=1, ps_sync="ssp", staleness=s, grad_clip=0.0,
+                faults=FaultsConfig(slow_ranks=[0], slow_factor=8.0, slow_prob=1.0))
+    got = rank_results(3, _run, str(tmp_path), keys, steps)
+    pulls = [e for e in _server_log(str(tmp_path)) if e["event"] == "pull" and e["step"] <= steps]
+    train = [e for e in pulls if e["required"] == max(0, e["step"] - 1 - s)]
+    assert len(train) >= 2 * steps  # every worker's pull of every step
+    lags = [(e["step"] - 1) - e["version"] for e in train]
+    assert max(lags) <= s, lags
+    assert max(lags) >= 1, lags  # the bound was used: some pull did not wait for the last step
+    applies = [e for e in _server_log(str(tmp_path)) if e["event"] == "apply"]
+    assert [e["step"] for e in applies] == list(range(1, steps + 1))  # one update per step, in order
+    assert all(r is None or len(r["history"]) == steps for r in got)
+
+
+def test_async_applies_every_push_and_records_its_staleness(tmp_path):
+    steps = 5
+    got = rank_results(3, _run, str(tmp_path), dict(ps_servers=1, ps_sync="async"), steps)
+    applies = [e for e in _server_log(str(tmp_path)) if e["event"] == "apply"]
+    assert len(applies) == 2 * steps  # each of the two workers' pushes, each its own update
+    assert sorted(e["version"] for e in applies) == list(range(1, 2 * steps + 1))
+    assert all(0 <= e["staleness"] < 2 * steps for e in applies)
+    losses = [r["loss"] for r in got[0]["history"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and len(losses) == steps
+
+
+def test_checkpoint_round_trip_through_a_run_without_servers(tmp_path):
+    """A PS checkpoint loads into a run without servers and back, bitwise; and training resumed with
+    servers from it continues the single-process run."""
+    a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
+    rank_results(3, _run, a, dict(ps_servers=1), 2)
+    ckpt_a = os.path.join(a, "checkpoints", "step-00000002")
+    rank_results(1, _run, b, {}, 2, ckpt_a)  # no steps left: it loads and saves again
+    ckpt_b = os.path.join(b, "checkpoints", "step-00000002")
+    rank_results(3, _run, c, dict(ps_servers=1), 2, ckpt_b)  # and back into servers
+    ckpt_c = os.path.join(c, "checkpoints", "step-00000002")
+    ta, tb, tc = full_tensors(ckpt_a), full_tensors(ckpt_b), full_tensors(ckpt_c)
+    assert sorted(ta) == sorted(tb) == sorted(tc)
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]) and torch.equal(ta[name], tc[name]), name
+
+
+@pytest.mark.slow
+def test_resumed_with_servers_from_a_plain_checkpoint_continues_the_single_process_run(tmp_path):
+    ref = rank_results(1, _run, str(tmp_path / "ref"), {}, 4)
+    plain = str(tmp_path / "plain")
+    rank_results(1, _run, plain, {}, 2)
+    resumed = rank_results(3, _run, str(tmp_path / "ps"), dict(ps_servers=1), 4,
+                           os.path.join(plain, "checkpoints", "step-00000002"))
+    torch.testing.assert_close(torch.tensor(_losses(resumed)), torch.tensor(_losses(ref)[2:]), **EXACT_FP32)
