@@ -201,6 +201,12 @@ class MetricsLogger:
             dynamic = (f" | dynamic batch ON: the split follows measured speed, re-measured every "
                        f"{p.dynamic_batch_every} steps" if p.dynamic_batch else "")
             self.write(f"replicas: {dims.dp_replicate} x dp_shard {dims.dp_shard} | dp_sync {p.dp_sync}{dynamic}")
+        if getattr(dims, "ps_servers", 0):
+            rows = -(-m.vocab_size // dims.ps_servers)
+            bound = f" (staleness {p.staleness})" if p.ps_sync == "ssp" else ""
+            self.write(f"parameter servers: {dims.ps_servers} rank(s) after the mesh hold the input embedding "
+                       f"({rows:,} rows each) | ps_sync {p.ps_sync}{bound} | workers pull and push only the "
+                       "rows their batch uses")
         self.write(f"tokens per step: {t.global_batch} sequences x {t.seq_len} = {t.global_batch * t.seq_len:,} | "
                    f"{t.steps} steps, {t.steps * t.global_batch * t.seq_len:,} tokens | lr {t.lr:g} "
                    f"({t.lr_schedule}, {t.warmup_steps} warmup)")

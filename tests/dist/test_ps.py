@@ -134,6 +134,7 @@ def test_ssp_pulls_stay_within_the_staleness_bound(tmp_path):
     assert all(r is None or len(r["history"]) == steps for r in got)
 
 
+@pytest.mark.slow
 def test_async_applies_every_push_and_records_its_staleness(tmp_path):
     steps = 5
     got = rank_results(3, _run, str(tmp_path), dict(ps_servers=1, ps_sync="async"), steps)
@@ -145,6 +146,7 @@ def test_async_applies_every_push_and_records_its_staleness(tmp_path):
     assert all(torch.isfinite(torch.tensor(losses))) and len(losses) == steps
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_through_a_run_without_servers(tmp_path):
     """A PS checkpoint loads into a run without servers and back, bitwise; and training resumed with
     servers from it continues the single-process run."""
