@@ -3,51 +3,20 @@ at a torchft lighthouse. With every group live a step is the single-process step
 killed by faults.kill_rank / kill_at_step is restarted by torchrun --max-restarts 1 while the survivor keeps
 stepping on its own, then heals from the survivor and both end on bitwise equal weights. Bad torchft input
 exits 2 with one line."""
-import contextlib
 import importlib.util
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, step_losses
+from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, lighthouse, read_metrics, step_losses
 from tests.harness import EXACT_FP32
 
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                    reason='torchft is not installed: pip install "pipetrain[torchft]"')
-HEARTBEAT_S = 1.0  # the lighthouse declares a group dead after this long without a heartbeat
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def lighthouse():
-    """A torchft lighthouse on a free port; yields its address for TORCHFT_LIGHTHOUSE."""
-    binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
-                             "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--bind", f"[::]:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # ready once it accepts connections
-            with contextlib.suppress(OSError), socket.create_connection(("localhost", port), timeout=1):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "torchft_lighthouse did not start"
-            time.sleep(0.05)
-        yield f"http://localhost:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
+HEARTBEAT_S = 1.0  # the lighthouse declares a group dead after this long without a heartbeat (torchft's default: 5)
 
 
 def _command(out, overrides, nproc=None, launcher_args=()):
@@ -96,7 +65,7 @@ def test_a_killed_replica_group_heals_from_the_survivor_which_never_stopped(tmp_
     run = ["train.steps=%d" % N, "run.eval_every=0", f"data.cache_dir={token_cache}"]
     ft = run + ["parallel.fault_tolerance=torchft", "parallel.dp=2"]
     ref = _start(_command(tmp_path / "ref", run))
-    with lighthouse() as address:
+    with lighthouse(HEARTBEAT_S) as address:
         procs = _groups(address, tmp_path / "ft", ft,
                         [["faults.slow_ranks=[0]", "faults.slow_factor=12"],
                          ["faults.kill_rank=0", f"faults.kill_at_step={K}"]],
@@ -140,7 +109,7 @@ def test_pipelined_replica_groups_match_the_single_process_losses(tmp_path, sing
     single-process run's, and the two groups end on bitwise equal weights."""
     ft = [f"data.cache_dir={token_cache}", "parallel.fault_tolerance=torchft", "parallel.dp=2", "parallel.pp=2",
           "parallel.microbatches=2"]
-    with lighthouse() as address:
+    with lighthouse(HEARTBEAT_S) as address:
         procs = [_finish(p) for p in _groups(address, tmp_path, ft, [[], []], nproc=2)]
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
