@@ -189,7 +189,8 @@ class FaultTolerantOptimizer:
             init_sync=False,
             timeout=TIMEOUT, rank=self.dims.rank, world_size=self.dims.world_size, store_addr=host,
             store_port=port, replica_id=f"pipetrain_replica_{self.replica.replica_id}")
-        self.manager.load_state_dict({"step": self.trainer.step, "batches_committed": 0})  # a resumed group's
+        # the manager counts steps from the trainer's: a group resumed from its checkpoint is behind by that much
+        self.manager.load_state_dict({"step": self.trainer.step, "batches_committed": 0})
 
     def shutdown(self) -> None:
         if self.manager is not None:
