@@ -280,6 +280,7 @@ class FaultTolerantOptimizer:
         if not committed:
             self._redo(clock)
             extra["ft_committed"] = False
+            extra["loss"] = self.replica_loss * total / max(own, 1)  # this group's own mean: nothing was summed
             return 0.0, lr, extra
         live_targets = float(stats[1])
         if live_targets != total:  # groups are missing: the mean gradient over the samples seen
