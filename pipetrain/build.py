@@ -40,6 +40,7 @@ from pipetrain.parallel.comm import broadcast_object_from_rank0
 from pipetrain.parallel.dbs import DynamicBatch, count_rules
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
+from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.lora import apply_lora
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.ps import PSClient, PSEmbedding, Server
@@ -72,7 +73,7 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
 
 def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: str | None = None,
                   eval_only: bool = False, loader: Loader | None = None,
-                  optimizer_factory: OptimizerFactory | None = None) -> Trainer:
+                  optimizer_factory: OptimizerFactory | None = None, replica: Replica | None = None) -> Trainer:
     """Everything a run needs, assembled in DESIGN.md's order, as a Trainer ready to fit() or evaluate().
 
     dims: the mesh (None: ParallelDims.init(recipe.parallel), creating the process groups).
@@ -80,9 +81,12 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     checkpoint directory. eval_only: no checkpointer. loader: serve these batches instead of
     recipe.data's (no tokenizer is loaded then). optimizer_factory(model, dims, recipe): instead of
     optim.build_optimizer. Metrics go to run.output_dir, which must exist on global rank 0.
+    replica: this torchrun is one torchft replica group (parallel.fault_tolerance=torchft, pipetrain.parallel.ft):
+    the mesh is the group's own, the loader reads the group's slice of the global batch and the optimizer
+    exchanges gradients with the other groups through torchft.
     """
     torch.manual_seed(recipe.train.seed)
-    dims = dims or ParallelDims.init(recipe.parallel)
+    dims = dims or ParallelDims.init(replica.local_parallel(recipe.parallel) if replica else recipe.parallel)
     if recipe.parallel.zero >= 1 and dims.dp == 1 and dims.rank == 0:
         print(f"warning: parallel.zero={recipe.parallel.zero} has no effect with dp=1 (nothing to shard across); "
               "launch more data-parallel ranks or set parallel.zero=0", file=sys.stderr)
@@ -90,6 +94,9 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if loader is None:
         tokenizer = _build_tokenizer(recipe)
         loader = _build_loader(recipe, dims, tokenizer)
+    if replica is not None:  # the group's dp ranks read its dp_replicate coordinate's slice of the global batch
+        loader.dp_rank = replica.replica_id * dims.dp + dims.dp_rank
+        loader.dp_size = replica.num_replicas * dims.dp
 
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
@@ -112,6 +119,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:
         optimizer = optimizer_factory(model, dims, recipe)
+    if replica is not None:
+        optimizer = FaultTolerantOptimizer(optimizer, dims, recipe, replica)
     start = 0
     if ckpt_dir is not None:
         manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
@@ -125,16 +134,20 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
             print(f"resumed from {ckpt_dir} at step {start}; {max(0, logged - start)} logged step(s) after it are "
                   "lost and will be redone", flush=True)
 
-    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype)
+    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype,
+                               replicas=replica.num_replicas if replica else 1)
     actions, eval_actions = _build_schedules(recipe, dims)
     dynamic = _build_dynamic_batch(recipe, dims, loader)
     logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
     checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
     ps = PSClient(recipe, dims, ps_embed) if dims.ps_servers else None
-    return Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
-                   checkpointer=checkpointer, start_step=start,
-                   peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer,
-                   dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k), ps=ps)
+    trainer = Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
+                      checkpointer=checkpointer, start_step=start,
+                      peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer,
+                      dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k), ps=ps)
+    if replica is not None:
+        optimizer.attach(trainer)  # healing restores the trainer's step and loader with the weights
+    return trainer
 
 
 def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:
@@ -180,11 +193,13 @@ def _build_loader(recipe: Recipe, dims: ParallelDims, tokenizer) -> Loader:
     return build_loader(recipe, dims, tokenizer)
 
 
-def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype: torch.dtype) -> Executor:
-    """The executor of this rank's chunks: boundary activations (B/dp/microbatches, T or T/tp, D)."""
+def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype: torch.dtype,
+                    replicas: int = 1) -> Executor:
+    """The executor of this rank's chunks: boundary activations (B/dp/microbatches, T or T/tp, D); replicas:
+    torchft replica groups, each with its own dims (dp over all of them is replicas x dims.dp)."""
     p, t = recipe.parallel, recipe.train
     tp_group = dims.tp_group if dims.tp > 1 else None
-    micro = t.global_batch // dims.dp // p.microbatches
+    micro = t.global_batch // (replicas * dims.dp) // p.microbatches
     seq = t.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
     if t.precision == "bf16":
         def autocast():

@@ -10,6 +10,7 @@ when SIGTERM found no step boundary within run.stop_timeout_s or a second SIGTER
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.ft import Replica, replica_from_env
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.plan.auto import resolve_at_launch
 from pipetrain.preflight import preflight
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = resolve_at_launch(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)))
     if args.dry_run:
         return dry_run(recipe, workers, int(os.environ.get("RANK", 0)))
-    problems = layout_problems(recipe, workers)
+    recipe, replica, problems = _replica_layout(recipe, workers)
     if recipe.run.stop_timeout_s <= 0:
         problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         preflight(recipe, workers)  # before any allocation: sizes that cannot fit, batches the data cannot supply
         if rank >= workers:
             return _serve(args, recipe)
-        return _train(args, recipe, rank, workers)
+        return _train(args, recipe, rank, workers, replica)
     finally:
         if lock is not None:
             lock.release()
@@ -146,8 +148,21 @@ def _serve(args: argparse.Namespace, recipe: Recipe) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int) -> int:
-    trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only)
+def _replica_layout(recipe: Recipe, world_size: int) -> tuple[Recipe, Replica | None, list[str]]:
+    """The layout problems; under parallel.fault_tolerance=torchft this torchrun is one replica group
+    (pipetrain.parallel.ft): its layout is checked as a standalone run of the group and it writes into
+    run.output_dir/replica-<REPLICA_GROUP_ID>."""
+    if recipe.parallel.fault_tolerance != "torchft":
+        return recipe, None, layout_problems(recipe, world_size)
+    replica, problems = replica_from_env(recipe, world_size)
+    if replica is None:
+        return recipe, None, problems
+    run = dataclasses.replace(recipe.run, output_dir=replica.output_dir(recipe.run.output_dir))
+    return dataclasses.replace(recipe, run=run), replica, layout_problems(replica.local_recipe(recipe), world_size)
+
+
+def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int, replica: Replica | None) -> int:
+    trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only, replica=replica)
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()
@@ -159,6 +174,8 @@ def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int)
         barrier(world_size)  # every rank has finished its collectives before any tears its groups down
     finally:
         guard.uninstall()
+        if replica is not None:
+            trainer.optimizer.shutdown()  # torchft's manager server and checkpoint transport
     if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested and trainer.ps is not None:
         print("run.sample_tokens: no sample under parallel.ps_servers (the table lives on the servers); "
               "generate from the checkpoint: python -m pipetrain.generate", flush=True)

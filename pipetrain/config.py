@@ -411,6 +411,7 @@ def validate(r: Recipe) -> list[str]:
     if p.dp is not None:
         need(p.dp >= 1, f"parallel.dp={p.dp} must be >= 1")
     problems += _relaxed_problems(r)
+    problems += _fault_tolerance_problems(r.parallel)
     return problems
 
 
@@ -472,13 +473,37 @@ def _ps_problems(r: Recipe) -> list[str]:
         out.append("parallel.ps_sync=ssp needs parallel.staleness >= 1 (the versions a pulled row may lag); set "
                    "parallel.staleness, or use ps_sync=bsp (staleness 0)")
     others = [(p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}"), (p.dynamic_batch, "parallel.dynamic_batch"),
-              (m.lora_rank is not None, "model.lora_rank"), (p.fault_tolerance != "none",
-                                                             f"parallel.fault_tolerance={p.fault_tolerance}"),
-              (bool(m.init_from), "model.init_from")]
+              (m.lora_rank is not None, "model.lora_rank"), (bool(m.init_from), "model.init_from")]
+    # fault_tolerance=torchft with servers: _fault_tolerance_problems says why
     for on, key in others:
         if on:
             out.append(f"parallel.ps_servers does not combine with {key}; drop one of them (servers keep the "
                        "dense part bulk-synchronous and train the table from the seed or a checkpoint)")
+    return out
+
+
+def _fault_tolerance_problems(p: ParallelConfig) -> list[str]:
+    """parallel.fault_tolerance=torchft: the combinations that cannot work with torchft's per-step averaging
+    over the live replica groups (the launch environment is checked by pipetrain.parallel.ft)."""
+    if p.fault_tolerance != "torchft":
+        return []
+    why = "parallel.fault_tolerance=torchft"
+    out = []
+    if p.dp is None:
+        out.append(f"parallel.dp: must be given under {why} (replica groups x dp ranks per group), got none; "
+                   "e.g. parallel.dp=2 for two replica groups of one dp rank each")
+    if p.dp_sync != "bsp":
+        out.append(f"parallel.dp_sync={p.dp_sync}: does not combine with {why} (torchft averages every step's "
+                   "gradients over the live replica groups); use parallel.dp_sync=bsp or fault_tolerance=none")
+    if p.ps_servers:
+        out.append(f"parallel.ps_servers={p.ps_servers}: does not combine with {why} (the servers would be a "
+                   "single point of failure outside every replica group); set parallel.ps_servers=0")
+    if p.dynamic_batch:
+        out.append(f"parallel.dynamic_batch: does not combine with {why} (each replica group reads a fixed "
+                   "slice of the global batch); set parallel.dynamic_batch=false")
+    if p.zero:
+        out.append(f"parallel.zero={p.zero}: is not implemented under {why} (replica groups exchange whole "
+                   "gradients); set parallel.zero=0")
     return out
 
 

@@ -134,6 +134,7 @@ class Trainer:
         faults.maybe_kill(self.step + 1)
         self.model.train()
         self.optimizer.zero_grad()
+        t_compute = time.perf_counter()  # after zero_grad: under torchft it waits for the step's quorum
         batch, num_targets = self.loader.next()
         if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps)
             self.ps.begin_step(self.step + 1, batch.inputs)
@@ -141,7 +142,7 @@ class Trainer:
                 self.ps.prefetch(self.step + 2, self.loader.peek_inputs())
         local = self.forward_backward(batch, num_targets)
         # an injected straggler takes f x this step's compute (forward and backward; waits on peers excluded)
-        compute_s = time.perf_counter() - t0
+        compute_s = time.perf_counter() - t_compute
         slept = faults.straggle(self.step + 1, compute_s)
         if self.dbs is not None:
             self._slot_seconds = (compute_s + slept) / self.dbs.slots(self.microbatches())
@@ -154,6 +155,8 @@ class Trainer:
             loss = self._replica_loss(local, num_targets)
         else:
             loss = self._global_loss(local, num_targets)
+        if hasattr(self.optimizer, "replica_loss"):  # torchft: sync_step sums it over the live replica groups
+            self.optimizer.replica_loss = loss
 
         def check(grad_norm: float) -> None:
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):

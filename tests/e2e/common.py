@@ -1,10 +1,14 @@
 """Run train.py (one process or torchrun) on a small recipe and read its metrics.jsonl."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import torch
 from safetensors import safe_open
@@ -73,3 +77,31 @@ def save_tiny_hf_llama(out) -> None:
                       tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(out)
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "pipetrain", "assets", "tokenizer")).save_pretrained(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lighthouse(heartbeat_s: float = 5.0):
+    """A torchft lighthouse on a free port that declares a replica group dead after heartbeat_s without a
+    heartbeat; yields its address for TORCHFT_LIGHTHOUSE (tests/e2e/test_torchft.py, benchmarks/failover.py)."""
+    binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                             "--heartbeat_timeout_ms", str(int(heartbeat_s * 1000)), "--bind", f"[::]:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # ready once it accepts connections
+            with contextlib.suppress(OSError), socket.create_connection(("localhost", port), timeout=1):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "torchft_lighthouse did not start"
+            time.sleep(0.05)
+        yield f"http://localhost:{port}"
+    finally:
+        proc.kill()
+        proc.wait()

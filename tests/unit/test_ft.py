@@ -1,0 +1,105 @@
+"""pipetrain.parallel.ft without processes: where a torchrun sits among the replica groups, what its layout
+check sees, every launch problem at once, and sync_step's arithmetic against a stand-in for torchft's Manager
+(all groups live, one missing, an uncommitted step)."""
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from pipetrain.config import TrainConfig, build_recipe
+from pipetrain.optim import Optimizer
+from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica, replica_from_env
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                reason='torchft is not installed: pip install "pipetrain[torchft]"')
+ENV = {"TORCHFT_LIGHTHOUSE": "http://localhost:29510", "REPLICA_GROUP_ID": "1"}
+
+
+def _recipe(**parallel):
+    return build_recipe({"model": {"d_model": 64, "n_layers": 4, "n_heads": 4},
+                         "data": {"path": "x", "tokenizer": "y"}, "train": {"global_batch": 8},
+                         "parallel": {"fault_tolerance": "torchft", **parallel}})
+
+
+def test_a_torchrun_is_one_replica_group_reading_its_slice_of_the_global_batch():
+    replica, problems = replica_from_env(_recipe(dp=4, pp=2), world_size=4, env=ENV)  # 2 groups of 2 dp x 2 pp
+    assert problems == [] and replica == Replica(replica_id=1, num_replicas=2, dp_shard=2)
+    local = replica.local_recipe(_recipe(dp=4, pp=2))
+    assert (local.parallel.dp, local.parallel.dp_shard, local.train.global_batch) == (2, 2, 4)
+    assert replica.output_dir("runs/x").endswith("replica-1")
+
+
+def test_launch_problems_are_reported_together():
+    _, problems = replica_from_env(_recipe(dp=3, dp_shard=1), world_size=2, env={"REPLICA_GROUP_ID": "x"})
+    text = " | ".join(problems)
+    assert "TORCHFT_LIGHTHOUSE is not set" in text
+    assert "parallel.dp_shard: must equal the dp ranks of one replica group" in text
+    assert "parallel.dp=3: must be a multiple of the dp ranks of one replica group (2" in text
+    assert "REPLICA_GROUP_ID: must be a replica group index in [0, 1)" in text
+    _, problems = replica_from_env(_recipe(dp=2), world_size=1, env=dict(ENV, REPLICA_GROUP_ID="2"))
+    assert problems == ["REPLICA_GROUP_ID: must be a replica group index in [0, 2) (parallel.dp=2 / 1 dp rank(s) "
+                        "per group), got '2'"]
+
+
+class _Work:
+    def wait(self):
+        return True
+
+
+class _Manager:
+    """torchft's Manager as sync_step sees it: the other live groups' sums arrive in allreduce."""
+
+    def __init__(self, peers, commit=True):
+        self.peers, self.commit, self.calls = peers, commit, 0
+
+    def allreduce(self, tensor, reduce_op=None):
+        tensor += self.peers[self.calls]  # first the flat gradients, then (loss, target tokens)
+        self.calls += 1
+        return _Work()
+
+    def num_participants(self):
+        return 1 + (self.peers[1][1] > 0)
+
+    def should_commit(self):
+        return self.commit
+
+
+class _Data:
+    def count_targets(self, first, count):
+        return 10 * count  # every sample has 10 target tokens
+
+
+def _wrapped(manager):
+    """A 2-group FaultTolerantOptimizer over a tiny linear model, as group 0, after one backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    recipe = _recipe(dp=2)
+    opt = FaultTolerantOptimizer(Optimizer(model, ParallelDims(), TrainConfig(lr=0.1)), ParallelDims(), recipe,
+                                 Replica(0, 2, 1))
+    loader = types.SimpleNamespace(samples=16, global_batch=8, local_batch=4, data=_Data())  # step 2 served
+    opt.trainer = types.SimpleNamespace(model=model, loader=loader, step=1, tokens_seen=0)
+    opt.manager = manager
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.replica_loss = 1.5
+    return opt, model
+
+
+def test_all_groups_live_sum_exactly_and_a_missing_group_leaves_the_mean_over_the_samples_seen():
+    peer_grad = torch.full((6,), 3.0)
+    opt, model = _wrapped(_Manager([peer_grad, torch.tensor([2.5, 40.0], dtype=torch.float64)]))
+    _, _, extra = opt.sync_step(2, lambda k: 0.0, 0.0, lambda norm: None)  # lr 0: the step leaves weights
+    assert (model.weight.grad == 4.0).all() and extra["loss"] == 4.0 and extra["ft_replicas"] == 2
+    opt, model = _wrapped(_Manager([torch.zeros(6), torch.zeros(2, dtype=torch.float64)]))  # group 1 is dead
+    _, _, extra = opt.sync_step(2, lambda k: 0.0, 0.0, lambda norm: None)
+    # 40 of the 80 target tokens were seen: the gradient and the loss are scaled to their mean
+    assert (model.weight.grad == 2.0).all() and extra["loss"] == 3.0 and extra["ft_replicas"] == 1
+
+
+def test_an_uncommitted_step_is_taken_again_with_the_same_batch():
+    opt, model = _wrapped(_Manager([torch.zeros(6), torch.zeros(2, dtype=torch.float64)], commit=False))
+    before = model.weight.detach().clone()
+    _, _, extra = opt.sync_step(2, lambda k: 0.1, 0.0, lambda norm: None)
+    assert extra["ft_committed"] is False and (model.weight == before).all()
+    assert opt.trainer.step == 0 and opt.trainer.loader.samples == 8  # the trainer's += 1 brings back step 1
