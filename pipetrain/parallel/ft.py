@@ -44,6 +44,7 @@ from torch.distributed import ReduceOp, TCPStore
 from pipetrain.config import ParallelConfig, Recipe
 from pipetrain.faults import restart_count
 from pipetrain.parallel.comm import broadcast_object_from_rank0
+from pipetrain.parallel.wrapped import WrappedOptimizer
 
 REPLICA_ENV = "REPLICA_GROUP_ID"      # which replica group this torchrun is (0 .. groups - 1)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # read by torchft itself: http://HOST:PORT of torchft_lighthouse
@@ -144,7 +145,7 @@ def _replica_store(dims) -> tuple[TCPStore | None, str, int]:
     return store, host, port
 
 
-class FaultTolerantOptimizer:
+class FaultTolerantOptimizer(WrappedOptimizer):
     """Wraps a replica group's optimizer (pipetrain.optim.Optimizer, summing inside the group) with torchft's
     exchange between groups. The trainer calls zero_grad() (the step's quorum; may heal), backward,
     reduce_grads(), sets replica_loss, then sync_step(clock, lr_at, grad_clip, check) instead of
@@ -196,31 +197,10 @@ class FaultTolerantOptimizer:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
-    # ---- the wrapped optimizer's interface ----
-    def __getattr__(self, name):  # model, stage, state_bytes, ...: the inner optimizer's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
+    # ---- the wrapped optimizer's interface (the rest passes through: WrappedOptimizer) ----
     def zero_grad(self) -> None:
         self.inner.zero_grad()
         self._quorum()
-
-    def reduce_grads(self) -> None:
-        """Sum gradients inside the group (dp_shard, tp, tied embedding)."""
-        self.inner.reduce_grads()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return self.inner.clip_grad_norm(max_norm)
-
-    def step(self, lr: float) -> None:
-        self.inner.step(lr)
-
-    def state_items(self):
-        return self.inner.state_items()
-
-    def load_state_items(self, read) -> None:
-        self.inner.load_state_items(read)
 
     # ---- one step ----
     def _quorum(self) -> None:

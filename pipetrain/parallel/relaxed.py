@@ -45,6 +45,7 @@ import torch
 
 from pipetrain.config import ParallelConfig, TrainConfig
 from pipetrain.parallel.comm import all_reduce_, all_reduce_async, all_reduce_max_
+from pipetrain.parallel.wrapped import WrappedOptimizer
 from pipetrain.parallel.zero import ZeroOptimizer
 
 RELAXED_MODES = ("ssp", "dssp", "local_sgd", "diloco")
@@ -74,7 +75,7 @@ def _done(work) -> bool:
     return True if check is None else bool(check())
 
 
-class RelaxedOptimizer:
+class RelaxedOptimizer(WrappedOptimizer):
     """Wraps a replica's optimizer (Optimizer or ZeroOptimizer, reducing over dp_shard only) with the
     exchange across dp_replicate. The trainer calls zero_grad(); backward; reduce_grads(); then
     sync_step(clock, lr_at, grad_clip, check) instead of clip_grad_norm + step."""
@@ -96,25 +97,7 @@ class RelaxedOptimizer:
         self.global_params: list[torch.Tensor] | None = None  # diloco
         self.outer_momentum: list[torch.Tensor] | None = None
 
-    # ---- the wrapped optimizer's interface ----
-    def __getattr__(self, name):  # stage, views, shards, grad_bytes, ...: the inner optimizer's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def reduce_grads(self) -> None:
-        """Sum gradients inside the replica (dp_shard, tp, tied embedding)."""
-        self.inner.reduce_grads()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return self.inner.clip_grad_norm(max_norm)
-
-    def step(self, lr: float) -> None:
-        self.inner.step(lr)
-
+    # ---- the wrapped optimizer's interface (the rest passes through: WrappedOptimizer) ----
     def state_items(self):
         items = self.inner.state_items()
         if self.outer_momentum is not None and self.pcfg.outer_momentum > 0:

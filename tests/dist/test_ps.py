@@ -73,6 +73,7 @@ LAYOUTS = [
     pytest.param(dict(ps_servers=1), 3, EXACT_FP32, id="dp2+1server"),
     pytest.param(dict(pp=2, ps_servers=1, microbatches=2), 5, EXACT_FP32, marks=pytest.mark.slow,
                  id="dp2xpp2+1server"),
+    pytest.param(dict(tp=2, ps_servers=2), 4, TP_FP32, marks=pytest.mark.slow, id="tp2+2servers"),
     pytest.param(dict(tp=2, sequence_parallel=True, ps_servers=2), 4, TP_FP32, marks=pytest.mark.slow,
                  id="tp2sp+2servers"),
 ]
