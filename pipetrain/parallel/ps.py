@@ -319,7 +319,7 @@ class Server:
         self.mode, self.staleness = p.ps_sync, p.staleness
         self.pushers = dims.ps_pushers
         self.group = dims.ps_group
-        self.d = m.d_model
+        self.vocab, self.d = m.vocab_size, m.d_model
         full = init_tensor(m, "embed.weight", (m.vocab_size, m.d_model), recipe.train.seed)
         self.weight = nn.Parameter(full[self.lo:self.hi].clone())  # (rows, d) fp32, host memory
         del full
@@ -341,14 +341,11 @@ class Server:
 
     # -- state for checkpoints (pipetrain.checkpoint.Checkpointer uses these names) ----------------
     def _entries(self):
-        return [("embed.weight", self.weight, (self.hi_total(), self.d), (self.lo, 0))]
-
-    def hi_total(self) -> int:
-        return self.recipe.model.vocab_size
+        return [("embed.weight", self.weight, (self.vocab, self.d), (self.lo, 0))]
 
     def checkpoint_items(self) -> list:
         from pipetrain.parallel.inner_optim import inner_state_items
-        items = [("model/embed.weight", self.weight.detach(), (self.hi_total(), self.d), [self.lo, 0])]
+        items = [("model/embed.weight", self.weight.detach(), (self.vocab, self.d), [self.lo, 0])]
         for name, tensor, shape, offsets in inner_state_items(self.inner, self._entries(), self.steps_taken):
             if name != "step":  # the workers write the optimizer's step
                 items.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))

@@ -13,7 +13,7 @@ from pipetrain.build import build_server
 from pipetrain.checkpoint import TensorReader, read_manifest
 from pipetrain.config import ModelConfig
 from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.ps import pull_bytes, push_bytes, row_range
+from pipetrain.parallel.ps import pull_bytes, push_bytes
 from tests.dist.common import replica_recipe, replica_trainer
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 
@@ -107,13 +107,6 @@ def test_bsp_ps_gives_the_single_process_loss(tmp_path, keys, world, tol):
             assert record["ps_pull_bytes"] == pull_bytes(unique, d, asked)
             assert record["ps_push_bytes"] == push_bytes(unique, d, asked)
             assert unique * d * 4 < MODEL.vocab_size * d * 4  # U x d, not V x d
-
-
-def test_row_ranges_cover_the_table():
-    for vocab, servers in ((256, 1), (256, 3), (10, 4)):
-        ranges = [row_range(vocab, servers, i) for i in range(servers)]
-        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_ssp_pulls_stay_within_the_staleness_bound(tmp_path):
