@@ -140,6 +140,19 @@ def test_async_applies_every_push_and_records_its_staleness(tmp_path):
     assert all(torch.isfinite(torch.tensor(losses))) and len(losses) == steps
 
 
+def test_servers_resume_a_plain_checkpoint_bitwise(tmp_path):
+    """Servers read their rows of a checkpoint written without servers; saved again, every tensor is
+    unchanged (the other direction and the full round trip: the slow test below)."""
+    plain, ps = str(tmp_path / "plain"), str(tmp_path / "ps")
+    rank_results(1, _run, plain, {}, 2)
+    ckpt = os.path.join(plain, "checkpoints", "step-00000002")
+    rank_results(3, _run, ps, dict(ps_servers=1), 2, ckpt)  # no steps left: it loads and saves again
+    before, after = full_tensors(ckpt), full_tensors(os.path.join(ps, "checkpoints", "step-00000002"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
 @pytest.mark.slow
 def test_checkpoint_round_trip_through_a_run_without_servers(tmp_path):
     """A PS checkpoint loads into a run without servers and back, bitwise; and training resumed with

@@ -1,5 +1,5 @@
 """train.py with parameter servers (parallel.ps_servers): 2 workers + 1 server under torchrun train,
-log their rows and bytes, save and resume; a killed server under --max-restarts resumes and ends with
+log their rows and bytes, evaluate and save; a killed server under --max-restarts resumes and ends with
 the uninterrupted run's weights; bad input exits 2 with one line naming the key."""
 import json
 import os
@@ -13,7 +13,7 @@ from tests.e2e.test_relaxed_cli import _bad
 PS = ["parallel.ps_servers=1", "parallel.dp=2", "train.steps=4", "run.eval_every=2", "checkpoint.every=2"]
 
 
-def test_two_workers_and_a_server_train_log_and_resume(tmp_path, token_cache):
+def test_two_workers_and_a_server_train_log_and_save(tmp_path, token_cache):
     out = str(tmp_path)
     proc, metrics = run_train(out, PS, nproc=3, cache_dir=token_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,10 +27,7 @@ def test_two_workers_and_a_server_train_log_and_resume(tmp_path, token_cache):
     assert [a["step"] for a in applies] == [1, 2, 3, 4]
     manifest = json.load(open(os.path.join(out, "checkpoints", "step-00000004", "manifest.json")))
     assert manifest["layout"]["ps_servers"] == 1 and "model/embed.weight" in manifest["tensors"]
-    proc, metrics = run_train(out, PS[:3] + ["train.steps=6", "run.eval_every=0"], nproc=3, cache_dir=token_cache,
-                              extra_args=["--resume", "auto"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in metrics if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # resuming with servers: tests/dist/test_ps.py (round trips) and the killed-server restart below (slow)
 
 
 @pytest.mark.slow

@@ -103,3 +103,15 @@ def test_an_uncommitted_step_is_taken_again_with_the_same_batch():
     _, _, extra = opt.sync_step(2, lambda k: 0.1, 0.0, lambda norm: None)
     assert extra["ft_committed"] is False and (model.weight == before).all()
     assert opt.trainer.step == 0 and opt.trainer.loader.samples == 8  # the trainer's += 1 brings back step 1
+
+
+def test_recipe_combinations_torchft_refuses_name_the_key():
+    from pipetrain.config import ParallelConfig, Recipe, validate
+
+    def problems(**parallel):
+        return " | ".join(validate(Recipe(parallel=ParallelConfig(fault_tolerance="torchft", **parallel))))
+
+    assert "parallel.dp: must be given under parallel.fault_tolerance=torchft" in problems()
+    assert "parallel.dp_sync=local_sgd: does not combine" in problems(dp=2, dp_sync="local_sgd", dp_shard=1)
+    assert "parallel.ps_servers=1: does not combine" in problems(dp=2, ps_servers=1)
+    assert "parallel.zero=1: is not implemented" in problems(dp=2, zero=1)
