@@ -5,10 +5,12 @@
 measure: for each world size, the planner's valid layouts of a small llama (D=128, L=4, V=1024, batch 8 x 64)
   are ranked on the device profile; --layouts of them, evenly spread over the ranking (best first), run on gloo
   processes (one thread each) for --steps steps on synthetic tokens, built by pipetrain.build.build_trainer.
-  Measured: median step time after the first step -> tokens/s; peak memory = the largest over ranks of the
-  peak RSS during the steps (VmHWM, reset after the build) minus the RSS before the build (glibc's mmap
-  threshold is pinned so freed tensors go back to the OS). Reported: Spearman rank correlation of predicted and
-  measured tokens/s, the planner's top choice against the best measured, memory error per layout.
+  Measured, in two passes with fresh processes each: speed, the median step time after the first step ->
+  tokens/s, with the allocator as training runs it; memory, 3 steps with glibc's mmap threshold pinned (so
+  freed tensors go back to the OS and RSS follows live memory; every large allocation then page-faults, which
+  doubles step times, hence the separate pass): peak = the largest over ranks of the peak RSS during the steps
+  (VmHWM, reset after the build) minus the RSS before the build. Reported: Spearman rank correlation of
+  predicted and measured tokens/s, the planner's top choice against the best measured, memory error per layout.
 gpt-1b: the ranked plan of recipes/gpt-1b.yaml (parallel.auto semantics: its fixed keys dropped) on 8 x H100 80GB
   and on 2 nodes x 8, and the memory model next to the figures the ZeRO paper publishes for a 1.5B GPT-2.
 """
@@ -23,8 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before any child starts: RSS follows live memory
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -57,14 +57,20 @@ def _rss(field: str = "VmRSS") -> int:
     raise RuntimeError(field)
 
 
-def _worker(rank: int, world_size: int, layouts: list[dict], steps: int, out: str) -> None:
+def _worker(rank: int, world_size: int, layouts: list[dict], steps: int, out: str, tag: str) -> None:
     torch.set_num_threads(1)
     rows = []
-    # The first layout a process builds pays its page faults, thread pools and kernel warm-up: a warm-up
-    # round of the first layout (not reported) keeps that out of the reported rows.
+    # The first layout a process builds pays its page faults, thread pools, lazy imports and kernel warm-up: a
+    # warm-up round of the first layout (not reported) keeps that out of the reported rows. The memory pass
+    # runs one layout per fresh process (memory an earlier layout freed would hide this one's growth) and warms
+    # up on the same layout of a 4x narrower model, whose few MiB return to the OS when it is freed.
+    memory = tag.startswith("memory")
     for k, layout in enumerate([layouts[0]] + layouts):
-        recipe = apply_layout(dataclasses.replace(RECIPE, train=dataclasses.replace(RECIPE.train, steps=steps),
-                                                  run=RunConfig(output_dir=os.path.join(out, f"run{k}"),
+        base = RECIPE
+        if memory and k == 0:
+            base = dataclasses.replace(RECIPE, model=dataclasses.replace(MODEL, d_model=32, ffn_hidden=96))
+        recipe = apply_layout(dataclasses.replace(base, train=dataclasses.replace(RECIPE.train, steps=steps),
+                                                  run=RunConfig(output_dir=os.path.join(out, f"{tag}run{k}"),
                                                                 progress=False)), layout)
         os.makedirs(recipe.run.output_dir, exist_ok=True)
         dims = ParallelDims.from_degrees(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], world_size=world_size)
@@ -79,12 +85,13 @@ def _worker(rank: int, world_size: int, layouts: list[dict], steps: int, out: st
             t0 = time.perf_counter()
             trainer.train_step()
             times.append(time.perf_counter() - t0)
-        rows.append({"step_s": statistics.median(times[1:]), "peak": _rss("VmHWM") - before})
+        rows.append({"step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+                     "peak": _rss("VmHWM") - before})
         trainer.logger.close()
         del trainer
         gc.collect()
     rows = rows[1:]
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"{tag}{rank}.json"), "w") as f:
         json.dump(rows, f)
 
 
@@ -115,12 +122,21 @@ def measure(profile, world: int, num_layouts: int, steps: int) -> None:
     n = len(result.plans)
     picks = sorted({round(i * (n - 1) / (num_layouts - 1)) for i in range(num_layouts)}) if n > 1 else [0]
     plans = [result.plans[i] for i in picks]
+    layouts = [p.layout for p in plans]
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(world, _worker, [p.layout for p in plans], steps, out)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+        run_ranks(world, _worker, layouts, steps, out, "speed")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned interpreters at start
+        try:
+            for k, layout in enumerate(layouts):
+                run_ranks(world, _worker, [layout], 3, out, f"memory{k}_")
+        finally:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        speed = [json.load(open(os.path.join(out, f"speed{r}.json"))) for r in range(world)]
+        memory = [[json.load(open(os.path.join(out, f"memory{k}_{r}.json")))[0] for k in range(len(layouts))]
+                  for r in range(world)]
     tokens = RECIPE.train.global_batch * RECIPE.train.seq_len
-    measured = [tokens / max(r[k]["step_s"] for r in ranks) for k in range(len(plans))]
-    peaks = [max(r[k]["peak"] for r in ranks) for k in range(len(plans))]
+    measured = [tokens / max(r[k]["step_s"] for r in speed) for k in range(len(plans))]
+    peaks = [max(r[k]["peak"] for r in memory) for k in range(len(plans))]
     print(f"\n## world {world}: {n} valid layouts on {profile.name}; {len(plans)} run ({steps} steps)")
     print("| rank | dp tp pp | schedule v split | mb | zero | recompute | sp | pred tok/s | meas tok/s | "
           "pred MiB | meas MiB |")
@@ -135,6 +151,10 @@ def measure(profile, world: int, num_layouts: int, steps: int) -> None:
     print(f"Spearman(predicted, measured tokens/s) = {spearman([p.time.tokens_per_s for p in plans], measured):.2f}; "
           f"top choice measured {measured[0]:,.0f} tok/s = {measured[0] / measured[best]:.0%} of the best measured "
           f"(rank {picks[best] + 1})")
+    errors = [plan.peak_bytes / peak - 1 for plan, peak in zip(plans, peaks) if peak > 0]
+    print(f"peak memory: {sum(abs(e) <= 0.15 for e in errors)} of {len(plans)} within 15% of measured; median "
+          f"|error| {statistics.median(map(abs, errors)):.0%}; predicted - measured from {min(errors):+.0%} "
+          f"to {max(errors):+.0%}")
 
 
 def gpt_1b(top: int) -> None:
@@ -172,7 +192,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
     if args.calibrate or args.device is None:
-        profile = calibrate()
+        profile = calibrate(recipe=RECIPE)
         save_profile(profile, "plan-profile.json")
         print(f"calibrated: {json.dumps(profile.as_dict())}")
     else:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc/--nodes: must be >= 1, got {args.nproc}/{args.nodes}; pass positive counts")
     recipe = load_recipe(args.recipe, args.set)
     if args.calibrate:
-        profile = calibrate()
+        profile = calibrate(recipe=recipe)
         save_profile(profile, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     else:

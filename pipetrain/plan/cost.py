@@ -9,9 +9,16 @@
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
                 last microbatch's backward (parallel/zero.py, data_parallel.py launch buckets then), the rest
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed
+    optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
+                memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth
 A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
 gather) and pays its latency 2 (n-1) or (n-1) times. A group whose ranks span nodes uses the inter-node
-link (mesh order dp, pp, tp: tp is innermost).
+link (mesh order dp, pp, tp: tp is innermost). On a CPU profile with `cores`, ranks beyond the node's cores
+share them: a rank's work runs at one core's speed, but the node's ranks together get only `cores` cores, so
+a step takes at least the node's busy time / cores (ranks_per_node / cores x one rank's) -- and a pipeline's
+bubble costs less than on devices of their own, as an idle rank yields its core to a busy one; and the
+data-parallel reduction is not overlapped (gloo reduces on the same cores the backward needs), and each
+chunk's pipeline send and receive is charged to its F and B.
 """
 from __future__ import annotations
 
@@ -22,7 +29,12 @@ from pipetrain.models import flops_per_token
 from pipetrain.parallel.layout import resolve_dp
 from pipetrain.parallel.pipeline import layer_costs
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import FP32, model_state_bytes, rank_stages, schedule_shape
+from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_stages, schedule_shape
+
+
+# Bytes of memory traffic per updated parameter in one step: the gradient-norm read (4), AdamW's reads of
+# parameter, gradient and two moments (16) and writes of parameter and moments (12), and foreach temporaries (8).
+OPTIMIZER_BYTES = 40
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class StepTime:
     bubble_fraction: float
     dp_comm: float        # total dp collective time
     dp_exposed: float     # the part not hidden behind the last backward
+    optimizer: float      # gradient norm and AdamW update of this rank's shard
     total: float
     tokens_per_s: float
 
@@ -61,13 +74,16 @@ def _link(profile: DeviceProfile, span: int, ranks_per_node: int) -> tuple[float
 
 
 def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per_node: int | None = None,
-              grad_bytes: int | None = None) -> StepTime:
-    """Predicted seconds per optimizer step (and tokens/s) of recipe's layout on world_size ranks."""
+              states: tuple[int, int, int] | None = None) -> StepTime:
+    """Predicted seconds per optimizer step (and tokens/s) of recipe's layout on world_size ranks; states:
+    the busiest rank's (parameter, gradient, optimizer-state) bytes, computed when not given."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     ranks_per_node = ranks_per_node or world_size
     dp = resolve_dp(recipe, world_size)
     tp, pp, v = p.tp, p.pp, p.virtual_stages
     micro_tokens = t.global_batch // (dp * p.microbatches) * t.seq_len
+    # CPU ranks beyond the node's cores time-share them (a calibrated profile's figures are per core)
+    share = max(1.0, ranks_per_node / profile.cores) if profile.cores else 1.0
     peak = profile.flops(t.precision) * profile.efficiency
 
     # Forward FLOPs per token of the busiest pp rank: its blocks (attention as flops_per_token counts it),
@@ -96,30 +112,42 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)
 
     if pp > 1:
+        bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
+        boundary = micro_tokens // (tp if p.sequence_parallel and tp > 1 else 1) * m.d_model * FP32
+        hop = boundary / bw_pp + lat_pp
+        if profile.cores:  # gloo on CPU: every send / receive of a chunk's F and B costs the rank's own core
+            f_cost += v * hop
+            b_cost += v * hop
         # simulated at the nominal B/F (cached across layouts), scaled to this layout's F + B
         ratio = backward_ratio(recipe)
         makespan_unit, _ = schedule_shape(p.schedule, pp, p.microbatches, v, p.split_backward, ratio)
         makespan_unit *= (f_cost + b_cost) / (1 + ratio) / f_cost
-        bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
-        boundary = micro_tokens // (tp if p.sequence_parallel and tp > 1 else 1) * m.d_model * FP32
-        pp_comm = 2 * (pp - 1) * v * (boundary / bw_pp + lat_pp)
+        pp_comm = 2 * (pp - 1) * v * hop
         pipeline = makespan_unit * f_cost + pp_comm
     else:
         pp_comm = 0.0
         pipeline = p.microbatches * (f_cost + b_cost)
     busy = p.microbatches * (f_cost + b_cost)
     bubble = max(0.0, pipeline - pp_comm - busy)
+    if share > 1:  # shared cores: the node's work / its cores bounds the step; the bubble shrinks into it
+        pipeline = max(pipeline, busy * share)
+        bubble = max(0.0, pipeline - pp_comm - busy * share)
+        busy *= share
 
     # dp: this rank's gradients, reduced once per step
-    if grad_bytes is None:
-        grad_bytes = model_state_bytes(recipe, world_size, busiest)[0]
+    if states is None:
+        states = model_state_bytes(recipe, world_size, busiest)
+    grad_bytes = states[0]
+    optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
     zero = p.zero if dp > 1 else 0
     reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1 if zero == 2 else 2)
     gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) if zero >= 1 else 0.0
-    exposed = max(0.0, reduce - b_cost) + gather
-    total = pipeline + exposed
-    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0))
+    # on a CPU profile gloo's reductions run on the ranks' own cores: nothing hides behind the backward
+    exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + gather
+    total = pipeline + exposed + optimizer
+    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
     return StepTime(compute=compute, tp_comm=busy - compute, pp_comm=pp_comm, bubble=bubble,
                     bubble_fraction=bubble / pipeline if pipeline else 0.0, dp_comm=reduce + gather,
-                    dp_exposed=exposed, total=total, tokens_per_s=t.global_batch * t.seq_len / total)
+                    dp_exposed=exposed, optimizer=optimizer, total=total,
+                    tokens_per_s=t.global_batch * t.seq_len / total)

@@ -29,6 +29,8 @@ class DeviceProfile:
     inter_latency: float       # seconds per message across nodes
     efficiency: float = 0.5    # achieved fraction of the matmul peak on transformer layers (MFU-like)
     op_overhead: float = 10e-6  # seconds of dispatch per operator call (kernel launch on GPUs, eager overhead on CPU)
+    cores: int = 0             # CPU cores the ranks of one node share (0: one device per rank, as GPUs)
+    mem_bw: float = 20e9       # bytes/s of memory bandwidth one rank gets (the optimizer step is bound by it)
     source: str = ""
 
     def flops(self, precision: str) -> float:
@@ -47,26 +49,27 @@ DEVICES: dict[str, DeviceProfile] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, BF16 989 TFLOPS dense (1979 with sparsity),
     # TF32 494.5 dense, NVLink 900 GB/s total bidirectional -> 450 GB/s per direction.
     "h100-sxm-80gb": DeviceProfile("h100-sxm-80gb", 80 * GB, 989e12, 494.5e12, 450 * GB, 3e-6, _NDR_PER_GPU, 8e-6,
-                                   source="NVIDIA H100 datasheet (SXM5); ConnectX-7 400Gb/s per GPU"),
+                                   mem_bw=3.35e12, source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s; ConnectX-7 400Gb/s per GPU"),
     # Same datasheet (PCIe): 80 GB HBM2e, BF16 756 TFLOPS dense, TF32 378; PCIe Gen5 128 GB/s bidirectional.
     "h100-pcie-80gb": DeviceProfile("h100-pcie-80gb", 80 * GB, 756e12, 378e12, 64 * GB, 5e-6, _NDR_PER_GPU, 8e-6,
-                                    source="NVIDIA H100 datasheet (PCIe)"),
+                                    mem_bw=2.0e12, source="NVIDIA H100 datasheet (PCIe): 2 TB/s"),
     # NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, TF32 156; NVLink 600 GB/s bidirectional.
     "a100-80gb": DeviceProfile("a100-80gb", 80 * GB, 312e12, 156e12, 300 * GB, 3e-6, _HDR_PER_GPU, 8e-6,
-                               source="NVIDIA A100 datasheet (SXM4 80GB); ConnectX-6 200Gb/s per GPU"),
+                               mem_bw=2.039e12,
+                               source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s; ConnectX-6 200Gb/s per GPU"),
     "a100-40gb": DeviceProfile("a100-40gb", 40 * GB, 312e12, 156e12, 300 * GB, 3e-6, _HDR_PER_GPU, 8e-6,
-                               source="NVIDIA A100 datasheet (SXM4 40GB)"),
+                               mem_bw=1.555e12, source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s"),
     # NVIDIA L4 datasheet: 24 GB GDDR6, BF16 121 TFLOPS dense (242 sparse), TF32 60; PCIe Gen4 x16 64 GB/s.
     "l4": DeviceProfile("l4", 24 * GB, 121e12, 60e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
-                        source="NVIDIA L4 datasheet; PCIe Gen4 x16"),
+                        mem_bw=300e9, source="NVIDIA L4 datasheet: 300 GB/s; PCIe Gen4 x16"),
     # NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): 24 GB GDDR6X, BF16 tensor 165.2 TFLOPS dense
     # with FP32 accumulate (330.3 is FP16 accumulate), TF32 82.6; no NVLink, PCIe Gen4 x16.
     "rtx-4090": DeviceProfile("rtx-4090", 24 * GB, 165.2e12, 82.6e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
-                              source="NVIDIA Ada Lovelace GPU architecture whitepaper, RTX 4090"),
+                              mem_bw=1008e9, source="NVIDIA Ada Lovelace GPU architecture whitepaper, RTX 4090: 1008 GB/s"),
     # AMD Instinct MI300X datasheet: 192 GB HBM3, BF16 1307.4 TFLOPS dense, TF32 653.7; Infinity Fabric
     # 128 GB/s per link per direction, 7 links to peers (896 GB/s aggregate in an 8-GPU platform).
     "mi300x": DeviceProfile("mi300x", 192 * GB, 1307.4e12, 653.7e12, 128 * GB, 4e-6, _NDR_PER_GPU, 8e-6,
-                            source="AMD Instinct MI300X datasheet; 400Gb/s NIC per GPU"),
+                            mem_bw=5.3e12, source="AMD Instinct MI300X datasheet: 5.3 TB/s; 400Gb/s NIC per GPU"),
     # Placeholder for two CPU cores with gloo over loopback; calibrate measures the real figures.
     "cpu": DeviceProfile("cpu", 8 * GIB, 50e9, 50e9, 2 * GB, 50e-6, 1 * GB, 100e-6, efficiency=0.5,
                          source="placeholder; run python -m pipetrain.plan --calibrate"),

@@ -40,6 +40,7 @@ class RankMemory:
     optim: int
     activations: int
     comm: int
+    step_temp: int = 0  # the optimizer step's temporaries (foreach AdamW: sqrt of the second moment, per parameter)
 
     @property
     def model_states(self) -> int:
@@ -47,7 +48,9 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations + self.comm
+        """The larger of the two peaks: in the backward (activations and buffers live) and in the optimizer step
+        (activations freed, AdamW's temporaries live)."""
+        return self.model_states + max(self.activations + self.comm, self.step_temp)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
@@ -243,5 +246,5 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
     for r in range(recipe.parallel.pp):
         params, grads, optim = model_state_bytes(recipe, world_size, r)
         out.append(RankMemory(r, params, grads, optim, activation_bytes(recipe, world_size, r, in_flight[r]),
-                              comm_bytes(recipe, world_size, params)))
+                              comm_bytes(recipe, world_size, params), optim // MOMENTS))
     return out

@@ -119,7 +119,8 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
     if peak > profile.memory_bytes:
         return f"does not fit: {peak / 2**30:.1f} GiB > {profile.memory_bytes / 2**30:.1f} GiB"
     busiest = max(memory, key=lambda r: r.params)
-    return Plan(layout, memory, step_time(candidate, world_size, profile, ranks_per_node, busiest.params))
+    return Plan(layout, memory, step_time(candidate, world_size, profile, ranks_per_node,
+                                          (busiest.params, busiest.grads, busiest.optim)))
 
 
 def _rank_key(plan: Plan):

@@ -1,13 +1,62 @@
-"""--calibrate measures this machine (matmul, gloo all-reduce and p2p with 2 processes) into a profile file
-that --device reads back."""
+"""--calibrate measures this machine (matmul, gloo all-reduce and p2p with 2 processes, and a recipe's block) into
+a profile file that --device reads back; a CPU profile's cores are shared by the ranks of a node."""
+import dataclasses
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.plan.calibrate import calibrate, save_profile
-from pipetrain.plan.devices import load_profile
+from pipetrain.plan.cost import step_time
+from pipetrain.plan.devices import DEVICES, load_profile
+
+RECIPE = Recipe(model=ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  ffn_hidden=64, max_seq_len=32),
+                train=TrainConfig(global_batch=8, seq_len=32))
 
 
 def test_calibrated_profile_is_positive_and_round_trips(tmp_path):
-    profile = calibrate(repeats=2)
+    profile = calibrate(repeats=2, recipe=RECIPE)
     assert min(profile.fp32_flops, profile.bf16_flops, profile.intra_bw, profile.memory_bytes) > 0
     assert profile.intra_latency >= 0 and profile.inter_bw == profile.intra_bw
+    # fitted to the recipe's block: a fraction of the matmul peak, a positive fixed cost per call
+    assert 0 < profile.efficiency <= 1 and profile.op_overhead >= 0 and profile.cores >= 1
+    assert "llama block d 32" in profile.source
     path = tmp_path / "me.json"
     save_profile(profile, str(path))
     assert load_profile(str(path)) == profile
+
+
+def test_ranks_beyond_the_cores_share_them():
+    cpu = dataclasses.replace(DEVICES["cpu"], cores=2)
+    recipe = dataclasses.replace(RECIPE, parallel=ParallelConfig(tp=1, pp=1))
+    alone = step_time(recipe, 2, cpu, ranks_per_node=2)      # dp 2 on 2 cores
+    crowded = step_time(recipe, 2, cpu, ranks_per_node=4)    # the same ranks, 4 to a node of 2 cores
+    gpu_like = step_time(recipe, 2, dataclasses.replace(cpu, cores=0), ranks_per_node=4)
+    assert crowded.compute == 2 * alone.compute
+    assert gpu_like.compute == alone.compute
+
+
+def test_an_idle_pipeline_rank_lends_its_core():
+    """pp 4 with one microbatch idles 3/4 of the step on devices of their own; 4 ranks on 2 cores take at least
+    twice a rank's busy time anyway, so the bubble shrinks into that bound."""
+    recipe = dataclasses.replace(RECIPE, model=dataclasses.replace(RECIPE.model, n_layers=4),
+                                 parallel=ParallelConfig(pp=4, microbatches=1))
+    own = step_time(recipe, 4, DEVICES["cpu"], ranks_per_node=4)
+    shared = step_time(recipe, 4, dataclasses.replace(DEVICES["cpu"], cores=2), ranks_per_node=4)
+    assert own.bubble_fraction > 0.5
+    assert shared.bubble < own.bubble
+    assert shared.total >= 2 * (own.compute + own.tp_comm)
+
+
+def test_the_optimizer_step_costs_the_parameters_a_rank_updates():
+    base = dataclasses.replace(RECIPE, parallel=ParallelConfig(zero=0))
+    zero1 = dataclasses.replace(RECIPE, parallel=ParallelConfig(zero=1))
+    full, shard = step_time(base, 2, DEVICES["cpu"]), step_time(zero1, 2, DEVICES["cpu"])
+    assert full.optimizer > 0 and abs(shard.optimizer / full.optimizer - 0.5) < 0.05
+
+
+def test_a_rank_peaks_in_the_backward_or_in_the_optimizer_step():
+    from pipetrain.plan.memory import RankMemory, rank_memory
+    assert RankMemory(0, 4, 4, 8, activations=1, comm=1, step_temp=4).total == 16 + 4
+    assert RankMemory(0, 4, 4, 8, activations=9, comm=1, step_temp=4).total == 16 + 10
+    recompute = dataclasses.replace(RECIPE, parallel=ParallelConfig(recompute="full", microbatches=8))
+    (rank,) = rank_memory(recompute, 1)
+    assert rank.step_temp == rank.params and rank.total == rank.model_states + rank.params  # AdamW's sqrt
