@@ -40,7 +40,11 @@ class RankMemory:
     optim: int
     activations: int
     comm: int
-    step_temp: int = 0  # the optimizer step's temporaries (foreach AdamW: sqrt of the second moment, per parameter)
+    step_temp: int = 0       # the optimizer step's temporaries (foreach AdamW: sqrt of the second moment)
+    recompute_temp: int = 0  # full recompute: one block's activations, recomputed inside its backward
+    grads_live: int = 0      # gradient bytes live beside the peak activations (earlier microbatches' backwards)
+    full_grads: int = 0      # gradient bytes before the reduction (ZeRO 2 frees all but the shard after it)
+    gather: int = 0          # ZeRO 1/2: the buffers of the parameter all-gather after the AdamW update
 
     @property
     def model_states(self) -> int:
@@ -48,9 +52,15 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        """The larger of the two peaks: in the backward (activations and buffers live) and in the optimizer step
-        (activations freed, AdamW's temporaries live)."""
-        return self.model_states + max(self.activations + self.comm, self.step_temp)
+        """Peak bytes: parameters and optimizer state always, plus the largest of three phases. Gradients are
+        freed at every step's start (zero_grad(set_to_none=True)), so the forward's peak holds the activations
+        in flight with only the gradients earlier microbatches made; the end of the backward holds the full
+        gradients and the reduction buffers; the optimizer step the reduced gradients and AdamW's
+        temporaries, then ZeRO's all-gather buffers."""
+        forward = self.activations + self.recompute_temp + self.grads_live + self.comm
+        backward_end = self.full_grads + self.comm
+        step = self.grads + max(self.step_temp, self.gather)  # AdamW's temporaries are freed before the gather
+        return self.params + self.optim + max(forward, backward_end, step)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
@@ -231,12 +241,47 @@ def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
     dp = resolve_dp(recipe, world_size)
     total = 0
     if dp > 1:
-        total += min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, grad_bytes)
+        buckets = min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, grad_bytes)
+        total += buckets + (buckets // dp if p.zero == 2 else 0)  # ZeRO 2: the reduce-scatter's output too
     if p.pp > 1:
         micro = max(1, t.global_batch // (dp * p.microbatches))
         seq = t.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
         total += 4 * FP32 * micro * seq * m.d_model  # send/recv x activation/gradient
     return total
+
+
+def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+    """Full recompute: the backward of a block first reruns its forward, so one block's activations of one
+    microbatch (as saved without recompute) are live on top of the stored block inputs."""
+    p = recipe.parallel
+    if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
+        return 0
+    m, t = recipe.model, recipe.train
+    micro = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches))
+    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none")[0]
+    rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim
+    return int((micro * t.seq_len * block + rope) / (2 if t.precision == "bf16" else 1))
+
+
+def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int) -> int:
+    """ZeRO 1/2 all-gather the updated rows bucket by bucket, at most two in flight: each a full flat bucket
+    and this rank's part."""
+    dp = resolve_dp(recipe, world_size)
+    if dp == 1 or recipe.parallel.zero == 0:
+        return 0
+    buckets = min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, param_bytes)
+    return buckets + buckets // dp
+
+
+def _grads_beside_activations(recipe: Recipe, grad_bytes: int, acts: int, in_flight: int) -> int:
+    """Gradients live when the activations peak. Without pipelining, microbatches run one after the other,
+    so from the second one on the full gradients sit beside one microbatch's activations. A pipeline's
+    activations peak at the end of its warm-up, before the first backward; later peaks hold one unit fewer
+    beside the gradients: max(acts, grads + acts (u - 1) / u) - acts."""
+    p = recipe.parallel
+    if p.pp == 1:
+        return grad_bytes if p.microbatches > 1 else 0
+    return int(max(0.0, grad_bytes - acts / in_flight)) if in_flight else grad_bytes
 
 
 def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = None) -> list[RankMemory]:
@@ -245,6 +290,9 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
     out = []
     for r in range(recipe.parallel.pp):
         params, grads, optim = model_state_bytes(recipe, world_size, r)
-        out.append(RankMemory(r, params, grads, optim, activation_bytes(recipe, world_size, r, in_flight[r]),
-                              comm_bytes(recipe, world_size, params), optim // MOMENTS))
+        acts = activation_bytes(recipe, world_size, r, in_flight[r])
+        out.append(RankMemory(r, params, grads, optim, acts, comm_bytes(recipe, world_size, params),
+                              step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r),
+                              grads_live=_grads_beside_activations(recipe, params, acts, in_flight[r]),
+                              full_grads=params, gather=_gather_bytes(recipe, world_size, params)))
     return out

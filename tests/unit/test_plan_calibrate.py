@@ -53,10 +53,17 @@ def test_the_optimizer_step_costs_the_parameters_a_rank_updates():
     assert full.optimizer > 0 and abs(shard.optimizer / full.optimizer - 0.5) < 0.05
 
 
-def test_a_rank_peaks_in_the_backward_or_in_the_optimizer_step():
+def test_a_rank_peaks_in_its_largest_phase():
+    """forward (activations, the recomputed block, gradients of earlier microbatches, buffers), end of backward
+    (full gradients, buffers) or optimizer step (reduced gradients, AdamW's temporaries)."""
     from pipetrain.plan.memory import RankMemory, rank_memory
-    assert RankMemory(0, 4, 4, 8, activations=1, comm=1, step_temp=4).total == 16 + 4
-    assert RankMemory(0, 4, 4, 8, activations=9, comm=1, step_temp=4).total == 16 + 10
-    recompute = dataclasses.replace(RECIPE, parallel=ParallelConfig(recompute="full", microbatches=8))
-    (rank,) = rank_memory(recompute, 1)
-    assert rank.step_temp == rank.params and rank.total == rank.model_states + rank.params  # AdamW's sqrt
+    states = dict(params=4, grads=2, optim=8)
+    assert RankMemory(0, **states, activations=9, comm=1, step_temp=4, full_grads=4).total == 12 + 10
+    assert RankMemory(0, **states, activations=1, comm=1, step_temp=4, full_grads=4).total == 12 + 6
+    assert RankMemory(0, **states, activations=1, comm=4, step_temp=1, full_grads=4).total == 12 + 8
+    one = rank_memory(dataclasses.replace(RECIPE, parallel=ParallelConfig(microbatches=1)), 1)[0]
+    four = rank_memory(dataclasses.replace(RECIPE, parallel=ParallelConfig(microbatches=4)), 1)[0]
+    assert one.grads_live == 0 and four.grads_live == four.params  # the first microbatch's gradients stay
+    full = rank_memory(dataclasses.replace(RECIPE, parallel=ParallelConfig(recompute="full")), 1)[0]
+    none = rank_memory(RECIPE, 1)[0]
+    assert none.recompute_temp == 0 and 0 < full.recompute_temp < none.activations
