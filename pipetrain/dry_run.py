@@ -47,8 +47,8 @@ def dry_run_report(recipe: Recipe, world_size: int) -> str:
                        placement=placement_of(p.schedule))
         lines += [f"schedule {p.schedule} (F = 1, B = {backward_ratio(recipe):g}): bubble {sim.bubble:.1%}",
                   render_timeline(sim)]
-    lines.append("predicted memory per rank (GiB): params / grads / optimizer / activations / comm; peak (the "
-                 "largest phase: forward, end of backward, optimizer step)")
+    lines.append("predicted peak memory per rank (GiB): params / grads / optimizer / activations / comm; peak "
+                 "(parameters, optimizer state and the largest phase: forward, end of backward, optimizer step)")
     for m in rank_memory(recipe, world_size):
         lines.append(f"  pp rank {m.pp_rank}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
                      f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f}; peak {m.total / GIB:.3f}")
