@@ -1,13 +1,16 @@
 """Planner benchmark: predicted vs measured tokens/s and peak memory on this machine, and the plan of a 1.3B model.
 
     python benchmarks/planner.py [--device plan-profile.json | --calibrate] [--worlds 2 4] [--layouts 12] [--steps 20]
-                                 [--memory-width 4]
+                                 [--rounds 5] [--memory-width 4]
 
 measure: for each world size, the planner's valid layouts of a small llama (D=128, L=4, V=1024, batch 8 x 64)
   are ranked on the device profile; --layouts of them, evenly spread over the ranking (best first), run on gloo
   processes (one thread each) for --steps steps on synthetic tokens, built by pipetrain.build.build_trainer.
   Measured, in two passes with fresh processes each: speed, the median step time after the first step ->
-  tokens/s, with the allocator as training runs it; memory, 3 steps with glibc's mmap threshold pinned (so
+  tokens/s, with the allocator as training runs it, in --rounds rounds (each a fresh set of processes running
+  every layout in turn) and the median over rounds reported, so a slow minute of the machine lands on one
+  round of every layout rather than on all rounds of one (a single round's layouts moved by up to 25% between
+  runs); memory, 3 steps with glibc's mmap threshold pinned (so
   freed tensors go back to the OS and RSS follows live memory; every large allocation then page-faults, which
   doubles step times, hence the separate pass), one fresh set of processes per layout, on the same layouts of
   a --memory-width times wider model (default 4: D 512): peak = the largest over ranks of the peak RSS during
@@ -127,7 +130,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def measure(profile, world: int, num_layouts: int, steps: int, width: int) -> None:
+def measure(profile, world: int, num_layouts: int, steps: int, width: int, rounds: int) -> None:
     from tests.harness import run_ranks  # noqa: E402 -- the gloo spawner the tests use
     result = search(RECIPE, world, profile)
     n = len(result.plans)
@@ -135,36 +138,42 @@ def measure(profile, world: int, num_layouts: int, steps: int, width: int) -> No
     plans = [result.plans[i] for i in picks]
     layouts = [p.layout for p in plans]
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(world, _worker, layouts, steps, out, "speed")
+        for k in range(rounds):
+            run_ranks(world, _worker, layouts, steps, out, f"speed{k}_")
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned interpreters at start
         try:
             for k, layout in enumerate(layouts):
                 run_ranks(world, _worker, [layout], 3, out, f"memory{k}_", width)
         finally:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        speed = [json.load(open(os.path.join(out, f"speed{r}.json"))) for r in range(world)]
+        speed = [[json.load(open(os.path.join(out, f"speed{k}_{r}.json"))) for r in range(world)]
+                 for k in range(rounds)]
         memory = [[json.load(open(os.path.join(out, f"memory{k}_{r}.json")))[0] for k in range(len(layouts))]
                   for r in range(world)]
     tokens = RECIPE.train.global_batch * RECIPE.train.seq_len
-    measured = [tokens / max(r[k]["step_s"] for r in speed) for k in range(len(plans))]
+    per_round = [[tokens / max(r[k]["step_s"] for r in ranks) for ranks in speed] for k in range(len(plans))]
+    measured = [statistics.median(values) for values in per_round]
     peaks = [max(r[k]["peak"] for r in memory) for k in range(len(plans))]
     wide = _memory_recipe(width)
     predicted_peaks = [max(r.total for r in rank_memory(apply_layout(wide, p.layout), world)) for p in plans]
-    print(f"\n## world {world}: {n} valid layouts on {profile.name}; {len(plans)} run ({steps} steps); memory at "
-          f"D {wide.model.d_model}")
+    print(f"\n## world {world}: {n} valid layouts on {profile.name}; {len(plans)} run ({steps} steps, median of "
+          f"{rounds} rounds); memory at D {wide.model.d_model}")
     print("| rank | dp tp pp | schedule v split | mb | zero | recompute | sp | pred tok/s | meas tok/s | "
-          "pred MiB | meas MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "rounds min-max | pred MiB | meas MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, (plan, tps, predicted, peak) in enumerate(zip(plans, measured, predicted_peaks, peaks)):
         l = plan.layout
         print(f"| {picks[i] + 1} | {l['dp']} {l['tp']} {l['pp']} | {l['schedule']} {l['virtual_stages']} "
               f"{'y' if l['split_backward'] else '-'} | {l['microbatches']} | {l['zero']} | {l['recompute']} | "
               f"{'y' if l['sequence_parallel'] else '-'} | {plan.time.tokens_per_s:,.0f} | {tps:,.0f} | "
-              f"{predicted / MIB:.1f} | {peak / MIB:.1f} |")
+              f"{min(per_round[i]):,.0f}-{max(per_round[i]):,.0f} | {predicted / MIB:.1f} | {peak / MIB:.1f} |")
     best = max(range(len(plans)), key=measured.__getitem__)
     print(f"Spearman(predicted, measured tokens/s) = {spearman([p.time.tokens_per_s for p in plans], measured):.2f}; "
           f"top choice measured {measured[0]:,.0f} tok/s = {measured[0] / measured[best]:.0%} of the best measured "
           f"(rank {picks[best] + 1})")
+    if rounds > 1:  # the noise ceiling: how well one round's measurements rank like the median's
+        print("Spearman(one round, median of rounds) = "
+              + ", ".join(f"{spearman([v[k] for v in per_round], measured):.2f}" for k in range(rounds)))
     errors = [predicted / peak - 1 for predicted, peak in zip(predicted_peaks, peaks) if peak > 0]
     print(f"peak memory: {sum(abs(e) <= 0.15 for e in errors)} of {len(plans)} within 15% of measured; median "
           f"|error| {statistics.median(map(abs, errors)):.0%}; predicted - measured from {min(errors):+.0%} "
@@ -203,6 +212,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--layouts", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5, help="speed rounds, each a fresh set of processes running "
+                        "every layout; the median is reported")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--memory-width", type=int, default=4, help="the memory pass's model is this many times "
                         "wider (1: the speed pass's model)")
@@ -214,7 +225,7 @@ def main() -> None:
     else:
         profile = load_profile(args.device)
     for world in args.worlds:
-        measure(profile, world, args.layouts, args.steps, args.memory_width)
+        measure(profile, world, args.layouts, args.steps, args.memory_width, args.rounds)
     gpt_1b(args.top)
 
 

@@ -12,7 +12,8 @@
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
                 memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth
 A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
-gather) and pays its latency 2 (n-1) or (n-1) times. A group whose ranks span nodes uses the inter-node
+gather) and pays its latency 2 (n-1) or (n-1) times; the profile's reduce_scatter_ratio and all_gather_ratio
+scale the latter two where the backend's are no rings (gloo). A group whose ranks span nodes uses the inter-node
 link (mesh order dp, pp, tp: tp is innermost). On a CPU profile with `cores`, ranks beyond the node's cores
 share them: a rank's work runs at one core's speed, but the node's ranks together get only `cores` cores, so
 a step takes at least the node's busy time / cores (ranks_per_node / cores x one rank's) -- and a pipeline's
@@ -105,6 +106,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     act_bytes = micro_tokens * m.d_model * (2 if t.precision == "bf16" else FP32)
     bw, lat = _link(profile, tp, ranks_per_node)
     tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
+    if p.sequence_parallel:  # a reduce-scatter and an all-gather in place of each all-reduce
+        tp_fwd *= (profile.reduce_scatter_ratio + profile.all_gather_ratio) / 2
     # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
     launch = 20 * layers_busiest * profile.op_overhead
     fwd += launch
@@ -141,8 +144,11 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
     zero = p.zero if dp > 1 else 0
-    reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1 if zero == 2 else 2)
-    gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) if zero >= 1 else 0.0
+    if zero == 2:
+        reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.reduce_scatter_ratio
+    else:
+        reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 2)
+    gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.all_gather_ratio if zero >= 1 else 0.0
     # on a CPU profile gloo's reductions run on the ranks' own cores: nothing hides behind the backward
     exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + gather
     total = pipeline + exposed + optimizer

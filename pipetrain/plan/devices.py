@@ -31,6 +31,10 @@ class DeviceProfile:
     op_overhead: float = 10e-6  # seconds of dispatch per operator call (kernel launch on GPUs, eager overhead on CPU)
     cores: int = 0             # CPU cores the ranks of one node share (0: one device per rank, as GPUs)
     mem_bw: float = 20e9       # bytes/s of memory bandwidth one rank gets (the optimizer step is bound by it)
+    # a reduce-scatter's and an all-gather's time over what a ring at the all-reduce's bandwidth takes (half an
+    # all-reduce); 1 for NCCL's rings, measured on gloo, whose reduce-scatter takes longer than an all-reduce
+    reduce_scatter_ratio: float = 1.0
+    all_gather_ratio: float = 1.0
     source: str = ""
 
     def flops(self, precision: str) -> float:

@@ -13,12 +13,13 @@ RECIPE = Recipe(model=ModelConfig(family="llama", vocab_size=64, d_model=32, n_l
 
 
 def test_calibrated_profile_is_positive_and_round_trips(tmp_path):
-    profile = calibrate(repeats=2, recipe=RECIPE)
+    profile = calibrate(repeats=2, recipe=RECIPE, rounds=2)
     assert min(profile.fp32_flops, profile.bf16_flops, profile.intra_bw, profile.memory_bytes) > 0
     assert profile.intra_latency >= 0 and profile.inter_bw == profile.intra_bw
     # fitted to the recipe's block: a fraction of the matmul peak, a positive fixed cost per call
     assert 0 < profile.efficiency <= 1 and profile.op_overhead >= 0 and profile.cores >= 1
     assert "llama block d 32" in profile.source
+    assert profile.reduce_scatter_ratio > 0 and profile.all_gather_ratio > 0
     path = tmp_path / "me.json"
     save_profile(profile, str(path))
     assert load_profile(str(path)) == profile
@@ -51,6 +52,19 @@ def test_the_optimizer_step_costs_the_parameters_a_rank_updates():
     zero1 = dataclasses.replace(RECIPE, parallel=ParallelConfig(zero=1))
     full, shard = step_time(base, 2, DEVICES["cpu"]), step_time(zero1, 2, DEVICES["cpu"])
     assert full.optimizer > 0 and abs(shard.optimizer / full.optimizer - 0.5) < 0.05
+
+
+def test_zero_collectives_cost_what_the_profile_measured_them_at():
+    """On NCCL's rings ZeRO 2's reduce-scatter + all-gather cost one all-reduce; where the backend's reduce-scatter
+    is slower (gloo: 2.5x a ring's), ZeRO 2 must rank below plain data parallelism."""
+    cpu = dataclasses.replace(DEVICES["cpu"], cores=2)
+    slow_rs = dataclasses.replace(cpu, reduce_scatter_ratio=2.5, all_gather_ratio=1.5)
+
+    def dp_time(zero, profile):
+        return step_time(dataclasses.replace(RECIPE, parallel=ParallelConfig(zero=zero)), 2, profile).dp_comm
+    assert abs(dp_time(2, cpu) - dp_time(0, cpu)) < 1e-12
+    assert abs(dp_time(2, slow_rs) - 2 * dp_time(0, cpu)) < 1e-12  # (2.5 + 1.5) / 2 all-reduces
+    assert dp_time(1, slow_rs) == dp_time(0, cpu) + 0.75 * dp_time(0, cpu)  # all-reduce + 1.5 x half of one
 
 
 def test_a_rank_peaks_in_its_largest_phase():
