@@ -94,6 +94,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if loader is None:
         tokenizer = _build_tokenizer(recipe)
         loader = _build_loader(recipe, dims, tokenizer)
+    _check_validation(recipe, loader, dims, eval_only)
     if replica is not None:  # the group's dp ranks read its dp_replicate coordinate's slice of the global batch
         loader.dp_rank = replica.replica_id * dims.dp + dims.dp_rank
         loader.dp_size = replica.num_replicas * dims.dp
@@ -252,14 +253,26 @@ def _build_schedules(recipe: Recipe, dims: ParallelDims) -> tuple[list, list]:
     return actions, eval_actions
 
 
+def _check_validation(recipe: Recipe, loader: Loader, dims: ParallelDims, eval_only: bool) -> None:
+    """Without validation windows an evaluation would log a loss of 0 over 0 tokens: --eval-only is refused,
+    periodic evaluation skipped with one warning (Trainer.evaluate). A corpus that is one document (a single
+    text file) holds nothing out, since validation takes whole documents."""
+    if loader.data.num_val_windows > 0 or not (eval_only or recipe.run.eval_every):
+        return
+    why = (f"data holds no validation window (data.val_fraction={recipe.data.val_fraction}; whole documents are "
+           "held out, so a single document or a tiny corpus gives none)")
+    if eval_only:
+        raise ConfigError(f"--eval-only: the {why}; use a corpus of several documents or raise data.val_fraction")
+    if dims.rank == 0:
+        print(f"warning: the {why}; evaluation is skipped (run.eval_every={recipe.run.eval_every})", file=sys.stderr)
+
+
 def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str | None:
     """The checkpoint to resume from: None (fresh), the newest intact one (auto), or DIR."""
     if resume is None:
         return None
     if resume != "auto":
-        if not os.path.isdir(resume):
-            raise ConfigError(f"--resume {resume}: no such checkpoint directory; pass a checkpoints/step-... "
-                              "folder or --resume auto")
+        checkpoint.check_resume_dir(resume)
         return resume
     # rank 0 verifies and chooses, so every rank resumes from the same checkpoint
     choice = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too

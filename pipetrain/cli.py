@@ -23,6 +23,7 @@ from pipetrain.build import build_server, build_trainer, resolve_init_from
 from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
+from pipetrain.elastic import elastic_recipe, is_elastic, saved_layout
 from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
@@ -116,8 +117,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--eval-only with parallel.ps_servers: evaluate without servers (the checkpoint "
                           "loads into any layout); drop parallel.ps_servers and launch dp*tp*pp processes")
     workers = world_size - servers
-    recipe = resolve_at_launch(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)))
+    restarted = restart_count() > 0 and args.resume is None
+    if restarted:  # torchrun --max-restarts: a restarted attempt continues from the newest intact checkpoint
+        args.resume = "auto"
+    # a resume onto another world re-derives the layout (pipetrain.elastic); torchft groups heal from peers instead
+    saved = saved_layout(recipe.run.output_dir, args.resume) if recipe.parallel.fault_tolerance != "torchft" else None
+    if recipe.parallel.auto:
+        elastic = is_elastic(recipe, saved, workers)
+        recipe = resolve_at_launch(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
+                                   free=("dp",) if elastic else ())
+        elastic_note = f"elastic resume: {saved.path} was saved on {saved.world_size} rank(s); parallel.auto " \
+                       f"re-planned for {workers}" if elastic else None
+    else:
+        recipe, elastic_note = elastic_recipe(recipe, workers, saved)
     if args.dry_run:
+        if elastic_note and int(os.environ.get("RANK", 0)) == 0:
+            print(elastic_note, flush=True)
         return dry_run(recipe, workers, int(os.environ.get("RANK", 0)))
     recipe, replica, problems = _replica_layout(recipe, workers)
     if recipe.run.stop_timeout_s <= 0:
@@ -126,11 +141,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if restart_count() > 0 and args.resume is None:  # torchrun --max-restarts: a restarted attempt continues
-        args.resume = "auto"
-        if rank == 0:
-            print(f"torchrun restart {restart_count()}: resuming from the newest intact checkpoint "
-                  f"(as --resume auto)", flush=True)
+    if rank == 0 and restarted:
+        print(f"torchrun restart {restart_count()}: resuming from the newest intact checkpoint "
+              f"(as --resume auto)", flush=True)
+    if rank == 0 and elastic_note:
+        print(elastic_note, flush=True)
     lock = _prepare_output_dir(recipe, rank, args.resume)
     try:
         preflight(recipe, workers)  # before any allocation: sizes that cannot fit, batches the data cannot supply

@@ -476,6 +476,13 @@ def iter_full_tensors(ckpt_dir: str, names=None):
             yield name, reader.read(f"model/{name}", [0] * len(shape), shape)
 
 
+def check_resume_dir(path: str) -> None:
+    """ConfigError unless `--resume DIR` names a folder."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--resume {path}: no such checkpoint directory; pass a checkpoints/step-... folder or "
+                          "--resume auto")
+
+
 def find_resumable(output_dir: str, rank: int = 0) -> str | None:
     """Newest checkpoint in output_dir/checkpoints that is complete and intact (newest first; `latest`
     first when it names one). Reports and skips broken ones. None when there is none."""

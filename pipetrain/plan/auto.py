@@ -76,11 +76,13 @@ def describe(plan: Plan, world_size: int, profile: DeviceProfile, fixed: dict) -
             f"{t.tokens_per_s:,.0f} tokens/s")
 
 
-def resolve_at_launch(recipe: Recipe, recipe_path: str, overrides, world_size: int, rank: int) -> Recipe:
-    """The CLI's hook: with parallel.auto, plan and print the choice (rank 0); otherwise recipe unchanged."""
+def resolve_at_launch(recipe: Recipe, recipe_path: str, overrides, world_size: int, rank: int,
+                      free=()) -> Recipe:
+    """The CLI's hook: with parallel.auto, plan and print the choice (rank 0); otherwise recipe unchanged.
+    free: parallel keys searched even where the recipe fixes them (dp on an elastic resume: pipetrain.elastic)."""
     if not recipe.parallel.auto:
         return recipe
-    fixed = fixed_parallel_keys(recipe_path, overrides)
+    fixed = {k: v for k, v in fixed_parallel_keys(recipe_path, overrides).items() if k not in free}
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     profile = launch_profile(world_size, ranks_per_node)
     resolved, plan = resolve_auto(recipe, world_size, fixed, profile, ranks_per_node)

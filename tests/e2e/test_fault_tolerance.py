@@ -2,9 +2,11 @@
 torchrun --max-restarts 1, the restarted attempt resumes from the newest intact checkpoint without a
 flag, and the run ends with the uninterrupted run's losses and weights, bitwise. The killed run saves
 in the background (checkpoint.async), the reference synchronously."""
+import os
 import re
 
 import pytest
+import yaml
 
 from tests.e2e.common import checkpoint_tensors, run_train, step_losses
 from tests.harness import TP_FP32
@@ -34,6 +36,36 @@ def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights_bitwise(tm
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights/moments differ"
 
 
+def test_a_pinned_dp2_run_resumes_on_1_process_with_the_single_process_losses(single_process_run, tmp_path,
+                                                                              token_cache):
+    """Elastic resume (pipetrain.elastic): the recipe pins dp=2 for 2 processes; resumed on 1 process, dp follows
+    the world, the microbatch size is kept (2 microbatches of 2 sequences -> 4 of 2), the global batch stays and
+    the loss curve is the single-process run's. A world that tp*pp does not divide is refused first, untouched."""
+    out = tmp_path / "elastic"
+    pinned = ["parallel.dp=2", "parallel.microbatches=2", "checkpoint.every=4"]
+    proc, _ = run_train(str(out), pinned + ["faults.kill_rank=0", "faults.kill_at_step=5"], nproc=2,
+                        cache_dir=token_cache)
+    assert proc.returncode != 0 and "killing rank 0 at the start of step 5" in proc.stderr
+    saved = sorted(os.listdir(out / "checkpoints"))
+    proc, _ = run_train(str(out), pinned + ["parallel.tp=2"], cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: elastic resume: ") and "saved on 2 rank(s)" in line
+    assert "world size 1 is not divisible by parallel.tp*parallel.pp=2; launch a multiple of 2" in line
+    assert sorted(os.listdir(out / "checkpoints")) == saved
+    proc, metrics = run_train(str(out), pinned, cache_dir=token_cache, extra_args=["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("on 1 rank(s): dp 1 x tp 1 x pp 1, 4 microbatch(es) of 2 sequence(s) per replica; global batch 8 "
+            "unchanged") in proc.stdout
+    assert "resumed from" in proc.stdout and "at step 4;" in proc.stdout
+    with open(out / "recipe.yaml") as f:
+        parallel = yaml.safe_load(f)["parallel"]
+    assert (parallel["dp"], parallel["microbatches"]) == (1, 4)
+    got, ref = step_losses(metrics), step_losses(single_process_run)
+    assert len(got) == len(ref) == 20
+    assert all(abs(a - b) <= TP_FP32["rtol"] * abs(b) for a, b in zip(got, ref)), list(zip(got, ref))
+
+
 @pytest.mark.slow
 def test_a_4_process_run_continues_on_2_processes_with_the_single_process_losses(single_process_run, tmp_path,
                                                                                 token_cache):
@@ -48,6 +80,7 @@ def test_a_4_process_run_continues_on_2_processes_with_the_single_process_losses
                               cache_dir=token_cache, extra_args=["--resume", "auto"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 10;" in proc.stdout and "layout: 2 rank(s) = dp 2" in proc.stdout
+    assert "on 2 rank(s): dp 2 x tp 1 x pp 1, 4 microbatch(es) of 1 sequence(s) per replica" in proc.stdout
     got, ref = step_losses(metrics), step_losses(single_process_run)
     assert len(got) == len(ref) == 20
     assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), list(zip(got, ref))
