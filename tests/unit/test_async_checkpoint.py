@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from pipetrain.build import build_trainer
+from pipetrain import checkpoint
 from pipetrain.checkpoint import CheckpointSaveError, read_manifest
 from pipetrain.config import (CheckpointConfig, ConfigError, ParallelConfig, Recipe, RunConfig, TrainConfig,
                               build_recipe, load_recipe)
@@ -97,8 +98,10 @@ def test_a_failed_background_write_raises_at_the_next_step_and_keeps_the_previou
     ckpt.save(trainer)
     ckpt._thread.join()
     trainer.train_step()
-    with pytest.raises(CheckpointSaveError, match="No space left on device"):
+    with pytest.raises(CheckpointSaveError, match="No space left on device") as failed:
         trainer.agree()
     root = tmp_path / "run" / "checkpoints"
+    assert str(root) in str(failed.value), "the error names where it could not write"
     assert (root / "latest").read_text().strip() == os.path.basename(first)
+    assert checkpoint.find_resumable(str(tmp_path / "run")) == first  # intact: its files still verify
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
