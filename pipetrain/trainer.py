@@ -202,6 +202,10 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Mean loss per target token over run.eval_batches validation batches, logged; {} (nothing logged)
+        when the data holds no validation window (build.py warned)."""
+        if self.loader.data.num_val_windows == 0:
+            return {}
         self.model.eval()
         total = torch.zeros((), device=self.device)
         count = 0

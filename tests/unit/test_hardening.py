@@ -4,16 +4,19 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pipetrain import checkpoint
-from pipetrain.build import _truncate_metrics
+from pipetrain.build import _truncate_metrics, build_trainer
 from pipetrain.checkpoint import CheckpointSaveError, Checkpointer, read_manifest, verify_files
-from pipetrain.config import load_recipe
+from pipetrain.config import ConfigError, DataConfig, Recipe, RunConfig, TrainConfig, load_recipe
+from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, materialize
 from pipetrain.optim import build_optimizer
 from pipetrain.parallel.dims import ParallelDims
 from tests.e2e.common import SMALL, TINY
+from tests.unit.common import LLAMA
 
 
 def test_torn_metrics_line_is_cut_back_with_a_warning(tmp_path, capsys):
@@ -61,3 +64,23 @@ def test_an_oserror_during_a_save_keeps_the_previous_checkpoint(saver, monkeypat
     assert sorted(os.listdir(root)) == ["latest", "step-00000001"]  # the temporary folder is gone
     assert (root / "latest").read_text().strip() == "step-00000001"
     verify_files(str(root / "step-00000001"), read_manifest(str(root / "step-00000001")))
+
+
+def test_a_corpus_without_validation_windows_skips_evaluation_and_refuses_eval_only(tmp_path, capsys):
+    """One document cannot be split into train and validation documents: evaluating would log a loss of 0
+    over 0 tokens, which reads as a perfect score. Periodic evaluation is skipped with one warning and
+    --eval-only is refused with the fix."""
+    recipe = Recipe(model=LLAMA, train=TrainConfig(steps=2, global_batch=2, seq_len=16, warmup_steps=1),
+                    data=DataConfig(val_fraction=0.1),
+                    run=RunConfig(output_dir=str(tmp_path), eval_every=1, progress=False))
+    tokens = np.random.default_rng(0).integers(0, LLAMA.vocab_size, 200).astype(np.int32)
+    data = PackedData(tokens, None, 16, 0.1, 0, documents=np.array([0, len(tokens)]))  # one document
+    assert data.num_val_windows == 0
+    trainer = build_trainer(recipe, loader=Loader(data, 2, 0, 1))
+    assert "no validation window" in capsys.readouterr().err
+    trainer.fit()
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and not any("eval_loss" in r for r in records)
+    with pytest.raises(ConfigError, match=r"--eval-only: the data holds no validation window.*use a corpus"):
+        build_trainer(recipe, loader=Loader(data, 2, 0, 1), eval_only=True)
