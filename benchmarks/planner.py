@@ -155,7 +155,8 @@ def measure(profile, world: int, num_layouts: int, steps: int, width: int, round
     measured = [statistics.median(values) for values in per_round]
     peaks = [max(r[k]["peak"] for r in memory) for k in range(len(plans))]
     wide = _memory_recipe(width)
-    predicted_peaks = [max(r.total for r in rank_memory(apply_layout(wide, p.layout), world)) for p in plans]
+    predicted_peaks = [max(r.total for r in rank_memory(apply_layout(wide, p.layout), world, staged_collectives=True))
+                       for p in plans]  # gloo on CPU
     print(f"\n## world {world}: {n} valid layouts on {profile.name}; {len(plans)} run ({steps} steps, median of "
           f"{rounds} rounds); memory at D {wide.model.d_model}")
     print("| rank | dp tp pp | schedule v split | mb | zero | recompute | sp | pred tok/s | meas tok/s | "

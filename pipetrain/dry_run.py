@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.models import build, count_params
 from pipetrain.parallel.layout import layout_problems, resolve_dp
@@ -49,7 +51,7 @@ def dry_run_report(recipe: Recipe, world_size: int) -> str:
                   render_timeline(sim)]
     lines.append("predicted peak memory per rank (GiB): params / grads / optimizer / activations / comm; peak "
                  "(parameters, optimizer state and the largest phase: forward, end of backward, optimizer step)")
-    for m in rank_memory(recipe, world_size):
+    for m in rank_memory(recipe, world_size, staged_collectives=not torch.cuda.is_available()):  # gloo on CPU
         lines.append(f"  pp rank {m.pp_rank}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
                      f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f}; peak {m.total / GIB:.3f}")
     return "\n".join(lines)

@@ -37,6 +37,11 @@ class DeviceProfile:
     all_gather_ratio: float = 1.0
     source: str = ""
 
+    @property
+    def staged_collectives(self) -> bool:
+        """A CPU profile runs gloo, whose all-gather stages its output through a flat copy (plan/memory.py)."""
+        return self.cores > 0
+
     def flops(self, precision: str) -> float:
         return self.bf16_flops if precision == "bf16" else self.fp32_flops
 

@@ -112,7 +112,7 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
     if problems:
         return "does not divide: " + problems[0]
     try:
-        memory = rank_memory(candidate, world_size)
+        memory = rank_memory(candidate, world_size, staged_collectives=profile.staged_collectives)
     except (AssertionError, ValueError) as exc:  # the schedule builder refuses these sizes
         return f"schedule: {exc}"
     peak = max(r.total for r in memory)
@@ -147,7 +147,8 @@ def _fits(candidate: Recipe, world_size: int, profile: DeviceProfile) -> bool:
     p = candidate.parallel
     if layout_problems(candidate, world_size):
         return False
-    memory = rank_memory(candidate, world_size, in_flight=[min(p.pp - r, p.microbatches) for r in range(p.pp)])
+    memory = rank_memory(candidate, world_size, in_flight=[min(p.pp - r, p.microbatches) for r in range(p.pp)],
+                         staged_collectives=profile.staged_collectives)
     return max(r.total for r in memory) <= profile.memory_bytes
 
 

@@ -20,6 +20,7 @@ import torch
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.models import build, materialize
+from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
@@ -105,3 +106,14 @@ def test_rank_memory_multiplies_by_the_schedules_in_flight_microbatches():
     one_f = rank_memory(dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, schedule="1f1b")), 2)
     assert gpipe[1].activations > one_f[1].activations  # GPipe holds all 4, 1F1B the last stage holds 1
     assert gpipe[0].params == one_f[0].params
+
+
+def test_gloo_stages_zero_all_gather_through_one_more_bucket():
+    """gloo's all_gather_into_tensor gathers into a flat copy and then copies it out; NCCL writes in place.
+    Only ZeRO's parameter all-gather (dp > 1) pays it."""
+    zero1 = _recipe(LLAMA, 2, 1, 1, 1, {})
+    nccl, gloo = rank_memory(zero1, 2)[0], rank_memory(zero1, 2, staged_collectives=True)[0]
+    assert gloo.gather - nccl.gather == min(DEFAULT_BUCKET_BYTES, nccl.params) > 0
+    assert gloo.total >= nccl.total
+    plain = _recipe(LLAMA, 2, 1, 1, 0, {})
+    assert rank_memory(plain, 2, staged_collectives=True)[0].gather == rank_memory(plain, 2)[0].gather == 0
