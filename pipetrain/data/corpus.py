@@ -11,9 +11,10 @@ A prepared directory holds
 
 Writing is atomic: everything goes into `<dir>.tmp-<host>-<pid>` and is renamed to its final name only
 once complete and fsynced, so a killed prepare leaves no directory that looks complete, and a directory
-in use is never written into. Preparing is idempotent: a directory whose manifest exists is returned as
-is. Raw data is prepared under `<cache_dir>/prepared-<key>`, the key hashing the source files (path,
-size, mtime), text field and tokenizer fingerprint, so edited data gets a new directory.
+in use is never written into; the next prepare of that directory on the same host deletes the temp
+directories whose writer is no longer alive. Preparing is idempotent: a directory whose manifest exists
+is returned as is. Raw data is prepared under `<cache_dir>/prepared-<key>`, the key hashing the source
+files (path, size, mtime), text field and tokenizer fingerprint, so edited data gets a new directory.
 """
 from __future__ import annotations
 
@@ -181,6 +182,36 @@ class _HashedWriter:
         return {"size": self.size, "sha256": self.hash.hexdigest()}
 
 
+def _temp_prefix(out_dir: str) -> str:
+    """`<out_dir>.tmp-<host>-`: this host's writers of out_dir append their pid."""
+    return f"{out_dir}.tmp-{socket.gethostname()}-"
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_dead_temps(out_dir: str) -> list[str]:
+    """Delete the temp directories of out_dir left by this host's killed prepares; the deleted paths.
+    A temp directory whose pid is alive may be in use and is kept (a reused pid only keeps garbage, never
+    deletes a live writer's files); another host's pids cannot be checked from here, so those are kept too."""
+    parent, prefix = os.path.split(_temp_prefix(out_dir))
+    parent = parent or "."
+    removed = []
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        pid = name[len(prefix):] if name.startswith(prefix) else ""
+        if pid.isdigit() and not _is_alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(os.path.join(parent, name))
+    return removed
+
+
 def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Optional[str] = None,
             num_proc: int = 1, progress: bool = True, out_dir: Optional[str] = None) -> str:
     """Tokenise the raw data at `path` into a prepared directory and return it (at once when it exists)."""
@@ -207,7 +238,8 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     mapped = ds.map(fn, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
                     remove_columns=ds.column_names, desc="tokenising")
 
-    tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
+    tmp = f"{_temp_prefix(out_dir)}{os.getpid()}"
+    remove_dead_temps(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     dtype = token_dtype(len(tokenizer))
@@ -293,7 +325,8 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.path: {manifest_path} cannot be read ({exc}); delete {path} and prepare again") from None
+        raise ConfigError(f"data.path: {manifest_path} cannot be read ({exc}); "
+                          f"delete {path} and prepare again") from None
     if manifest.get("format") != FORMAT_VERSION:
         raise ConfigError(f"data.path: {manifest_path} has format {manifest.get('format')}, this pipetrain reads "
                           f"{FORMAT_VERSION}; delete {path} and prepare again")

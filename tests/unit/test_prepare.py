@@ -1,14 +1,23 @@
 """Prepared corpora: atomic and idempotent prepare, memory maps, manifest checks, blends, bad input."""
 import json
+import multiprocessing
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipetrain.config import ConfigError, DataConfig, build_recipe
-from pipetrain.data import (BlendedData, PackedData, build_data, load_tokenizer, open_prepared, prepare,
+from pipetrain.data import (BlendedData, PackedData, build_data, is_prepared, load_tokenizer, open_prepared, prepare,
                             prepared_dir_for)
+from pipetrain.data.corpus import MANIFEST, _HashedWriter
 from pipetrain.data.order import BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,21 +53,91 @@ def test_prepare_writes_memory_maps_and_a_manifest(tmp_path, tokenizer):
     assert first == (tmp_path / "raw" / "doc0.txt").read_text()
 
 
-def test_prepare_is_idempotent_and_a_killed_prepare_leaves_nothing_that_looks_complete(tmp_path, tokenizer):
+def test_prepare_is_idempotent(tmp_path, tokenizer):
     raw = _corpus(tmp_path / "raw")
     cache = str(tmp_path / "cache")
     out = prepared_dir_for(raw, "text", tokenizer, cache)
-    os.makedirs(out + ".tmp-otherhost-123")  # a prepare killed midway: half-written files under a temp name
-    (tmp_path / "cache" / (os.path.basename(out) + ".tmp-otherhost-123") / "tokens.bin").write_bytes(b"\0" * 10)
     assert prepare(raw, tokenizer, cache_dir=cache, progress=False) == out
-    first = _files(out)
     before = os.stat(os.path.join(out, "tokens.bin")).st_mtime_ns
     assert prepare(raw, tokenizer, cache_dir=cache, progress=False) == out  # returns at once, writes nothing
     assert os.stat(os.path.join(out, "tokens.bin")).st_mtime_ns == before
-    other = prepare(raw, tokenizer, cache_dir=cache, progress=False, out_dir=str(tmp_path / "again"))
-    again = _files(other)
-    assert {k: v for k, v in again.items() if k != "manifest.json"} == \
-        {k: v for k, v in first.items() if k != "manifest.json"}
+
+
+def _records(path, n):
+    """n one-line text records; past 1024 of them a prepare writes tokens.bin in several blocks."""
+    path.write_text("\n".join(json.dumps({"text": f"Record {i}: to be, or not to be, that is the question."})
+                              for i in range(n)))
+    return str(path)
+
+
+def _prepare_stopped_after_first_block(raw, out, cache):
+    """A child process: prepare `raw` into `out`, then stop for good after the first block of tokens.bin.
+    The kill has to land while the temp directory is half written; writing all blocks takes tens of ms, too
+    short a window to hit by polling on a loaded machine, so the writer holds still until it is killed."""
+    write = _HashedWriter.write
+
+    def write_then_hold(self, array):
+        write(self, array)
+        if os.path.basename(self.path) == "tokens.bin":
+            self.file.flush()  # the parent sees the first block on disk
+            threading.Event().wait(600)  # the parent kills it long before; bounded should the parent die first
+            os._exit(1)
+
+    _HashedWriter.write = write_then_hold
+    prepare(raw, load_tokenizer(TOKENIZER), cache_dir=cache, progress=False, out_dir=out)
+
+
+def _prepared_files(path):
+    """Every file of a prepared directory, the manifest without its timing."""
+    files = _files(path)
+    manifest = json.loads(files.pop(MANIFEST))
+    del manifest["prepare_seconds"]
+    return files, manifest
+
+
+def test_prepare_killed_midway_leaves_nothing_prepared_and_a_rerun_writes_the_same_bytes(tmp_path, tokenizer):
+    raw, cache = _records(tmp_path / "records.jsonl", 2500), str(tmp_path / "cache")
+    out = str(tmp_path / "prepared")
+    child = multiprocessing.get_context("spawn").Process(target=_prepare_stopped_after_first_block,
+                                                         args=(raw, out, cache))
+    child.start()
+    try:
+        temp = Path(f"{out}.tmp-{socket.gethostname()}-{child.pid}")  # the name remove_dead_temps parses
+        deadline = time.monotonic() + 300
+        while not (temp / "tokens.bin").is_file() or (temp / "tokens.bin").stat().st_size == 0:
+            assert child.is_alive(), f"prepare exited with {child.exitcode} before writing {temp}"
+            assert time.monotonic() < deadline, f"no tokens in {temp} after 300 s"
+            time.sleep(0.05)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
+    partial = (temp / "tokens.bin").stat().st_size
+    assert not is_prepared(out) and not os.path.exists(out) and not (temp / MANIFEST).exists()
+    with pytest.raises(ConfigError, match="has no manifest.json"):
+        open_prepared(out, tokenizer)
+
+    assert prepare(raw, tokenizer, cache_dir=cache, progress=False, out_dir=out) == out
+    assert not temp.exists()  # its writer is dead: the rerun deleted it
+    reference = prepare(raw, tokenizer, cache_dir=cache, progress=False, out_dir=str(tmp_path / "uninterrupted"))
+    assert _prepared_files(out) == _prepared_files(reference)
+    assert 0 < partial < os.path.getsize(os.path.join(out, "tokens.bin"))  # the kill came midway
+    assert open_prepared(out, tokenizer, verify=True).manifest["num_documents"] == 2500
+
+
+def test_prepare_deletes_temp_directories_of_dead_writers_only(tmp_path, tokenizer):
+    out = str(tmp_path / "prepared")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    temps = {"dead writer": f"{out}.tmp-{host}-{dead.pid}", "live writer": f"{out}.tmp-{host}-{os.getppid()}",
+             "other host": f"{out}.tmp-elsewhere-{dead.pid}", "other directory": f"{out}-2.tmp-{host}-{dead.pid}"}
+    for temp in temps.values():
+        os.makedirs(temp)
+        Path(temp, "tokens.bin").write_bytes(b"\0" * 10)
+    prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False, out_dir=out)
+    assert {who: os.path.exists(temp) for who, temp in temps.items()} == \
+        {"dead writer": False, "live writer": True, "other host": True, "other directory": True}
 
 
 def test_data_path_may_name_a_prepared_directory(tmp_path, tokenizer):
