@@ -23,13 +23,20 @@ def short_documents(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_document_mask_layouts_match_single_process(tmp_path, short_documents, family):
-    common = [f"data.path={short_documents}", "data.document_mask=true", f"model.family={family}",
-              "train.steps=6", "run.eval_every=3", "parallel.microbatches=2"]
+    unmasked = [f"data.path={short_documents}", f"model.family={family}", "train.steps=6", "run.eval_every=3",
+                "parallel.microbatches=2"]
+    common = unmasked + ["data.document_mask=true"]
     cache = str(tmp_path / "cache")
     proc, single = run_train(str(tmp_path / "single"), common, cache_dir=cache)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ref = step_losses(single)
     assert len(ref) == 6
+    # Had the mask never been applied, every layout below would match ref and the unmasked run alike: the
+    # parity checks mean something only when the unmasked losses sit far outside their tolerance.
+    proc, plain = run_train(str(tmp_path / "unmasked"), unmasked, cache_dir=cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    apart = max(abs(a - b) / abs(b) for a, b in zip(step_losses(plain), ref))
+    assert len(step_losses(plain)) == 6 and apart > 10 * LOSS_TOL, f"unmasked losses within {apart:.1e} of masked"
     for name, layout, nproc in [("tp2sp_dp2", ["parallel.tp=2", "parallel.sequence_parallel=true"], 4),
                                 ("pp2_dp2", ["parallel.pp=2"], 4)]:
         proc, metrics = run_train(str(tmp_path / name), common + layout, nproc=nproc, cache_dir=cache)

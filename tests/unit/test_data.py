@@ -8,6 +8,7 @@ import torch
 
 from pipetrain.config import ConfigError, DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.data.order import CHUNK, BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
@@ -71,6 +72,21 @@ def test_epochs_visit_every_train_window_once_in_a_new_order():
     second = data.train_windows(np.arange(n, 2 * n)).tolist()
     assert sorted(second) == sorted(seen) and second != seen
     assert [data.train_window(i) for i in range(5)] == seen[:5]  # one sample alone reads the same window
+
+
+def test_window_order_and_blend_pattern_match_their_golden_values():
+    """A checkpoint keeps the data position as a count of samples consumed, and a resumed run re-derives
+    which windows come next from these functions: a change to them silently changes what every resumed
+    checkpoint reads. If this fails, the change must be deliberate, documented as a new order."""
+    order = WindowOrder(1000, 1234)  # a 1024-value domain: epoch 0's first 12 include a cycle-walked position
+    assert order(0, np.arange(12)).tolist() == [392, 18, 170, 178, 193, 956, 565, 941, 968, 201, 739, 925]
+    assert order(1, np.arange(12)).tolist() == [84, 513, 459, 259, 919, 787, 762, 550, 45, 404, 782, 322]
+    assert WindowOrder(10, 7)(0, np.arange(10)).tolist() == [3, 6, 4, 2, 5, 9, 1, 8, 0, 7]
+    source, index = BlendPattern([3, 1, 2])(np.arange(12))
+    assert source.tolist() == [0, 2, 0, 1, 2, 0, 0, 2, 0, 1, 2, 0]
+    assert index.tolist() == [0, 0, 1, 0, 1, 2, 3, 2, 4, 1, 3, 5]
+    source, index = BlendPattern([3, 1, 2])(np.arange(CHUNK, CHUNK + 3))  # the second chunk repeats the first
+    assert source.tolist() == [0, 2, 0] and index.tolist() == [32768, 21845, 32769]
 
 
 def _documents(lengths):

@@ -1,19 +1,25 @@
 """Document masking: block-causal attention inside packed windows, positions restarting per document."""
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.config import ModelConfig
-from pipetrain.data import PackedData
+from pipetrain.config import DataConfig, ModelConfig
+from pipetrain.data import IGNORE_INDEX, PackedData, build_data, load_tokenizer, open_prepared, prepared_dir_for
 from pipetrain.models import build, materialize
 from pipetrain.models.decoder import document_mask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the masked window sums softmax over other (zero-weight) keys
 
 
-def _model(family, **kw):
-    cfg = ModelConfig(family=family, vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+def _model(family, vocab_size=97, **kw):
+    cfg = ModelConfig(family=family, vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=32, **kw)
     model = materialize(build(cfg), cfg, seed=0, device="cpu")
     return model.eval()
@@ -75,3 +81,37 @@ def test_loader_positions_restart_at_each_document_and_at_the_window_start(val_f
         assert (row_pos == row_in - start).all()
     parts = batch.split(2)
     assert torch.equal(torch.cat([p.positions for p in parts]), batch.positions)
+
+
+def test_sft_records_packed_with_document_mask_restart_positions_and_never_see_each_other(tmp_path):
+    tokenizer = load_tokenizer(TOKENIZER)
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"Q: who speaks in scene {i}?\nA:",
+                                          "completion": " Hamlet" + ", then Horatio" * (i % 4)})
+                              for i in range(40)))
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), val_fraction=0.0, document_mask=True)
+    seq = 32  # two to four records per window, and records cut by window starts
+    data = build_data(cfg, tokenizer, seq)
+    corpus = open_prepared(prepared_dir_for(cfg.path, cfg.text_field, tokenizer, cfg.cache_dir))
+    assert corpus.mask is not None and corpus.manifest["num_documents"] == 40  # one document per record
+    windows = data.train_windows(np.arange(data.num_train_windows))
+    batch = data.train_batch(0, data.num_train_windows)
+    offsets = windows[:, None] * seq + np.arange(seq + 1)  # (B, S+1); val_fraction 0: stream = corpus
+    assert (batch.inputs.numpy() == np.asarray(corpus.tokens)[offsets[:, :-1]]).all()
+    record = np.searchsorted(np.asarray(corpus.documents), offsets, side="right") - 1  # (B, S+1)
+    start = np.maximum(np.asarray(corpus.documents)[record[:, :-1]], offsets[:, :1])  # or the window start
+    assert (batch.positions.numpy() == offsets[:, :-1] - start).all()
+    same_record = record[:, :-1, None] == record[:, None, :-1]
+    causal = np.tril(np.ones((seq, seq), dtype=bool))
+    assert (document_mask(batch.positions)[:, 0].numpy() == (same_record & causal)).all()
+    # a target in the next record (an EOS followed by the next prompt): 40 records in 22 windows, ~38 of them
+    crossing = record[:, 1:] != record[:, :-1]
+    assert crossing.sum() >= 30 and (batch.targets.numpy()[crossing] == IGNORE_INDEX).all()
+
+    model = _model("llama", vocab_size=len(tokenizer))
+    with torch.no_grad():  # each record's logits in the packed window are those of the record run alone
+        packed = model(batch.inputs, batch.positions)
+        for row in range(len(windows)):
+            for r in np.unique(record[row, :-1]):
+                at = np.flatnonzero(record[row, :-1] == r)
+                torch.testing.assert_close(packed[row, at], model(batch.inputs[row:row + 1, at])[0], **FP32)

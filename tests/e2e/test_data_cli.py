@@ -1,0 +1,24 @@
+"""data.sources through train.py: a weighted blend of raw text sources is prepared, reported and trained."""
+import os
+import re
+
+from tests.e2e.common import ROOT, run_train
+
+PLAYS = os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
+
+
+def test_blend_of_two_text_files_reports_each_share_and_trains(tmp_path, token_cache):
+    sources = []
+    for play, weight in [("hamlet_gut.txt", 3), ("macbeth_gut.txt", 1)]:
+        with open(os.path.join(PLAYS, play), encoding="utf-8") as f:
+            text = f.read()[:20_000]  # ~5k tokens: 150 windows of 32, a second or so to prepare
+        path = tmp_path / play
+        path.write_text(text, encoding="utf-8")
+        sources.append((str(path), weight))
+    blend = "[" + ", ".join(f"{{path: '{path}', weight: {weight}}}" for path, weight in sources) + "]"
+    proc, metrics = run_train(str(tmp_path / "run"), ["data.path=", f"data.sources={blend}", "train.steps=3"],
+                              cache_dir=token_cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shares = re.findall(r"^data: blend data\.sources\[(\d)\] (\S+): ([\d.]+)% of samples", proc.stdout, re.M)
+    assert shares == [("0", sources[0][0], "75.0"), ("1", sources[1][0], "25.0")], proc.stdout[-2000:]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
