@@ -252,15 +252,33 @@ def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
 
 def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     """Full recompute: the backward of a block first reruns its forward, so one block's activations of one
-    microbatch (as saved without recompute) are live on top of the stored block inputs."""
+    microbatch (as saved without recompute) are live on top of the stored block inputs. With the backward
+    split (split_backward, and always for the V schedules), each block's input-gradient pass also leaves its
+    linears' weight-gradient operands for the deferred W: by the end of a chunk's backward, those of every
+    block of the chunk (without recompute they are among the saved activations already)."""
     p = recipe.parallel
-    if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
+    layers = rank_stages(recipe, pp_rank)[0]
+    if p.recompute != "full" or not layers:
         return 0
     m, t = recipe.model, recipe.train
-    micro = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches))
+    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
     block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none")[0]
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim
-    return int((micro * t.seq_len * block + rope) / (2 if t.precision == "bf16" else 1))
+    split = p.split_backward or placement_of(p.schedule) == "v"
+    deferred = tokens * weight_grad_operand_bytes(m, p.tp) * len(layers) / p.virtual_stages if split else 0
+    return int((tokens * block + rope + deferred) / (2 if t.precision == "bf16" else 1))
+
+
+def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> float:
+    """Bytes per token one block's deferred weight gradients hold: every linear's input (the two norm
+    outputs, the attention output, the MLP's hidden product) and output gradient (q, k, v, the attention
+    projection, gate and up or fc, the MLP output), with tp's shards."""
+    D, Fh = m.d_model, m.ffn
+    q, kv = m.n_heads * m.head_dim / tp, _kv_rows(m, tp)
+    hidden = Fh / tp
+    inputs = D + D + q + hidden
+    grads = q + 2 * kv + D + (hidden if m.family == "gpt2" else 2 * hidden) + D
+    return FP32 * (inputs + grads)
 
 
 def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int, staged: bool) -> int:

@@ -24,7 +24,8 @@ from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.pipeline import build_stage
 from pipetrain.parallel.recompute import apply_recompute
-from pipetrain.plan.memory import activation_bytes, model_state_bytes, rank_memory
+from pipetrain.plan.memory import (activation_bytes, model_state_bytes, rank_memory, rank_stages, recompute_bytes,
+                                   weight_grad_operand_bytes)
 from tests.harness import run_ranks, saved_activation_bytes
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
@@ -117,3 +118,16 @@ def test_gloo_stages_zero_all_gather_through_one_more_bucket():
     assert gloo.total >= nccl.total
     plain = _recipe(LLAMA, 2, 1, 1, 0, {})
     assert rank_memory(plain, 2, staged_collectives=True)[0].gather == rank_memory(plain, 2)[0].gather == 0
+
+
+def test_full_recompute_with_a_split_backward_holds_the_deferred_weight_gradient_operands():
+    """Under full recompute the saved activations are block inputs only; a split backward's W still needs
+    every linear's input and output gradient, held from the chunk's input-gradient passes until W runs."""
+    joined = _recipe(LLAMA, 1, 1, 2, 0, {"microbatches": 2, "schedule": "1f1b", "recompute": "full"})
+    split = dataclasses.replace(joined, parallel=dataclasses.replace(joined.parallel, split_backward=True))
+    one_block = recompute_bytes(joined, 2, 0)
+    layers = len(rank_stages(split, 0)[0])
+    tokens = joined.train.global_batch // joined.parallel.microbatches * joined.train.seq_len
+    assert recompute_bytes(split, 2, 0) - one_block == int(tokens * weight_grad_operand_bytes(LLAMA, 1) * layers) > 0
+    plain = dataclasses.replace(split, parallel=dataclasses.replace(split.parallel, recompute="none"))
+    assert recompute_bytes(plain, 2, 0) == 0  # without recompute the operands are saved activations already
