@@ -1,13 +1,20 @@
 """The parameter server's pieces without processes: the compact-table embedding against a dense one,
-row ranges, version bounds, byte formulas, and the recipe checks (exit 2 through the CLI)."""
+row ranges, version bounds, byte formulas, the recipe checks (exit 2 through the CLI), and a Server
+driven through a scripted in-process transport (the ssp hold-back of a pull that runs too far ahead)."""
 import dataclasses
+import json
+import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.config import ParallelConfig, Recipe, validate
+from pipetrain.config import ParallelConfig, Recipe, RunConfig, validate
+from pipetrain.parallel import ps
+from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.layout import layout_problems
-from pipetrain.parallel.ps import PSEmbedding, pull_bytes, push_bytes, required_version, row_range
+from pipetrain.parallel.ps import (OP_PULL, OP_PUSH, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes, push_bytes,
+                                   required_version, row_range)
 from tests.unit.common import GPT2, LLAMA
 
 
@@ -58,3 +65,89 @@ def test_recipe_checks_name_the_key_and_the_fix():
     problems = layout_problems(recipe, 1)  # 2 processes launched, minus the server
     assert any("launch 3 processes (2 workers + 1 server(s)" in p for p in problems), problems
     assert not layout_problems(recipe, 2)
+
+
+# -- a Server with its transport replaced by a script ---------------------------------------------------
+class _Sent:
+    """The Work of a reply the scripted wire has already taken."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _ScriptedWire:
+    """What Server.serve() reads and sends, in one process: it reads `messages` in order, each a sender
+    rank and its tensors (the header first, then the payloads); each reply is kept with the number of
+    messages the server had read when it sent it, so a held pull shows as a late reply."""
+
+    def __init__(self, messages: list):
+        self.messages, self.read, self.payload, self.replies = messages, 0, [], []
+
+    def recv_any_(self, header, pg, tag=0):
+        src, tensors = self.messages[self.read]
+        self.read += 1
+        header.copy_(tensors[0])
+        self.payload = list(tensors[1:])
+        return src
+
+    def recv_(self, x, src, pg, tag=0):
+        return x.copy_(self.payload.pop(0))
+
+    def isend(self, x, dst, pg, tag=0):
+        self.replies.append((self.read, dst, tag, x.clone()))
+        return _Sent()
+
+    def pulls_answered(self, worker: int) -> list:
+        """(messages read when answered, version served, rows) of each of worker's pulls, in order."""
+        sent = [(read, t) for read, dst, tag, t in self.replies if dst == worker and tag == TAG_ROWS]
+        return [(read, int(version[0]), rows) for (read, version), (_, rows) in zip(sent[::2], sent[1::2])]
+
+
+def _pull(worker, step, ids, staleness):
+    return worker, [ps._header(OP_PULL, step, ids.numel(), required_version("ssp", staleness, step)), ids]
+
+
+def _push(worker, step, ids, grad, version):
+    return worker, [ps._header(OP_PUSH, step, ids.numel(), version), ids, grad]
+
+
+@pytest.mark.parametrize("staleness,held", [(1, True), (2, False)], ids=["s1-held", "s2-answered"])
+def test_ssp_server_holds_a_pull_until_the_apply_its_staleness_needs(tmp_path, monkeypatch, staleness, held):
+    """Worker 0 pushes steps 1 and 2 and asks for step 3's rows while worker 1 has not pushed step 1, so
+    the server is still at version 0 and worker 0 is two steps ahead. Step 3 needs version 3 - 1 - s:
+    with s = 1 the pull waits for worker 1's step-1 push (which applies step 1) and gets the updated
+    rows; with s = 2 it is answered at once with the rows of version 0."""
+    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(dp=2, ps_servers=1, ps_sync="ssp", staleness=staleness),
+                    run=RunConfig(output_dir=str(tmp_path), progress=False))
+    server = Server(recipe, ParallelDims(dp=2, rank=2, ps_servers=1), lambda step: 0.1)
+    ids = torch.tensor([1, 5, 9])
+    grad = torch.randn(3, LLAMA.d_model)
+    wire = _ScriptedWire([_pull(0, 1, ids, staleness), _push(0, 1, ids, grad, 0),
+                          _pull(0, 2, ids, staleness), _push(0, 2, ids, grad, 0),
+                          _pull(0, 3, ids, staleness),  # message 5: worker 0 is two steps ahead
+                          _pull(1, 1, ids, staleness), _push(1, 1, ids, grad, 0),  # message 7: step 1 complete
+                          (0, [ps._header(OP_STOP, 3)])])
+    for name in ("recv_any_", "recv_", "isend"):
+        monkeypatch.setattr(ps, name, getattr(wire, name))
+    server.serve()
+
+    first, second, third = wire.pulls_answered(0)
+    assert first[:2] == (1, 0) and second[:2] == (3, 0)  # steps 1 and 2 need nothing: answered on arrival
+    read, version, rows = third
+    if held:
+        assert (read, version) == (7, 1), (read, version)  # after worker 1's push, from the version it made
+        torch.testing.assert_close(rows, server.weight.detach()[ids], rtol=0, atol=0)
+        assert not torch.equal(rows, first[2])  # the update of step 1 is in the rows
+    else:
+        assert (read, version) == (5, 0), (read, version)  # on arrival, two versions behind step 2
+        assert torch.equal(rows, first[2])
+    with open(os.path.join(tmp_path, "ps-server-0.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    assert [e["step"] for e in log if e["event"] == "apply"] == [1]  # step 2 still waits for worker 1
+    late = next(i for i, e in enumerate(log) if e["event"] == "pull" and e["worker"] == 0 and e["step"] == 3)
+    assert log[late]["required"] == 2 - staleness and log[late]["version"] == version
+    applied = next(i for i, e in enumerate(log) if e["event"] == "apply")
+    assert (applied < late) == held  # the log shows the hold: the pull is answered after the apply
