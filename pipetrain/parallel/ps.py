@@ -212,6 +212,10 @@ class PSClient:
             pull = self._prefetched
             if pull is None or pull.step != step:
                 pull = self._request(step, inputs, required_version(self.mode, self.staleness, step))
+            elif not torch.equal(pull.ids, torch.unique(inputs.reshape(-1).cpu())):
+                # the loader's peek disagreed with the batch it served: the rows would be another batch's
+                raise RuntimeError(f"{self.dims.coords} PSClient: the rows prefetched for step {step} are not "
+                                   "this batch's token ids; the loader's peek_inputs and next() disagree")
             self._prefetched = None
         self._install(pull, inputs, train=True)
 
