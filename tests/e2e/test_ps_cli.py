@@ -1,6 +1,7 @@
 """train.py with parameter servers (parallel.ps_servers): 2 workers + 1 server under torchrun train,
 log their rows and bytes, evaluate and save; a killed server under --max-restarts resumes and ends with
-the uninterrupted run's weights; bad input exits 2 with one line naming the key."""
+the uninterrupted run's weights; bad input (tied embeddings, ssp without staleness, a world that is not
+dp*tp*pp + S) exits 2 with one line naming the key, before any process group or data is set up."""
 import json
 import os
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from tests.e2e.common import checkpoint_tensors, run_train
-from tests.e2e.test_relaxed_cli import _bad
+from tests.harness import our_traceback_frames
 
 PS = ["parallel.ps_servers=1", "parallel.dp=2", "train.steps=4", "run.eval_every=2", "checkpoint.every=2"]
 
@@ -47,6 +48,39 @@ def test_a_killed_server_resumes_under_torchrun_with_the_uninterrupted_weights(t
         assert torch.equal(once[name], again[name]), name
 
 
-def test_bad_parameter_server_input_exits_2_naming_the_key(tmp_path):
-    """One launch through the CLI; the other refusals are config checks (tests/unit/test_ps.py)."""
-    assert "leaves no worker" in _bad(tmp_path, ["parallel.ps_servers=1"])
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.strip().startswith("error: ")]
+
+
+def _refused(tmp_path, overrides, extra_args=()) -> str:
+    """The one `error:` line of a one-process launch that must exit 2 without a traceback."""
+    proc, _ = run_train(str(tmp_path), overrides, extra_args=extra_args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_bad_parameter_server_input_exits_2_with_one_line_naming_the_key(tmp_path):
+    """One process each: the recipe checks run before the world is looked at; the world check is the same
+    arithmetic (processes - servers against dp*tp*pp) whether it counts WORLD_SIZE or --dry-run's --nproc."""
+    assert "leaves no worker" in _refused(tmp_path, ["parallel.ps_servers=1"])
+    tied = _refused(tmp_path, ["parallel.ps_servers=1", "model.tie_embeddings=true"])
+    assert "needs an untied input embedding" in tied and "model.tie_embeddings=false" in tied, tied
+    ssp = _refused(tmp_path, ["parallel.ps_servers=1", "parallel.ps_sync=ssp"])
+    assert "parallel.ps_sync=ssp needs parallel.staleness >= 1" in ssp, ssp
+    # dp 2 + 1 server on 4 processes: 3 workers where the mesh has 2
+    world = _refused(tmp_path, ["parallel.ps_servers=1", "parallel.dp=2"], extra_args=["--dry-run", "--nproc", "4"])
+    assert "does not equal the world size 3 without the servers; launch 3 processes (2 workers + 1 server(s)" \
+        in world, world
+
+
+def test_a_world_without_room_for_the_mesh_and_servers_exits_2_under_torchrun(tmp_path):
+    """dp 2 + 1 server launched on 2 processes: the ranks refuse before joining a process group and only
+    rank 0 prints. torchrun itself exits 1 with its own report (and traceback) of the child's exit 2."""
+    proc, _ = run_train(str(tmp_path), ["parallel.ps_servers=1", "parallel.dp=2"], nproc=2)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "world size 1 without the servers; launch 3 processes (2 workers + 1 server(s)" in lines[0], lines
+    assert our_traceback_frames(proc.stderr) == [], proc.stderr[-3000:]  # torchrun's own frames are allowed
