@@ -259,6 +259,17 @@ def _resolve_path(value: Optional[str], base: str) -> Optional[str]:
     return candidate if looks_local or expanded.count("/") > 1 else value
 
 
+def _resolve_paths(section: str, key: str, value: Any, base: str) -> Any:
+    """A path key's value, or data.sources' path entries, resolved against base (the recipe file's folder,
+    or the current directory for --set)."""
+    if (section, key) in _PATH_KEYS and isinstance(value, str):
+        return _resolve_path(value, base)
+    if (section, key) == ("data", "sources") and isinstance(value, list):  # each source path as data.path
+        return [{**s, "path": _resolve_path(s["path"], base)} if isinstance(s, dict) and isinstance(s.get("path"), str)
+                else s for s in value]
+    return value
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'parallel.tp=2' -> ('parallel', 'tp', 2); the value is parsed as a YAML scalar."""
     if "=" not in text:
@@ -291,20 +302,13 @@ def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = No
             problems.append(f"section '{section}' must be a mapping of keys")
             continue
         for key, value in body.items():
-            if (section, key) in _PATH_KEYS and isinstance(value, str):
-                value = _resolve_path(value, base_dir)
-            if (section, key) == ("data", "sources") and isinstance(value, list):  # each source path as data.path
-                value = [{**s, "path": _resolve_path(s["path"], base_dir)}
-                         if isinstance(s, dict) and isinstance(s.get("path"), str) else s for s in value]
-            values[section][key] = value
+            values[section][key] = _resolve_paths(section, key, value, base_dir)
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in _SECTION_CLASSES:
             problems.append(f"--set {text}: unknown section '{section}'{_closest(section, _SECTION_CLASSES)}")
             continue
-        if (section, key) in _PATH_KEYS and isinstance(value, str):
-            value = _resolve_path(value, os.getcwd())
-        values[section][key] = value
+        values[section][key] = _resolve_paths(section, key, value, os.getcwd())
 
     sections = {}
     for section, cls in _SECTION_CLASSES.items():

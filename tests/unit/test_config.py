@@ -1,4 +1,6 @@
 """Recipe loading: unknown keys, wrong types, overrides, cross-field validation."""
+import os
+
 import pytest
 import yaml
 
@@ -71,6 +73,22 @@ def test_relative_paths_resolve_against_the_recipe_folder(tmp_path):
     r = load_recipe(str(path))
     assert r.data.path == str(tmp_path / "corpus")
     assert r.data.tokenizer == str(tmp_path / "tok")
+
+
+def test_source_paths_resolve_like_data_path_in_the_file_and_with_set(tmp_path, monkeypatch):
+    """In the recipe file against its folder, with --set against the current directory (as data.path): the same
+    corpus reached by a relative and an absolute path gets one prepared cache entry, not two."""
+    (tmp_path / "a.txt").write_text("x")
+    here = tmp_path / "cwd"
+    (here / "b").mkdir(parents=True)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_with(data={"path": "", "sources": [{"path": "a.txt", "weight": 1}],
+                                               "tokenizer": "./t"})))
+    assert load_recipe(str(path)).data.sources == [{"path": str(tmp_path / "a.txt"), "weight": 1}]
+    monkeypatch.chdir(here)
+    r = load_recipe(str(path), ["data.sources=[{path: ./b, weight: 2}, {path: '~/c', weight: 1}]"])
+    assert r.data.sources == [{"path": str(here / "b"), "weight": 2},
+                              {"path": os.path.expanduser("~/c"), "weight": 1}]
 
 
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
