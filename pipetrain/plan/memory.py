@@ -42,6 +42,7 @@ class RankMemory:
     comm: int
     step_temp: int = 0       # the optimizer step's temporaries (foreach AdamW: sqrt of the second moment)
     recompute_temp: int = 0  # full recompute: one block's activations, recomputed inside its backward
+    deferred_w: int = 0      # split backward: weight-gradient operands a chunk holds until W, beyond saved ones
     grads_live: int = 0      # gradient bytes live beside the peak activations (earlier microbatches' backwards)
     full_grads: int = 0      # gradient bytes before the reduction (ZeRO 2 frees all but the shard after it)
     gather: int = 0          # ZeRO 1/2: the buffers of the parameter all-gather after the AdamW update
@@ -57,7 +58,7 @@ class RankMemory:
         in flight with only the gradients earlier microbatches made; the end of the backward holds the full
         gradients and the reduction buffers; the optimizer step the reduced gradients and AdamW's
         temporaries, then ZeRO's all-gather buffers."""
-        forward = self.activations + self.recompute_temp + self.grads_live + self.comm
+        forward = self.activations + self.recompute_temp + self.deferred_w + self.grads_live + self.comm
         backward_end = self.full_grads + self.comm
         step = self.grads + max(self.step_temp, self.gather)  # AdamW's temporaries are freed before the gather
         return self.params + self.optim + max(forward, backward_end, step)
@@ -252,33 +253,43 @@ def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
 
 def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     """Full recompute: the backward of a block first reruns its forward, so one block's activations of one
-    microbatch (as saved without recompute) are live on top of the stored block inputs. With the backward
-    split (split_backward, and always for the V schedules), each block's input-gradient pass also leaves its
-    linears' weight-gradient operands for the deferred W: by the end of a chunk's backward, those of every
-    block of the chunk (without recompute they are among the saved activations already)."""
+    microbatch (as saved without recompute) are live on top of the stored block inputs."""
     p = recipe.parallel
-    layers = rank_stages(recipe, pp_rank)[0]
-    if p.recompute != "full" or not layers:
+    if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
         return 0
     m, t = recipe.model, recipe.train
     tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
     block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none")[0]
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim
-    split = p.split_backward or placement_of(p.schedule) == "v"
-    deferred = tokens * weight_grad_operand_bytes(m, p.tp) * len(layers) / p.virtual_stages if split else 0
-    return int((tokens * block + rope + deferred) / (2 if t.precision == "bf16" else 1))
+    return int((tokens * block + rope) / (2 if t.precision == "bf16" else 1))
 
 
-def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> float:
-    """Bytes per token one block's deferred weight gradients hold: every linear's input (the two norm
-    outputs, the attention output, the MLP's hidden product) and output gradient (q, k, v, the attention
-    projection, gate and up or fc, the MLP output), with tp's shards."""
+def deferred_w_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+    """With the backward split (split_backward, and always for the V schedules), a chunk's input-gradient
+    passes leave every linear's weight-gradient operands for its deferred W: the output gradients, which are
+    no saved activation, and under full recompute the inputs too (otherwise saved activations already). One
+    chunk's worth: W runs before the next chunk's backward would add more on most ranks."""
+    p = recipe.parallel
+    layers = rank_stages(recipe, pp_rank)[0]
+    if not layers or p.pp == 1 or not (p.split_backward or placement_of(p.schedule) == "v"):
+        return 0
+    m, t = recipe.model, recipe.train
+    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
+    inputs, grads = weight_grad_operand_bytes(m, p.tp)
+    per_token = grads + (inputs if p.recompute == "full" else 0)
+    return int(tokens * per_token * len(layers) / p.virtual_stages / (2 if t.precision == "bf16" else 1))
+
+
+def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
+    """(inputs, output gradients): bytes per token of one block's linears' weight-gradient operands with tp's
+    shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
+    output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
     D, Fh = m.d_model, m.ffn
     q, kv = m.n_heads * m.head_dim / tp, _kv_rows(m, tp)
     hidden = Fh / tp
     inputs = D + D + q + hidden
     grads = q + 2 * kv + D + (hidden if m.family == "gpt2" else 2 * hidden) + D
-    return FP32 * (inputs + grads)
+    return FP32 * inputs, FP32 * grads
 
 
 def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int, staged: bool) -> int:
@@ -316,6 +327,7 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
         acts = activation_bytes(recipe, world_size, r, in_flight[r])
         out.append(RankMemory(r, params, grads, optim, acts, comm_bytes(recipe, world_size, params),
                               step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r),
+                              deferred_w=deferred_w_bytes(recipe, world_size, r),
                               grads_live=_grads_beside_activations(recipe, params, acts, in_flight[r]),
                               full_grads=params,
                               gather=_gather_bytes(recipe, world_size, params, staged_collectives)))
