@@ -23,14 +23,13 @@ from pipetrain.build import build_server, build_trainer, resolve_init_from
 from pipetrain.checkpoint import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
-from pipetrain.elastic import elastic_recipe, is_elastic, saved_layout
+from pipetrain.elastic import launch_layout
 from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.comm import barrier
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.ft import Replica, replica_from_env
 from pipetrain.parallel.layout import layout_problems
-from pipetrain.plan.auto import resolve_at_launch
 from pipetrain.preflight import preflight
 from pipetrain.run_lock import RunLock
 from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
@@ -120,16 +119,8 @@ def run(args: argparse.Namespace) -> int:
     restarted = restart_count() > 0 and args.resume is None
     if restarted:  # torchrun --max-restarts: a restarted attempt continues from the newest intact checkpoint
         args.resume = "auto"
-    # a resume onto another world re-derives the layout (pipetrain.elastic); torchft groups heal from peers instead
-    saved = saved_layout(recipe.run.output_dir, args.resume) if recipe.parallel.fault_tolerance != "torchft" else None
-    if recipe.parallel.auto:
-        elastic = is_elastic(recipe, saved, workers)
-        recipe = resolve_at_launch(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
-                                   free=("dp",) if elastic else ())
-        elastic_note = f"elastic resume: {saved.path} was saved on {saved.world_size} rank(s); parallel.auto " \
-                       f"re-planned for {workers}" if elastic else None
-    else:
-        recipe, elastic_note = elastic_recipe(recipe, workers, saved)
+    recipe, elastic_note = launch_layout(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
+                                         args.resume)
     if args.dry_run:
         if elastic_note and int(os.environ.get("RANK", 0)) == 0:
             print(elastic_note, flush=True)

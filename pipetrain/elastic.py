@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pipetrain.checkpoint import check_resume_dir, read_manifest
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.parallel.layout import layout_problems, mesh_problems, resolve_dp
+from pipetrain.plan.auto import resolve_at_launch
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,21 @@ def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -
     if chosen.parallel.dp_shard != p.dp_shard:
         note += f"; parallel.dp_shard={p.dp_shard} does not divide dp {dp}: its default is used"
     return chosen, note
+
+
+def launch_layout(recipe: Recipe, recipe_path: str, overrides, world_size: int, rank: int,
+                  resume: str | None) -> tuple[Recipe, str | None]:
+    """The launch's layout and, on an elastic resume, the line saying what changed: parallel.auto's plan for
+    world_size (with dp left free on an elastic resume), else the recipe's, re-derived on an elastic resume.
+    torchft replica groups heal from live peers instead and keep their layout (pipetrain.parallel.ft)."""
+    saved = saved_layout(recipe.run.output_dir, resume) if recipe.parallel.fault_tolerance != "torchft" else None
+    if not recipe.parallel.auto:
+        return elastic_recipe(recipe, world_size, saved)
+    elastic = is_elastic(recipe, saved, world_size)
+    recipe = resolve_at_launch(recipe, recipe_path, overrides, world_size, rank, free=("dp",) if elastic else ())
+    note = f"elastic resume: {saved.path} was saved on {saved.world_size} rank(s); parallel.auto re-planned " \
+           f"for {world_size}" if elastic else None
+    return recipe, note
 
 
 def _with(recipe: Recipe, dp: int | None, microbatches: int) -> Recipe:

@@ -1,12 +1,13 @@
 """Elastic resume: a checkpoint resumed on another world keeps tp and pp, takes dp from the world (even a pinned
 one), keeps its microbatch size where the layout allows, and never changes the global batch."""
+import dataclasses
 import os
 import shutil
 
 import pytest
 
 from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
-from pipetrain.elastic import SavedLayout, elastic_recipe, is_elastic, saved_layout
+from pipetrain.elastic import SavedLayout, elastic_recipe, is_elastic, launch_layout, saved_layout
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.plan.auto import resolve_at_launch
 from tests.unit.short_run import short_run
@@ -104,3 +105,18 @@ def test_saved_layout_reads_the_newest_checkpoint_whose_manifest_reads(tmp_path)
     assert saved_layout(str(tmp_path), None) is None and saved_layout(str(tmp_path / "none"), "auto") is None
     with pytest.raises(ConfigError, match="no such checkpoint directory"):
         saved_layout(str(tmp_path), str(tmp_path / "missing"))
+
+
+def test_launch_layout_re_plans_under_auto_and_re_derives_otherwise(tmp_path):
+    out, _, _ = short_run()  # saved on 1 rank
+    shutil.copytree(os.path.join(out, "checkpoints"), tmp_path / "checkpoints")
+    path = tmp_path / "r.yaml"
+    path.write_text("parallel: {auto: true, dp: 2}\n")
+    run = dataclasses.replace(_recipe().run, output_dir=str(tmp_path))
+    auto = dataclasses.replace(_recipe(auto=True, dp=2), run=run)
+    got, note = launch_layout(auto, str(path), [], 1, rank=1, resume="auto")
+    assert got.parallel.dp == 1 and "parallel.auto re-planned for 1" in note
+    assert launch_layout(auto, str(path), [], 2, rank=1, resume=None)[1] is None  # a fresh run: not elastic
+    pinned = dataclasses.replace(_recipe(dp=2, microbatches=1), run=run)
+    got, note = launch_layout(pinned, str(path), [], 1, rank=1, resume="auto")
+    assert got.parallel.dp == 1 and note.startswith("elastic resume: ")
