@@ -42,7 +42,7 @@ from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.lora import apply_lora
-from pipetrain.parallel.pipeline import build_stage
+from pipetrain.parallel.pipeline import build_stage, stage_costs
 from pipetrain.parallel.ps import PSClient, PSEmbedding, Server
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.parallel.schedules import build_schedule, gpipe
@@ -216,8 +216,10 @@ def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) ->
     p = recipe.parallel
     # Schedules are pure data (validated by the schedules tests); full recompute makes B ~3x F.
     backward_cost = 3.0 if p.recompute == "full" else 2.0
+    costs = stage_costs(recipe.model, p, recipe.train.seq_len) if p.schedule == "zbv" else None
     return build_schedule(p.schedule, dims.pp_rank, dims.pp, microbatches, p.virtual_stages,
-                          backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1)
+                          backward_cost=backward_cost, split_backward=p.split_backward and dims.pp > 1,
+                          stage_costs=costs)
 
 
 def _build_dynamic_batch(recipe: Recipe, dims: ParallelDims, loader: Loader) -> DynamicBatch | None:

@@ -113,6 +113,14 @@ def partition_layers(cfg: ModelConfig, num_stages: int, seq_len: int, pp: int | 
         counts, current = c, value
 
 
+def stage_costs(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[float]:
+    """Forward time of every stage of the layout in blocks (FLOPs): its layers, plus the head and loss on the
+    last stage. The embedding is a row lookup, nearly free in time (the partition charges it for memory)."""
+    block, _, head = layer_costs(cfg, seq_len)
+    layouts = stage_layout(cfg, pcfg, seq_len)
+    return [len(layers) + (head / block if s == len(layouts) - 1 else 0.0) for s, layers in enumerate(layouts)]
+
+
 def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[list[int]]:
     """Global layer indices of every stage, for a layout that layout_problems accepts."""
     num_stages = pcfg.pp * pcfg.virtual_stages

@@ -10,9 +10,10 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from pipetrain.parallel.schedules.actions import B, F, SCHEDULES, V_SCHEDULES, W, Action, Compute, source
+from pipetrain.parallel.schedules.actions import (B, F, SCHEDULES, V_SCHEDULES, W, Action, Compute, source,
+                                                 stage_of)
 from pipetrain.parallel.schedules.placement import place
-from pipetrain.parallel.schedules.replay import Replay, Task
+from pipetrain.parallel.schedules.replay import Replay, Task, replay_computes
 
 
 def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
@@ -81,18 +82,59 @@ def _interleaved_order(pp_rank: int, pp_size: int, num_microbatches: int, virtua
     return order + [unit(k, B) for k in range(total - num_warmup, total)]
 
 
-def _zbv_orders(pp_size: int, num_microbatches: int) -> list[list[Compute]]:
-    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): every rank's F, B and W order.
+def _zbv_orders(pp_size: int, num_microbatches: int, stage_costs=None,
+                backward_cost: float = 2.0) -> list[list[list[Compute]]]:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): candidate F, B and W orders
+    of every rank, the one for equal costs first; build_all_schedules keeps the one that replays shortest.
 
-    Built by list scheduling on the simulator with F = B = W = 1 per chunk: each rank, whenever it is
-    free, does the backward whose output gradient is there (oldest first: it frees memory and unblocks
-    the ranks upstream), else the forward whose input is there (chunk 1 first, it is closer to the
-    loss), else its oldest pending W (a W needs nothing from another rank, so it fills what would be a
-    wait), else it waits for the earliest known input. Forwards stop while the rank holds 2*pp_size
-    (microbatch, chunk) activations not yet weight-gradiented: p microbatches of the whole rank's
-    layers, 1F1B's peak on rank 0. F and B run each chunk's microbatches in order, W each chunk's in B
-    order, so weight gradients accumulate in microbatch order.
-    """
+    Built by list scheduling on the simulator (_zbv_list_schedule) with F = B = W = 1 per chunk, and, given
+    stage_costs (forward time of each of the 2p stages, any unit), again on those costs (v_duration), with
+    chunk 0 kept at most 2 (p-1-r) + 1 forwards ahead of chunk 1 on rank r (the forwards ZB-V's warm-up runs
+    before its first chunk-1 input can arrive; without that cap, uneven costs let a rank fill its activation
+    budget with chunk-0 forwards and the schedule deadlocks)."""
+    uniform = _zbv_list_schedule(pp_size, num_microbatches, lambda r, x: 1.0)
+    assert uniform is not None, "_zbv_orders: list scheduling stalled"
+    if stage_costs is None or len(set(stage_costs)) == 1:
+        return [uniform]
+    assert len(stage_costs) == 2 * pp_size and min(stage_costs) > 0, \
+        f"_zbv_orders: need {2 * pp_size} positive stage costs, got {list(stage_costs)}"
+    costed = _zbv_list_schedule(pp_size, num_microbatches, v_duration(stage_costs, pp_size, backward_cost),
+                                ahead=lambda r: 2 * (pp_size - 1 - r) + 1)
+    return [uniform] if costed is None else [uniform, costed]
+
+
+def v_duration(stage_costs, pp_size: int, backward_cost: float, orders=None):
+    """duration(rank, compute) on a V placement's stage costs: F = c, and the backward's c * backward_cost
+    split in half between B and W, or all on B where a rank's order has no W for it (merged)."""
+    merged = None if orders is None else [{(mb, c) for k, mb, c in o if k == B} - {(mb, c) for k, mb, c in o if k == W}
+                                          for o in orders]
+
+    def duration(r: int, x: Compute) -> float:
+        kind, mb, chunk = x
+        forward = stage_costs[stage_of(r, chunk, pp_size, "v")]
+        if kind == F:
+            return forward
+        whole = merged is not None and kind == B and (mb, chunk) in merged[r]
+        return forward * backward_cost * (1.0 if whole else 0.5)
+    return duration
+
+
+def v_makespan(schedules, stage_costs, backward_cost: float) -> float:
+    """Length of a V schedule's computes replayed on stage_costs (free transfers)."""
+    orders = [[(a.kind, a.microbatch, a.chunk) for a in acts if a.kind in (F, B, W)] for acts in schedules]
+    duration = v_duration(stage_costs, len(schedules), backward_cost, orders)
+    return max(replay_computes(orders, 2, duration, "v").clock)
+
+
+def _zbv_list_schedule(pp_size: int, num_microbatches: int, duration, ahead=None) -> list[list[Compute]] | None:
+    """Each rank, whenever it is free, does the backward whose output gradient is there (oldest first: it
+    frees memory and unblocks the ranks upstream), else the forward whose input is there (chunk 1 first, it
+    is closer to the loss), else its oldest pending W (a W needs nothing from another rank, so it fills what
+    would be a wait), else it waits for the earliest known input; tasks take duration(rank, compute).
+    Forwards stop while the rank holds 2*pp_size (microbatch, chunk) activations not yet weight-gradiented:
+    p microbatches of the whole rank's layers, 1F1B's peak on rank 0; ahead(r), when given, caps how many
+    chunk-0 forwards rank r runs ahead of its chunk-1 ones. F and B run each chunk's microbatches in order,
+    W each chunk's in B order, so weight gradients accumulate in microbatch order. None if it stalls."""
     p, m = pp_size, num_microbatches
     limit = 2 * p
     next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]
@@ -101,13 +143,18 @@ def _zbv_orders(pp_size: int, num_microbatches: int) -> list[list[Compute]]:
     out: list[list[Compute]] = [[] for _ in range(p)]
     sim = Replay(p)
 
+    def may_forward(r: int, c: int) -> bool:
+        if next_f[r][c] >= m or live[r] >= limit:
+            return False
+        return ahead is None or c == 1 or next_f[r][0] - next_f[r][1] < ahead(r)
+
     def candidates(r: int) -> list[tuple[float, int, Compute, object]]:
         found = []
         for c in (1, 0):
             if next_b[r][c] < next_f[r][c]:  # its forward is done: B can run once its gradient is there
                 x = (B, next_b[r][c], c)
                 found.append((0, c, x))
-            if next_f[r][c] < m and live[r] < limit:
+            if may_forward(r, c):
                 found.append((1, 1 - c, (F, next_f[r][c], c)))
         out_ = []
         for rank_, _, x in found:
@@ -138,11 +185,10 @@ def _zbv_orders(pp_size: int, num_microbatches: int) -> list[list[Compute]]:
         else:
             live[r] -= 1
         out[r].append(x)
-        return Task(1.0, needs=src, makes=(r, x))
+        return Task(duration(r, x), needs=src, makes=(r, x))
 
     sim.drive(next_task)
-    assert all(len(order) == 6 * m for order in out), "_zbv_orders: list scheduling stalled"
-    return out
+    return out if all(len(order) == 6 * m for order in out) else None
 
 
 def _dualpipev_order(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Compute]:
@@ -201,21 +247,26 @@ def _dualpipev_order(pp_rank: int, pp_size: int, num_microbatches: int) -> list[
 
 
 def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
-                        backward_cost: float = 2.0, split_backward: bool = False) -> list[list[Action]]:
+                        backward_cost: float = 2.0, split_backward: bool = False,
+                        stage_costs=None) -> list[list[Action]]:
     """Every rank's action list for schedule `name`: one call instead of pp_size (validator, simulator).
 
     backward_cost is B's time relative to F's, used only to place receives and W actions (placement.py):
     about 2 normally, 3 with full activation recomputation; with split_backward half of it is taken as
     B's input-gradient part and half as W. Any positive value gives a deadlock-free schedule. The V
     schedules (zbv, dualpipev: placement "v", virtual_stages=2) always split their backward and place
-    their own W actions; split_backward does not change them.
+    their own W actions; split_backward does not change them. stage_costs (forward time of each stage)
+    let zbv order its computes for this partition (_zbv_orders); the other schedules have fixed orders.
     """
     problems = schedule_problems(name, pp_size, num_microbatches, virtual_stages)
     assert not problems, "; ".join(problems)
     assert backward_cost > 0, f"schedule: backward_cost must be > 0, got {backward_cost}"
     p, m, v = pp_size, num_microbatches, virtual_stages
     if name == "zbv":
-        return place(_zbv_orders(p, m), 2, backward_cost, True, "v")
+        candidates = [place(o, 2, backward_cost, True, "v") for o in _zbv_orders(p, m, stage_costs, backward_cost)]
+        # on equal replayed lengths the first (the order for equal costs) is kept
+        return min(candidates, key=lambda s: v_makespan(s, stage_costs, backward_cost)) if len(candidates) > 1 \
+            else candidates[0]
     if name == "dualpipev":
         return place([_dualpipev_order(r, p, m) for r in range(p)], 2, backward_cost, True, "v")
     if name == "gpipe":
@@ -230,11 +281,11 @@ def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_
 
 
 def build_schedule(name: str, pp_rank: int, pp_size: int, num_microbatches: int, virtual_stages: int = 1, *,
-                   backward_cost: float = 2.0, split_backward: bool = False) -> list[Action]:
+                   backward_cost: float = 2.0, split_backward: bool = False, stage_costs=None) -> list[Action]:
     """Action list of `pp_rank` for schedule `name` (one of SCHEDULES); keywords: build_all_schedules."""
     assert 0 <= pp_rank < pp_size, f"schedule: pp_rank must be in [0, {pp_size}), got {pp_rank}"
     return build_all_schedules(name, pp_size, num_microbatches, virtual_stages, backward_cost=backward_cost,
-                               split_backward=split_backward)[pp_rank]
+                               split_backward=split_backward, stage_costs=stage_costs)[pp_rank]
 
 
 def gpipe(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
