@@ -70,7 +70,7 @@ from pipetrain.data import Batch  # noqa: E402
 from pipetrain.models import build, materialize  # noqa: E402
 from pipetrain.parallel.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.executor import Executor  # noqa: E402
-from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_layout  # noqa: E402
+from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_costs, stage_layout  # noqa: E402
 from pipetrain.parallel.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
                                           stage_of)
 from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
@@ -236,7 +236,9 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         return clock.timed("loss", loss_sum, logits, targets)
 
     executor = Executor(chunks, specs, dims, (MICRO, SEQ, CFG.d_model), torch.float32, loss_fn=loss_fn)
-    actions = {fw: build_all_schedules(schedule, dims.pp, NUM_MB, v, split_backward=split)[dims.pp_rank]
+    costs = _zbv_costs(pcfg, schedule)
+    actions = {fw: build_all_schedules(schedule, dims.pp, NUM_MB, v, split_backward=split,
+                                       stage_costs=costs)[dims.pp_rank]
                for fw, (split, _) in SPLIT.items()}
 
     def pipetrain_step(framework: str):
@@ -301,6 +303,14 @@ def _timed_step(dims: ParallelDims, model, step, clock: StepClock) -> dict:
 
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _zbv_costs(pcfg: ParallelConfig, schedule: str):
+    """The stage costs build.py orders a run's zbv on; None (the equal-cost order) for the other schedules, or
+    under --zbv-order equal (passed to the spawned ranks through the environment)."""
+    if schedule != "zbv" or os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER") == "equal":
+        return None
+    return stage_costs(CFG, pcfg, SEQ)
 
 
 def _timing_worker(dims: ParallelDims, rounds: int, cases_run: list, out_path: str) -> None:
@@ -398,7 +408,9 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     own simulator (schedules/replay.py). The formula assumes equal stages; uniform=True replays equal
     stages, where it holds for the unsplit schedules.
     """
-    layout = stage_layout(CFG, ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v), SEQ)
+    pcfg = ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v)
+    layout = stage_layout(CFG, pcfg, SEQ)
+    costs = _zbv_costs(pcfg, schedule)
     block, embed, head = layer_costs(CFG, SEQ)
     last = len(layout) - 1
     cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
@@ -406,7 +418,7 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     if uniform:
         cost_f = [1.0] * len(layout)
     orders = [[(a.kind, a.microbatch, a.chunk) for a in actions if a.kind in (F, B, W)]
-              for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split)]
+              for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split, stage_costs=costs)]
     ratio = {F: 1.0, B: backward_ratio - weight_ratio, W: weight_ratio}
     # a B with no W of its own (every B unsplit; first-stage Bs merged back) does the whole backward
     has_w = [{(mb, c) for kind, mb, c in order if kind == W} for order in orders]
@@ -532,7 +544,10 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory runs")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in CASES], default=[s for s, _ in CASES])
     parser.add_argument("--json", default=None, help="also write every raw figure to this file")
+    parser.add_argument("--zbv-order", choices=["costed", "equal"], default="costed",
+                        help="pipetrain's zbv ordered on the partition's stage costs (as a run) or for equal costs")
     args = parser.parse_args()
+    os.environ["PIPETRAIN_BENCH_ZBV_ORDER"] = args.zbv_order  # read by _zbv_costs in every spawned rank
     print(f"model: llama D {CFG.d_model}, {CFG.n_layers} layers, V {CFG.vocab_size}; m {NUM_MB} microbatches of "
           f"{MICRO} x T {SEQ} = {MICRO * NUM_MB * SEQ} tokens/step; 1 thread per rank, gloo, "
           f"{os.cpu_count()} CPUs", flush=True)
