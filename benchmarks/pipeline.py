@@ -28,6 +28,9 @@ share):
   the slowest rank's end) / step time. Every Work.wait() of both frameworks is timed (the method is
   wrapped on the Work class); so are forward (chunk calls), loss, backward (torch.autograd.backward)
   and pipetrain's deferred weight gradients (apply_weight_grads); "other" is the rest of the step.
+- ceiling: torch's step time over this run's CPU floor, max(the busiest rank's CPU seconds, all ranks'
+  CPU seconds / the cores they share), paired per round: what this run would reach over torch were its
+  step as short as its CPU allows, i.e. the most that scheduling alone could buy on this machine.
 - expected idle: the formula (p-1)/(v*m+p-1), and replay_idle: the very action lists replayed with this
   partition's stage costs and the measured backward / weight-gradient ratios (deterministic).
 - parity: in the warm-up round, the summed loss of each framework and the largest gradient difference
@@ -443,6 +446,12 @@ def median_ci(values: list[float], resamples: int = 4000, seed: int = 0) -> tupl
     return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
 
 
+def cpu_floor(cpu: list[float]) -> float:
+    """The shortest step a rank's CPU seconds allow: the busiest rank's, or all ranks' over the cores they share."""
+    cores = min(len(cpu), len(os.sched_getaffinity(0)))
+    return max(max(cpu), sum(cpu) / cores)
+
+
 def _summary(pp: int, timing: dict, cases: list) -> dict:
     """Medians over rounds: tokens/s, per-rank idle and time breakdown, ratios to torch paired per round."""
     tokens = MICRO * NUM_MB * SEQ
@@ -462,11 +471,14 @@ def _summary(pp: int, timing: dict, cases: list) -> dict:
             ratios = [max(t["seconds"]) / max(r["seconds"]) for r, t in zip(recs, timing["steps"][f"{s}|torch"])]
             # CPU seconds summed over ranks: torch's / this one's, paired; machine load inflates it far less
             cpu_ratios = [sum(t["cpu"]) / sum(r["cpu"]) for r, t in zip(recs, timing["steps"][f"{s}|torch"])]
+            # Ceiling: torch's step over the shortest step this run's CPU allows on this machine (no schedule
+            # can beat its busiest rank's CPU, nor the ranks' total CPU spread over the cores).
+            ceilings = [max(t["seconds"]) / cpu_floor(r["cpu"]) for r, t in zip(recs, timing["steps"][f"{s}|torch"])]
             out[(s, fw)] = {"tokens_per_s": tokens / statistics.median(span), "step_s": statistics.median(span),
                             "idle": [statistics.median(x) for x in idle], "parts": parts,
                             "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
                             "ratio_ci": median_ci(ratios),
-                            "cpu_ratio": statistics.median(cpu_ratios)}
+                            "cpu_ratio": statistics.median(cpu_ratios), "ceiling": statistics.median(ceilings)}
         split, whole = out[(s, "pipetrain-split")]["parts"], out[(s, "pipetrain")]["parts"]
         fwd = sum(split["forward"])
         # W / F over the ranks that split (rank 0 may do every backward whole: merged first-stage Ws)
@@ -483,6 +495,11 @@ def _summary(pp: int, timing: dict, cases: list) -> dict:
     return out
 
 
+def tokens_ceiling(summary: dict, schedule: str, fw: str) -> float:
+    """Tokens/s of this (schedule, framework) run were its step its CPU floor (median ceiling x torch's tokens/s)."""
+    return summary[(schedule, fw)]["ceiling"] * summary[(schedule, "torch")]["tokens_per_s"]
+
+
 def _name(schedule: str, v: int) -> str:
     return schedule + (f" v{v}" if v > 1 else "")
 
@@ -496,13 +513,16 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list
           "ratios, [95% bootstrap interval of that median], (min-max)); CPU = "
           "torch CPU s / this CPU s per step, summed over ranks (paired); pipetrain = the default (torch's actions, "
           "weight gradients accumulated in place), split = parallel.split_backward on, unfused = the default with "
-          "train.grad_accumulation_fusion off (torch's actions and plain autograd)")
+          "train.grad_accumulation_fusion off (torch's actions and plain autograd); ceiling = torch's step time / "
+          "this run's CPU floor (max(busiest rank's CPU s, all ranks' CPU s / cores)): the most any schedule could "
+          "gain over torch's with this run's CPU per step")
     ours = [fw for fw in FRAMEWORKS if fw != "torch"]
     short = {fw: fw.replace("pipetrain-", "") for fw in FRAMEWORKS}
     print("| schedule | " + " | ".join(f"{short[fw]} tok/s" for fw in FRAMEWORKS) + " | " +
           " | ".join(f"{short[fw]} / torch" for fw in ours) + " | CPU " + ", ".join(short[fw] for fw in ours) +
+          " | ceiling " + ", ".join(short[fw] for fw in FRAMEWORKS) +
           " | loss " + " / ".join(short.get(fw, fw) for fw in FRAMEWORKS) + " | max grad diff to torch |")
-    print("|---|" + "---|" * (2 * len(FRAMEWORKS) + 2))
+    print("|---|" + "---|" * (2 * len(FRAMEWORKS) + 3))
     for s, v in cases:
         par = parity[s]
         row = [f"{summary[(s, fw)]['tokens_per_s']:.0f}" for fw in FRAMEWORKS]
@@ -510,9 +530,19 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list
                 f"{summary[(s, fw)]['ratio_ci'][1]:.2f}] ({summary[(s, fw)]['ratio_range'][0]:.2f}-"
                 f"{summary[(s, fw)]['ratio_range'][1]:.2f})" for fw in ours]
         row.append(", ".join(f"{summary[(s, fw)]['cpu_ratio']:.2f}" for fw in ours))
+        row.append(", ".join(f"{summary[(s, fw)]['ceiling']:.2f}" for fw in FRAMEWORKS))
         row.append(" / ".join(f"{par[f'loss_{fw}']:.6f}" for fw in FRAMEWORKS))
         row.append(", ".join(f"{par[f'max_grad_diff_{fw}']:.1e}" for fw in ours) + f" (of {par['max_grad']:.1e})")
         print(f"| {_name(s, v)} | " + " | ".join(row) + " |")
+    best = {side: max(((s, v, fw) for s, v in cases for fw in FRAMEWORKS if (fw == "torch") == (side == "torch")),
+                      key=lambda c: summary[(c[0], c[2])]["tokens_per_s"]) for side in ("pipetrain", "torch")}
+    (ps, pv, pfw), (ts, tv, _) = best["pipetrain"], best["torch"]
+    top = max(tokens_ceiling(summary, s, fw) for s, _ in cases for fw in ours)
+    print(f"\npp {pp}: best against best: pipetrain {_name(ps, pv)} ({short[pfw]}) "
+          f"{summary[(ps, pfw)]['tokens_per_s']:.0f} tok/s / torch {_name(ts, tv)} "
+          f"{summary[(ts, 'torch')]['tokens_per_s']:.0f} = "
+          f"{summary[(ps, pfw)]['tokens_per_s'] / summary[(ts, 'torch')]['tokens_per_s']:.2f}x; ceiling (the "
+          f"pipetrain run with the shortest CPU floor, at that floor, over torch's best) {top / summary[(ts, 'torch')]['tokens_per_s']:.2f}x")
     print(f"\npp {pp}: idle fraction per rank (rank 0 / rank 1 / ...), measured (waits + tail) and replayed "
           "(replay_idle: this partition's stage costs with the measured ratios; equal stages with B = 2F, W = F)")
     print("| schedule | formula | " + " | ".join(f"measured {fw.replace('pipetrain-', '')}" for fw in FRAMEWORKS) +
