@@ -44,7 +44,8 @@ share):
 This file is longer than STYLE.md's 300-400 lines: the measurement and the replay model that explains
 it stay together so that one command reproduces every figure in docs/benchmarks.md.
 
-Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--schedules ...] [--no-memory] [--json out.json]
+Usage: python benchmarks/pipeline.py [--rounds 7] [--pp 2 4] [--schedules ...] [--stage-layers ...] [--no-memory]
+       [--json out.json]
 Shapes: B batch, T time, D model, V vocab; m microbatches, p pp ranks, v chunks per rank.
 """
 from __future__ import annotations
@@ -226,7 +227,9 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
-    pcfg = ParallelConfig(pp=dims.pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v)
+    pinned = os.environ.get("PIPETRAIN_BENCH_STAGE_LAYERS")  # --stage-layers, passed to the spawned ranks
+    pcfg = ParallelConfig(pp=dims.pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v,
+                          stage_layers=[int(n) for n in pinned.split(",")] if pinned else None)
     model, chunks, specs = build_stage(build(CFG), dims, pcfg, SEQ)
     materialize(model, CFG, SEED, "cpu")
     batch = _batch()
@@ -576,7 +579,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every raw figure to this file")
     parser.add_argument("--zbv-order", choices=["costed", "equal"], default="costed",
                         help="pipetrain's zbv ordered on the partition's stage costs (as a run) or for equal costs")
+    parser.add_argument("--stage-layers", type=int, nargs="+", default=None,
+                        help="pin parallel.stage_layers (layers per stage) for every case, both frameworks; "
+                             "one --pp and schedules with the same stage count")
     args = parser.parse_args()
+    if args.stage_layers:
+        os.environ["PIPETRAIN_BENCH_STAGE_LAYERS"] = ",".join(map(str, args.stage_layers))
     os.environ["PIPETRAIN_BENCH_ZBV_ORDER"] = args.zbv_order  # read by _zbv_costs in every spawned rank
     print(f"model: llama D {CFG.d_model}, {CFG.n_layers} layers, V {CFG.vocab_size}; m {NUM_MB} microbatches of "
           f"{MICRO} x T {SEQ} = {MICRO * NUM_MB * SEQ} tokens/step; 1 thread per rank, gloo, "
