@@ -77,6 +77,8 @@ from pipetrain.parallel.executor import Executor  # noqa: E402
 from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_costs, stage_layout  # noqa: E402
 from pipetrain.parallel.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
                                           stage_of)
+from pipetrain.parallel.schedules.builders import zbv_orders  # noqa: E402
+from pipetrain.parallel.schedules.placement import place  # noqa: E402
 from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
 from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
 from pipetrain.trainer import loss_sum  # noqa: E402
@@ -246,6 +248,10 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     actions = {fw: build_all_schedules(schedule, dims.pp, NUM_MB, v, split_backward=split,
                                        stage_costs=costs)[dims.pp_rank]
                for fw, (split, _) in SPLIT.items()}
+    order = os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER")
+    if schedule == "zbv" and order in ("fixed", "costed"):  # one candidate, not the run's choice among them
+        placed = place(zbv_orders(dims.pp, NUM_MB, stage_costs(CFG, pcfg, SEQ))[order], 2, 2.0, True, "v")
+        actions = {fw: placed[dims.pp_rank] for fw in SPLIT}
 
     def pipetrain_step(framework: str):
         def step():
@@ -314,7 +320,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _zbv_costs(pcfg: ParallelConfig, schedule: str):
     """The stage costs build.py orders a run's zbv on; None (the equal-cost order) for the other schedules, or
     under --zbv-order equal (passed to the spawned ranks through the environment)."""
-    if schedule != "zbv" or os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER") == "equal":
+    if schedule != "zbv" or os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER") != "run":
         return None
     return stage_costs(CFG, pcfg, SEQ)
 
@@ -577,8 +583,10 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory runs")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in CASES], default=[s for s, _ in CASES])
     parser.add_argument("--json", default=None, help="also write every raw figure to this file")
-    parser.add_argument("--zbv-order", choices=["costed", "equal"], default="costed",
-                        help="pipetrain's zbv ordered on the partition's stage costs (as a run) or for equal costs")
+    parser.add_argument("--zbv-order", choices=["run", "equal", "costed", "fixed"], default="run",
+                        help="pipetrain's zbv as a run builds it (the shortest candidate on the partition's stage "
+                             "costs), or one candidate: list-scheduled for equal costs, list-scheduled on the "
+                             "stage costs, or the paper's fixed order (torch's)")
     parser.add_argument("--stage-layers", type=int, nargs="+", default=None,
                         help="pin parallel.stage_layers (layers per stage) for every case, both frameworks; "
                              "one --pp and schedules with the same stage count")

@@ -14,6 +14,8 @@ from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.grads import clip_grad_norm, sync_grads
 from pipetrain.parallel.pipeline import build_stage, layer_costs, partition_layers, stage_layout
 from pipetrain.parallel.schedules import build_all_schedules, build_schedule
+from pipetrain.parallel.schedules.builders import zbv_orders
+from pipetrain.parallel.schedules.placement import place
 from pipetrain.parallel.tensor import apply_tensor_parallel
 from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import loss_sum
@@ -48,7 +50,7 @@ def _reference(cfg, num):
 
 
 def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, num, split_backward=False,
-                     batched=False, stage_costs=None):
+                     batched=False, stage_costs=None, zbv_order=None):
     dims = ParallelDims.from_degrees(tp=tp, pp=pp)
     pcfg = ParallelConfig(pp=pp, tp=tp, schedule=schedule, virtual_stages=virtual_stages, microbatches=num)
     model = build(cfg)
@@ -62,6 +64,8 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), batch_p2p=batched)
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward,
                              stage_costs=stage_costs)
+    if zbv_order is not None:  # one of zbv's candidate orders, whichever a run would pick
+        actions = place(zbv_orders(pp, num, stage_costs)[zbv_order], 2, 2.0, True, "v")[dims.pp_rank]
     # split: every rank but the first splits its backward (rank 0's W may all follow their B directly, and
     # then B does the whole backward: schedules._merge_first_stage_weight_grads)
     assert any(a.kind == "W" for a in actions) == split_backward or (split_backward and dims.pp_rank == 0)
@@ -116,12 +120,16 @@ def test_v_schedules_match_single_process_grads(schedule, pp, cfg, num):
     run_ranks(pp, _pipeline_worker, cfg, pp, 1, schedule, 2, num, True)
 
 
-def test_zbv_ordered_on_stage_costs_matches_single_process_grads():
-    # a head-heavy last stage (as pipeline.stage_costs gives the benchmark's llama) reorders zbv's computes;
-    # the order is data, so the gradients stay the single-process ones
+@pytest.mark.parametrize("order", ["equal", "costed", "fixed"])
+def test_every_zbv_candidate_order_matches_single_process_grads(order):
+    # zbv's candidate orders for a head-heavy last stage (as pipeline.stage_costs gives the benchmark's
+    # llama): list-scheduled for equal costs, list-scheduled on the costs, the paper's fixed order. Each is
+    # a different order of the same computes, and each gives the single-process gradients.
     costs = [1.0, 3.0, 3.0, 3.7]
-    assert build_all_schedules("zbv", 2, 8, 2, stage_costs=costs) != build_all_schedules("zbv", 2, 8, 2)
-    run_ranks(2, _pipeline_worker, GPT2, 2, 1, "zbv", 2, 8, True, False, costs)
+    orders = zbv_orders(2, 8, costs)
+    assert len({str(o) for o in orders.values()}) == 3
+    assert build_all_schedules("zbv", 2, 8, 2, stage_costs=costs) == place(orders["fixed"], 2, 2.0, True, "v")
+    run_ranks(2, _pipeline_worker, GPT2, 2, 1, "zbv", 2, 8, True, False, costs, order)
 
 
 def test_v_schedule_batched_p2p_with_tp2_matches_single_process_grads():
