@@ -249,7 +249,7 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
                                        stage_costs=costs)[dims.pp_rank]
                for fw, (split, _) in SPLIT.items()}
     order = os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER")
-    if schedule == "zbv" and order in ("fixed", "costed"):  # one candidate, not the run's choice among them
+    if schedule == "zbv" and order != "run":  # one candidate, not the run's choice among them
         placed = place(zbv_orders(dims.pp, NUM_MB, stage_costs(CFG, pcfg, SEQ))[order], 2, 2.0, True, "v")
         actions = {fw: placed[dims.pp_rank] for fw in SPLIT}
 
@@ -318,8 +318,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _zbv_costs(pcfg: ParallelConfig, schedule: str):
-    """The stage costs build.py orders a run's zbv on; None (the equal-cost order) for the other schedules, or
-    under --zbv-order equal (passed to the spawned ranks through the environment)."""
+    """The stage costs build.py orders a run's zbv on; None for the other schedules, or when --zbv-order picks
+    one candidate order (passed to the spawned ranks through the environment)."""
     if schedule != "zbv" or os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER") != "run":
         return None
     return stage_costs(CFG, pcfg, SEQ)
