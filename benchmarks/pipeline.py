@@ -505,7 +505,8 @@ def _summary(pp: int, timing: dict, cases: list) -> dict:
 
 
 def tokens_ceiling(summary: dict, schedule: str, fw: str) -> float:
-    """Tokens/s of this (schedule, framework) run were its step its CPU floor (median ceiling x torch's tokens/s)."""
+    """Tokens/s of this (schedule, framework) run were its step as short as its CPU floor (median ceiling x torch's
+    tokens/s)."""
     return summary[(schedule, fw)]["ceiling"] * summary[(schedule, "torch")]["tokens_per_s"]
 
 
@@ -546,12 +547,11 @@ def _print_timing(pp: int, rounds: int, summary: dict, parity: dict, cases: list
     best = {side: max(((s, v, fw) for s, v in cases for fw in FRAMEWORKS if (fw == "torch") == (side == "torch")),
                       key=lambda c: summary[(c[0], c[2])]["tokens_per_s"]) for side in ("pipetrain", "torch")}
     (ps, pv, pfw), (ts, tv, _) = best["pipetrain"], best["torch"]
+    ours_best, torch_best = summary[(ps, pfw)]["tokens_per_s"], summary[(ts, "torch")]["tokens_per_s"]
     top = max(tokens_ceiling(summary, s, fw) for s, _ in cases for fw in ours)
-    print(f"\npp {pp}: best against best: pipetrain {_name(ps, pv)} ({short[pfw]}) "
-          f"{summary[(ps, pfw)]['tokens_per_s']:.0f} tok/s / torch {_name(ts, tv)} "
-          f"{summary[(ts, 'torch')]['tokens_per_s']:.0f} = "
-          f"{summary[(ps, pfw)]['tokens_per_s'] / summary[(ts, 'torch')]['tokens_per_s']:.2f}x; ceiling (the "
-          f"pipetrain run with the shortest CPU floor, at that floor, over torch's best) {top / summary[(ts, 'torch')]['tokens_per_s']:.2f}x")
+    print(f"\npp {pp}: best against best: pipetrain {_name(ps, pv)} ({short[pfw]}) {ours_best:.0f} tok/s / torch "
+          f"{_name(ts, tv)} {torch_best:.0f} = {ours_best / torch_best:.2f}x; ceiling (the pipetrain run with the "
+          f"shortest CPU floor, at that floor, over torch's best) {top / torch_best:.2f}x")
     print(f"\npp {pp}: idle fraction per rank (rank 0 / rank 1 / ...), measured (waits + tail) and replayed "
           "(replay_idle: this partition's stage costs with the measured ratios; equal stages with B = 2F, W = F)")
     print("| schedule | formula | " + " | ".join(f"measured {fw.replace('pipetrain-', '')}" for fw in FRAMEWORKS) +

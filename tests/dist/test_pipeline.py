@@ -64,7 +64,7 @@ def _pipeline_worker(rank, world_size, cfg, pp, tp, schedule, virtual_stages, nu
                         loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), batch_p2p=batched)
     actions = build_schedule(schedule, dims.pp_rank, pp, num, virtual_stages, split_backward=split_backward,
                              stage_costs=stage_costs)
-    if zbv_order is not None:  # one of zbv's candidate orders, whichever a run would pick
+    if zbv_order is not None:  # one of zbv's candidate orders, forced instead of the one a run picks
         actions = place(zbv_orders(pp, num, stage_costs)[zbv_order], 2, 2.0, True, "v")[dims.pp_rank]
     # split: every rank but the first splits its backward (rank 0's W may all follow their B directly, and
     # then B does the whole backward: schedules._merge_first_stage_weight_grads)

@@ -312,11 +312,11 @@ def build_all_schedules(name: str, pp_size: int, num_microbatches: int, virtual_
     p, m, v = pp_size, num_microbatches, virtual_stages
     if name == "zbv":
         costs = [1.0] * (2 * p) if stage_costs is None else stage_costs
-        placed = [place(o, 2, backward_cost, True, "v") for o in zbv_orders(p, m, stage_costs, backward_cost).values()]
-        replayed = [(v_makespan(s, costs, backward_cost), s) for s in placed]
-        fixed_length, fixed = replayed[-1]
-        length, shortest = min(replayed, key=lambda x: x[0])  # on a tie the first
-        return shortest if length < (1.0 - ZBV_FIXED_MARGIN) * fixed_length else fixed
+        placed = {name: place(o, 2, backward_cost, True, "v")
+                  for name, o in zbv_orders(p, m, stage_costs, backward_cost).items()}
+        length = {name: v_makespan(s, costs, backward_cost) for name, s in placed.items()}
+        shortest = min(length, key=length.get)  # on a tie the first
+        return placed[shortest] if length[shortest] < (1.0 - ZBV_FIXED_MARGIN) * length["fixed"] else placed["fixed"]
     if name == "dualpipev":
         return place([_dualpipev_order(r, p, m) for r in range(p)], 2, backward_cost, True, "v")
     if name == "gpipe":
