@@ -224,14 +224,31 @@ def _batch() -> Batch:
                  torch.randint(0, CFG.vocab_size, shape, generator=gen))
 
 
+def _parallel_config(pp: int, schedule: str, v: int) -> ParallelConfig:
+    """The layout measured, with --stage-layers' pinned partition if given (passed to the spawned ranks)."""
+    pinned = os.environ.get("PIPETRAIN_BENCH_STAGE_LAYERS")
+    return ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v,
+                          stage_layers=[int(n) for n in pinned.split(",")] if pinned else None)
+
+
+def _schedules(pcfg: ParallelConfig, split: bool) -> list[list]:
+    """Every rank's actions as measured: as build.py builds a run's (zbv ordered on the partition's stage costs),
+    or under --zbv-order one of zbv's candidate orders forced (passed to the spawned ranks)."""
+    order = os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER", "run")
+    zbv = pcfg.schedule == "zbv"
+    costs = stage_costs(CFG, pcfg, SEQ) if zbv else None
+    if zbv and order != "run":
+        return place(zbv_orders(pcfg.pp, NUM_MB, costs)[order], 2, 2.0, True, "v")
+    return build_all_schedules(pcfg.schedule, pcfg.pp, NUM_MB, pcfg.virtual_stages, split_backward=split,
+                               stage_costs=costs)
+
+
 def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
     """(model, {framework: step function returning this rank's share of the loss}) for one schedule."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
-    pinned = os.environ.get("PIPETRAIN_BENCH_STAGE_LAYERS")  # --stage-layers, passed to the spawned ranks
-    pcfg = ParallelConfig(pp=dims.pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v,
-                          stage_layers=[int(n) for n in pinned.split(",")] if pinned else None)
+    pcfg = _parallel_config(dims.pp, schedule, v)
     model, chunks, specs = build_stage(build(CFG), dims, pcfg, SEQ)
     materialize(model, CFG, SEED, "cpu")
     batch = _batch()
@@ -244,14 +261,7 @@ def _build_case(dims: ParallelDims, schedule: str, v: int, clock: StepClock):
         return clock.timed("loss", loss_sum, logits, targets)
 
     executor = Executor(chunks, specs, dims, (MICRO, SEQ, CFG.d_model), torch.float32, loss_fn=loss_fn)
-    costs = _zbv_costs(pcfg, schedule)
-    actions = {fw: build_all_schedules(schedule, dims.pp, NUM_MB, v, split_backward=split,
-                                       stage_costs=costs)[dims.pp_rank]
-               for fw, (split, _) in SPLIT.items()}
-    order = os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER")
-    if schedule == "zbv" and order != "run":  # one candidate, not the run's choice among them
-        placed = place(zbv_orders(dims.pp, NUM_MB, stage_costs(CFG, pcfg, SEQ))[order], 2, 2.0, True, "v")
-        actions = {fw: placed[dims.pp_rank] for fw in SPLIT}
+    actions = {fw: _schedules(pcfg, split)[dims.pp_rank] for fw, (split, _) in SPLIT.items()}
 
     def pipetrain_step(framework: str):
         def step():
@@ -315,14 +325,6 @@ def _timed_step(dims: ParallelDims, model, step, clock: StepClock) -> dict:
 
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _zbv_costs(pcfg: ParallelConfig, schedule: str):
-    """The stage costs build.py orders a run's zbv on; None for the other schedules, or when --zbv-order picks
-    one candidate order (passed to the spawned ranks through the environment)."""
-    if schedule != "zbv" or os.environ.get("PIPETRAIN_BENCH_ZBV_ORDER") != "run":
-        return None
-    return stage_costs(CFG, pcfg, SEQ)
 
 
 def _timing_worker(dims: ParallelDims, rounds: int, cases_run: list, out_path: str) -> None:
@@ -420,9 +422,8 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     own simulator (schedules/replay.py). The formula assumes equal stages; uniform=True replays equal
     stages, where it holds for the unsplit schedules.
     """
-    pcfg = ParallelConfig(pp=pp, microbatches=NUM_MB, schedule=schedule, virtual_stages=v)
+    pcfg = _parallel_config(pp, schedule, v)
     layout = stage_layout(CFG, pcfg, SEQ)
-    costs = _zbv_costs(pcfg, schedule)
     block, embed, head = layer_costs(CFG, SEQ)
     last = len(layout) - 1
     cost_f = [len(ls) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0) for s, ls in enumerate(layout)]
@@ -430,7 +431,7 @@ def replay_idle(schedule: str, pp: int, v: int, split: bool, backward_ratio: flo
     if uniform:
         cost_f = [1.0] * len(layout)
     orders = [[(a.kind, a.microbatch, a.chunk) for a in actions if a.kind in (F, B, W)]
-              for actions in build_all_schedules(schedule, pp, NUM_MB, v, split_backward=split, stage_costs=costs)]
+              for actions in _schedules(pcfg, split)]
     ratio = {F: 1.0, B: backward_ratio - weight_ratio, W: weight_ratio}
     # a B with no W of its own (every B unsplit; first-stage Bs merged back) does the whole backward
     has_w = [{(mb, c) for kind, mb, c in order if kind == W} for order in orders]
@@ -593,7 +594,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.stage_layers:
         os.environ["PIPETRAIN_BENCH_STAGE_LAYERS"] = ",".join(map(str, args.stage_layers))
-    os.environ["PIPETRAIN_BENCH_ZBV_ORDER"] = args.zbv_order  # read by _zbv_costs in every spawned rank
+    os.environ["PIPETRAIN_BENCH_ZBV_ORDER"] = args.zbv_order  # read by _build_case in every spawned rank
     print(f"model: llama D {CFG.d_model}, {CFG.n_layers} layers, V {CFG.vocab_size}; m {NUM_MB} microbatches of "
           f"{MICRO} x T {SEQ} = {MICRO * NUM_MB * SEQ} tokens/step; 1 thread per rank, gloo, "
           f"{os.cpu_count()} CPUs", flush=True)
