@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -215,6 +216,9 @@ def main(argv=None) -> int:
         return 1
     finally:
         if dist.is_initialized():
+            # Work handles still referenced (reference cycles in the trainer) must go while the interpreter is
+            # alive: destroyed during its finalization, gloo's aborts the process (SIGABRT)
+            gc.collect()
             dist.destroy_process_group()
 
 

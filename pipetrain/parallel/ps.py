@@ -299,7 +299,10 @@ class PSClient:
         self._control(OP_SAVE, step)
 
     def stop(self, step: int) -> None:
-        """Rank 0, at the end of the run: the servers finish their writes and return."""
+        """At the end of the run: every worker's sends complete (no transfer outlives the process group), then
+        rank 0 tells the servers to finish their writes and return."""
+        self._finish_sends()
+        self._prefetched = None
         self._control(OP_STOP, step)
 
 
@@ -398,6 +401,7 @@ class Server:
         finally:
             for w, _ in self._sends:
                 w.wait()
+            self._sends = []
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             self._log.close()
