@@ -368,3 +368,15 @@ def test_train_py_dp2_tp2_pp2_zero1_matches_single_process_losses(tmp_path, sing
     losses = step_losses(metrics)
     assert len(losses) == 6
     torch.testing.assert_close(losses, single_reference, **TP_FP32)
+
+
+@pytest.mark.slow  # tests/dist/test_dbs.py checks ZeRO under a moving split in the default run, in process
+def test_train_py_zero2_over_dp_shard_with_a_dynamic_batch_matches_single_process_losses(tmp_path, single_reference):
+    """The issue's reproduction: 2 replicas x dp_shard 2, a persistent straggler moves the split mid-run."""
+    proc, metrics = run_train(str(tmp_path), E2E + ["parallel.zero=2", "parallel.dp_shard=2", "parallel.microbatches=2",
+                                                    "parallel.dynamic_batch=true", "parallel.dynamic_batch_every=1",
+                                                    "faults.slow_ranks=[3]", "faults.slow_factor=4"], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shares = [m["dbs_shares"] for m in metrics if "loss" in m]
+    assert shares[0] == [4, 4] and shares[-1][1] < shares[-1][0], shares  # rank 3's replica gave samples away
+    torch.testing.assert_close(step_losses(metrics), single_reference, **E2E_LOSS)
