@@ -134,6 +134,9 @@ class Trainer:
         faults.maybe_kill(self.step + 1)
         self.model.train()
         self.optimizer.zero_grad()
+        set_microbatches = getattr(self.optimizer, "set_microbatches", None)
+        if set_microbatches is not None:  # ZeRO's overlapped reduction: backward passes this step (DBS moves it)
+            set_microbatches(self.microbatches())
         t_compute = time.perf_counter()  # after zero_grad: under torchft it waits for the step's quorum
         batch, num_targets = self.loader.next()
         if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps)

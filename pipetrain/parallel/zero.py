@@ -19,12 +19,15 @@ and summation is deterministic. Stage 1 all-reduces a bucket (every rank keeps f
 stage 2 reduce-scatters it and frees the full gradients of its parameters.
 
 Overlap. A post-accumulate-grad hook counts each parameter's gradient accumulations. The first step
-only counts (backward runs once per microbatch and chunk, which the optimizer is not told); from
-then on a bucket's async collective fires when all its parameters reached that count, i.e. during
-the last microbatch's backward, never earlier. Gradients that sync_model_parallel_grads still has
+only counts (backward runs once per microbatch and chunk; the chunks are the optimizer's to learn)
+and divides by that step's microbatch count, which the trainer hands over before every step
+(set_microbatches; a dynamic batch moves it between steps). From then on a bucket's async collective
+fires when all its parameters reached (accumulations per microbatch) x (this step's microbatches),
+i.e. during the last microbatch's backward, never earlier. Gradients that sync_model_parallel_grads still has
 to change (tp-partial, the tied embedding split over pp) go in "late" buckets launched after that
-sync in reduce_grads. A step whose backward count exceeds the learned one raises (a bucket would
-already have been reduced from an incomplete gradient).
+sync in reduce_grads. A step whose backward count exceeds the expected one raises (a bucket would
+already have been reduced from an incomplete gradient): more backward passes than the microbatches
+the optimizer was told.
 
 Clipping. The norm is computed once from each rank's gradient rows: summed over dp, over tp for
 tp-sharded parameters only, and over pp; the tied head copy on the last stage is skipped.
@@ -147,7 +150,9 @@ class ZeroOptimizer:
                 groups[0 if decays(name, p, is_tied(model)) else 1]["params"].append(self.views[i])
         self.inner = build_inner(groups, cfg)
         self.steps_taken = 0
-        self._expected: Optional[list[int]] = None  # accumulations per parameter per step, learned at step 1
+        self._microbatches: Optional[int] = None  # this step's, from set_microbatches (None: never told, 1)
+        self._per_microbatch: Optional[list[int]] = None  # accumulations per parameter per microbatch, step 1
+        self._expected: Optional[list[int]] = None  # accumulations per parameter this step
         self._counts = [0] * len(self.params)
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []  # launched, not yet finished, in launch order
@@ -200,9 +205,10 @@ class ZeroOptimizer:
                 return
             if self._counts[i] > self._expected[i]:
                 raise RuntimeError(f"{self.dims.coords} ZeroOptimizer: gradient of {self.shards[i].name} accumulated "
-                                   f"{self._counts[i]} times this step but {self._expected[i]} times in the first "
-                                   "step, and its bucket was already reduced; keep the number of backward passes "
-                                   "per step fixed or build the optimizer with overlap=False")
+                                   f"{self._counts[i]} times this step but {self._expected[i]} times were expected "
+                                   f"({self._microbatches or 1} microbatch(es)), and its bucket was already "
+                                   "reduced; call set_microbatches(k) with the step's microbatch count before its "
+                                   "backward, or build the optimizer with overlap=False")
             bucket = self.buckets[self._bucket_of[i]]
             if self._counts[i] == self._expected[i] and not bucket.late:
                 bucket.ready += 1
@@ -266,6 +272,16 @@ class ZeroOptimizer:
                         self.views[i].shape)
         bucket.flat = bucket.out = bucket.work = None
 
+    def set_microbatches(self, num_microbatches: int) -> None:
+        """This step's microbatch count (before its backward): the overlapped reduction launches a bucket
+        once each member has accumulated this many microbatches' gradients."""
+        if num_microbatches < 1:
+            raise ValueError(f"{self.dims.coords} ZeroOptimizer.set_microbatches: a step runs at least one "
+                             f"microbatch, got {num_microbatches}")
+        self._microbatches = num_microbatches
+        if self._per_microbatch is not None:
+            self._expected = [c * num_microbatches for c in self._per_microbatch]
+
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             if bucket.work is not None:  # a step that failed mid-reduction: drain before reuse
@@ -288,8 +304,18 @@ class ZeroOptimizer:
             self._launch(bucket)
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
-        if self._expected is None:
-            self._expected = list(self._counts)
+        if self._per_microbatch is None:
+            self._learn_counts()
+
+    def _learn_counts(self) -> None:
+        """After the first step: accumulations per parameter per microbatch, from that step's counts."""
+        k = self._microbatches or 1
+        if any(c % k for c in self._counts):
+            # a parameter's backward count is not a whole number per microbatch (a caller that runs
+            # backward outside the schedule): no count to expect, so reduce every bucket after backward
+            self.overlap = False
+        self._per_microbatch = [c // k for c in self._counts]
+        self._expected = list(self._counts)
 
     # ---- clipping and the update ----
     def clip_grad_norm(self, max_norm: float) -> float:

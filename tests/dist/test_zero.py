@@ -1,7 +1,8 @@
 """ZeRO 1/2 on gloo CPU processes: every stage reproduces zero 0 (and zero 0 the single process) in
 losses, gradient norms and parameters; per-rank state bytes follow the ZeRO formula exactly; the
 state boxes tile the global tensors and reload from any layout; bf16 and recomputation work across
-tp and pp; and train.py runs ZeRO end to end.
+tp and pp; a microbatch count that moves between steps (a dynamic batch) keeps the overlapped reduction
+exact; and train.py runs ZeRO end to end.
 
 Spawning processes dominates the cost on the shared CPU machine, so one world of 4 runs every
 in-process case once (dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 interleaved with a
@@ -151,11 +152,57 @@ def _toy_worker(dims) -> dict:
             "buckets": len(zero.buckets)}
 
 
+MOVING = [2, 3, 1]  # microbatches per step, as a dynamic batch moves a replica's count between steps
+
+
+def _toy_moving_worker(dims) -> dict:
+    """ZeRO 1 and 2 told a different microbatch count each step (set_microbatches) against AdamW in one
+    process; then a step that runs one backward pass more than it was told."""
+    cfg = TrainConfig(steps=len(MOVING), lr=0.1, warmup_steps=0)
+    ids = torch.randint(0, 6, (4 * 6, 4), generator=torch.Generator().manual_seed(2))  # 6 sequences per rank
+    rec = {}
+    for kind in ("ref", 1, 2):
+        model = _Toy()
+        opt = Optimizer(model, ParallelDims(), cfg) if kind == "ref" else ZeroOptimizer(model, dims, cfg, stage=kind,
+                                                                                          bucket_bytes=64)
+        mine = ids if kind == "ref" else ids.chunk(dims.dp)[dims.dp_rank]
+        norms, in_backward = [], []
+        for step, k in enumerate(MOVING):
+            opt.zero_grad()
+            if kind != "ref":
+                opt.set_microbatches(k)
+            for mb in mine.chunk(k):
+                (model(mb).square().sum() / ids.numel()).backward()
+            if kind != "ref":  # early buckets the hooks launched during backward
+                in_backward.append(opt._next_launch)
+            opt.reduce_grads()
+            norms.append(opt.clip_grad_norm(0.3))
+            opt.step(lr_at(step + 1, cfg))
+        rec[kind] = {"norms": norms, "in_backward": in_backward,
+                     "params": [p.detach().clone() for p in model.parameters()]}
+        if kind != "ref":
+            rec[kind]["num_early"] = opt.num_early
+            opt.zero_grad()
+            opt.set_microbatches(1)
+            try:
+                for mb in mine.chunk(2):
+                    model(mb).square().sum().backward()
+                rec[kind]["extra_backward"] = "no error"
+            except RuntimeError as exc:
+                rec[kind]["extra_backward"] = str(exc)
+            opt.zero_grad()  # drains the reductions the first backward launched
+    return {str(z): {"norms": rec[z]["norms"], "ref_norms": rec["ref"]["norms"], "in_backward": rec[z]["in_backward"],
+                     "num_early": rec[z]["num_early"], "extra_backward": rec[z]["extra_backward"],
+                     "param_diff": max(_max_diff(a, b) for a, b in zip(rec[z]["params"], rec["ref"]["params"]))}
+            for z in (1, 2)}
+
+
 def _world4_worker(rank, world_size, out):
     torch.manual_seed(0)
     out = os.path.join(out, f"rank{rank}")  # each Trainer opens its metrics file here
     os.makedirs(out)
-    results = {"toy": _toy_worker(ParallelDims.from_degrees(tp=1, pp=1))}
+    results = {"toy": _toy_worker(ParallelDims.from_degrees(tp=1, pp=1)),
+               "toy_moving": _toy_moving_worker(ParallelDims.from_degrees(tp=1, pp=1))}
     for name, (_, tp, pp, _) in LAYOUTS.items():
         dims = ParallelDims.from_degrees(tp=tp, pp=pp)
         results[name] = _layout_worker(name, dims, out)
@@ -214,6 +261,19 @@ def test_uneven_rows_and_empty_shards_step_like_adamw(world4):
         assert toy["buckets"] > 1
     assert [res["toy"]["owned_rows"] for res in world4] == [[2, 1, 1, 1, 1], [2, 1, 1, 1, 1], [1, 1, 1, 0, 0],
                                                            [1, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("zero", ["1", "2"])
+def test_a_microbatch_count_that_moves_between_steps_steps_like_adamw(world4, zero):
+    """The overlapped reduction learns accumulations per microbatch at step 1 (2 microbatches) and waits for
+    3, then 1: every early bucket still launches during backward, and the result is AdamW's."""
+    for rank, res in enumerate(world4):
+        toy = res["toy_moving"][zero]
+        torch.testing.assert_close(toy["norms"], toy["ref_norms"], **EXACT_FP32)
+        assert toy["param_diff"] < 1e-6, (rank, toy["param_diff"])
+        assert toy["num_early"] > 1 and toy["in_backward"] == [0] + [toy["num_early"]] * (len(MOVING) - 1), toy
+        assert "accumulated 2 times this step but 1 times were expected (1 microbatch(es))" in \
+            toy["extra_backward"], toy["extra_backward"]
 
 
 # ---- memory ----
@@ -308,3 +368,15 @@ def test_train_py_dp2_tp2_pp2_zero1_matches_single_process_losses(tmp_path, sing
     losses = step_losses(metrics)
     assert len(losses) == 6
     torch.testing.assert_close(losses, single_reference, **TP_FP32)
+
+
+@pytest.mark.slow  # tests/dist/test_dbs.py checks ZeRO under a moving split in the default run, in process
+def test_train_py_zero2_over_dp_shard_with_a_dynamic_batch_matches_single_process_losses(tmp_path, single_reference):
+    """The issue's reproduction: 2 replicas x dp_shard 2, a persistent straggler moves the split mid-run."""
+    proc, metrics = run_train(str(tmp_path), E2E + ["parallel.zero=2", "parallel.dp_shard=2", "parallel.microbatches=2",
+                                                    "parallel.dynamic_batch=true", "parallel.dynamic_batch_every=1",
+                                                    "faults.slow_ranks=[3]", "faults.slow_factor=4"], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shares = [m["dbs_shares"] for m in metrics if "loss" in m]
+    assert shares[0] == [4, 4] and shares[-1][1] < shares[-1][0], shares  # rank 3's replica gave samples away
+    torch.testing.assert_close(step_losses(metrics), single_reference, **E2E_LOSS)

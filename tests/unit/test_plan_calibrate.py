@@ -1,9 +1,16 @@
 """--calibrate measures this machine (matmul, gloo all-reduce and p2p with 2 processes, and a recipe's block) into
 a profile file that --device reads back; a CPU profile's cores are shared by the ranks of a node."""
 import dataclasses
+import json
+import math
 
+import pytest
+import torch
+
+import pipetrain.plan.calibrate as calibrate_mod
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
-from pipetrain.plan.calibrate import calibrate, save_profile
+from pipetrain.parallel.pipeline import layer_costs
+from pipetrain.plan.calibrate import LARGE, SMALL, calibrate, save_profile
 from pipetrain.plan.cost import step_time
 from pipetrain.plan.devices import DEVICES, load_profile
 
@@ -12,17 +19,72 @@ RECIPE = Recipe(model=ModelConfig(family="llama", vocab_size=64, d_model=32, n_l
                 train=TrainConfig(global_batch=8, seq_len=32))
 
 
-def test_calibrated_profile_is_positive_and_round_trips(tmp_path):
-    profile = calibrate(repeats=2, recipe=RECIPE, rounds=2)
-    assert min(profile.fp32_flops, profile.bf16_flops, profile.intra_bw, profile.memory_bytes) > 0
-    assert profile.intra_latency >= 0 and profile.inter_bw == profile.intra_bw
-    # fitted to the recipe's block: a fraction of the matmul peak, a positive fixed cost per call
-    assert 0 < profile.efficiency <= 1 and profile.op_overhead >= 0 and profile.cores >= 1
-    assert "llama block d 32" in profile.source
-    assert profile.reduce_scatter_ratio > 0 and profile.all_gather_ratio > 0
+class _Script:
+    """Scripted measurements: each call returns the next value of its list (one per round)."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def __call__(self, *args, **kwargs):
+        return self.values.pop(0)
+
+
+def _comm_times(p2p_lat, p2p_bw, ar_lat, ar_bw, after_compute, rs_ratio, ag_ratio) -> dict:
+    """What the 2-process comm worker would write for these link figures (a 2-rank ring all-reduce is two
+    steps of half the buffer)."""
+    t = {"allreduce_after_compute": after_compute}
+    for size in (SMALL, LARGE):
+        t[f"p2p_{size}"] = p2p_lat + size / p2p_bw
+        t[f"allreduce_{size}"] = 2 * (ar_lat + size / 2 / ar_bw)
+    t["reduce_scatter"] = rs_ratio * t[f"allreduce_{LARGE}"] / 2
+    t["all_gather"] = ag_ratio * t[f"allreduce_{LARGE}"] / 2
+    return t
+
+
+def test_calibration_fits_the_scripted_timings_and_round_trips(tmp_path, monkeypatch):
+    """With every timing scripted, the profile holds the medians of the rounds and the figures fitted from
+    them: link bandwidth and latency from the two-point fit (the slower link, the all-reduce latency raised
+    to the after-compute one), the block's efficiency and fixed cost, the ZeRO collectives' ratios."""
+    fp32 = 4e9
+    block_flops = 3 * layer_costs(RECIPE.model, RECIPE.train.seq_len)[0]
+    per_token, fixed = block_flops / (0.25 * fp32), 6e-4  # the block reaches a quarter of the matmul peak
+    monkeypatch.setattr(calibrate_mod, "matmul_flops",
+                        lambda dtype: {torch.float32: flops32, torch.bfloat16: flops16}[dtype]())
+    flops32, flops16 = _Script([5e9, fp32, 1e9]), _Script([8e9, 9e9, 7e9])  # medians 4e9 and 8e9
+    monkeypatch.setattr(calibrate_mod, "op_overhead", _Script([1e-6, 3e-6, 2e-6]))
+    monkeypatch.setattr(calibrate_mod, "optimizer_bandwidth", _Script([3e9, 1e9, 2e9]))
+    monkeypatch.setattr(calibrate_mod, "block_timing",
+                        _Script([(per_token, fixed), (2 * per_token, 2 * fixed), (per_token / 2, fixed / 2)]))
+    times = _comm_times(p2p_lat=1e-4, p2p_bw=2e9, ar_lat=2e-4, ar_bw=5e8, after_compute=1e-3, rs_ratio=2.6,
+                        ag_ratio=1.6)
+
+    def spawn(fn, args, nprocs):  # the comm worker's output file, written without processes
+        assert fn is calibrate_mod._comm_worker and nprocs == 2
+        with open(args[1], "w") as f:
+            json.dump(times, f)
+    monkeypatch.setattr(calibrate_mod.mp, "spawn", spawn)
+
+    profile = calibrate(repeats=2, recipe=RECIPE, rounds=3)
+    fitted = dict(fp32_flops=4e9, bf16_flops=8e9, mem_bw=2e9, efficiency=0.25, op_overhead=fixed / 60,
+                  intra_bw=5e8, inter_bw=5e8,  # the all-reduce's 5e8 B/s, slower than p2p's 2e9
+                  intra_latency=5e-4, inter_latency=5e-4,  # after compute: 1 ms per all-reduce, 2 ring steps
+                  reduce_scatter_ratio=2.6, all_gather_ratio=1.6)
+    for key, value in fitted.items():
+        assert getattr(profile, key) == pytest.approx(value, rel=1e-9), key
+    assert "llama block d 32 (efficiency 0.25)" in profile.source
     path = tmp_path / "me.json"
     save_profile(profile, str(path))
-    assert load_profile(str(path)) == profile
+    assert load_profile(str(path)) == profile  # every figure back exactly, none clamped or rounded
+
+
+def test_calibration_measures_this_machine():
+    """The real measurement path (matmuls, the block, 2 gloo processes) runs and yields usable figures;
+    what it computes from them is checked with scripted timings above."""
+    profile = calibrate(repeats=1, recipe=RECIPE, rounds=1)
+    figures = (profile.fp32_flops, profile.bf16_flops, profile.intra_bw, profile.mem_bw, profile.efficiency,
+               profile.reduce_scatter_ratio, profile.all_gather_ratio)
+    assert all(math.isfinite(x) and x > 0 for x in figures), figures
+    assert profile.cores >= 1 and profile.intra_latency >= 0
 
 
 def test_ranks_beyond_the_cores_share_them():
