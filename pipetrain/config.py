@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
 
 
+MESSAGE_VALUE_CHARS = 200  # an offending value is quoted in an error line up to this many characters
+
+
+def clip(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """text cut to limit characters (with the count left off), so a huge value never floods an error line."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     family: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
