@@ -108,6 +108,9 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
 
 def run(args: argparse.Namespace) -> int:
     recipe = resolve_init_from(load_recipe(args.recipe, args.set))
+    if args.nproc is not None and (not args.dry_run or args.nproc < 1):
+        raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
+                          "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")
     world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
     servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps)
     if servers and servers >= world_size:
