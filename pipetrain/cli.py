@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import sys
 import time
@@ -108,6 +109,9 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
 
 def run(args: argparse.Namespace) -> int:
     recipe = resolve_init_from(load_recipe(args.recipe, args.set))
+    if args.nproc is not None and (not args.dry_run or args.nproc < 1):
+        raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
+                          "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")
     world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
     servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps)
     if servers and servers >= world_size:
@@ -191,12 +195,23 @@ def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int,
     return 0
 
 
+def record_error(line: str) -> None:
+    """Leave line where torch.distributed.elastic looks for a worker's error (TORCHELASTIC_ERROR_FILE, set by
+    torchrun), so torchrun's failure summary names it as the root cause instead of "To enable traceback
+    see ...". A plain string message is a form its reader takes as is."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     try:
         return run(args)
     except ConfigError as exc:
+        record_error(f"error: {exc}")
         # Every rank usually raises the same error; rank-specific ones carry "[rank N | ...]".
         if rank == 0 or "[rank" in str(exc):
             print(f"error: {exc}", file=sys.stderr)
@@ -208,9 +223,11 @@ def main(argv=None) -> int:
             print("interrupted: stopped before finishing (no partial checkpoint was written)", file=sys.stderr)
         return INTERRUPT_EXIT
     except TrainingDiverged as exc:  # exit 1 as DESIGN.md specifies, with one line instead of a traceback
+        record_error(f"error: {exc}")
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except CheckpointSaveError as exc:  # the file system failed, not the input: exit 1, one line (every rank agrees)
+        record_error(f"error: {exc}")
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 1

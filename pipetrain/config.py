@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
 
 
+MESSAGE_VALUE_CHARS = 200  # an offending value is quoted in an error line up to this many characters
+
+
+def clip(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """text cut to limit characters (with the count left off), so a huge value never floods an error line."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     family: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
@@ -224,7 +233,7 @@ def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
         return _check_type(where, value, inner[0], problems)
     if origin is Literal:
         if value not in args:
-            problems.append(f"{where}={value!r} is not one of {', '.join(map(str, args))}")
+            problems.append(f"{where}={clip(repr(value))} is not one of {', '.join(map(str, args))}")
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -236,13 +245,13 @@ def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
             pass
     if hint is list:
         if not isinstance(value, list):
-            problems.append(f"{where}={value!r} must be a list")
+            problems.append(f"{where}={clip(repr(value))} must be a list")
         return value
     expected = {int: int, float: float, str: str, bool: bool}.get(hint)
     if expected is not None:
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if not ok:
-            problems.append(f"{where}={value!r} must be {expected.__name__}, got {type(value).__name__}")
+            problems.append(f"{where}={clip(repr(value))} must be {expected.__name__}, got {type(value).__name__}")
     return value
 
 
@@ -270,18 +279,52 @@ def _resolve_paths(section: str, key: str, value: Any, base: str) -> Any:
     return value
 
 
+# What a recipe may expand to: a YAML alias names a node again, so a small file can describe a
+# structure of billions of nodes ("billion laughs"); these bound it before any Python object is built.
+MAX_RECIPE_BYTES = 1 << 20      # 1 MiB of YAML text
+MAX_RECIPE_NODES = 100_000      # scalars, lists and mappings after aliases are expanded
+MAX_RECIPE_DEPTH = 32           # nesting of lists and mappings
+
+
+def bounded_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load of text, refused (ConfigError) past MAX_RECIPE_BYTES / NODES / DEPTH."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{where}: {len(text)} characters of YAML, over the {MAX_RECIPE_BYTES} limit; "
+                          "a recipe is a short file of settings")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        count, stack = 0, [(node, 1)]
+        while stack:  # walks aliases as often as they are used: what construction would expand
+            item, depth = stack.pop()
+            count += 1
+            if count > MAX_RECIPE_NODES or depth > MAX_RECIPE_DEPTH:
+                raise ConfigError(f"{where}: the YAML expands past {MAX_RECIPE_NODES} nodes or "
+                                  f"{MAX_RECIPE_DEPTH} levels (aliases count each time they are used); "
+                                  "write the values out plainly")
+            if isinstance(item, yaml.SequenceNode):
+                stack.extend((child, depth + 1) for child in item.value)
+            elif isinstance(item, yaml.MappingNode):
+                stack.extend((child, depth + 1) for pair in item.value for child in pair)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'parallel.tp=2' -> ('parallel', 'tp', 2); the value is parsed as a YAML scalar."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE such as parallel.tp=2")
+        raise ConfigError(f"--set {clip(repr(text))}: expected KEY=VALUE such as parallel.tp=2")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) != 2:
-        raise ConfigError(f"--set {text!r}: key must be SECTION.NAME such as train.steps")
+        raise ConfigError(f"--set {clip(repr(text))}: key must be SECTION.NAME such as train.steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = bounded_yaml(raw, f"--set {clip(key)}") if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: value is not a YAML scalar ({exc.problem})") from None
+        raise ConfigError(f"--set {clip(repr(text))}: value is not a YAML scalar ({exc.problem})") from None
     return parts[0], parts[1], value
 
 
@@ -338,7 +381,7 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
         raise ConfigError(f"recipe file {path!r} not found; pass --recipe with a path such as recipes/tiny.yaml")
     with open(path) as f:
         try:
-            raw = yaml.safe_load(f) or {}
+            raw = bounded_yaml(f.read(MAX_RECIPE_BYTES + 1), f"recipe {path}") or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -383,10 +426,11 @@ def validate(r: Recipe) -> list[str]:
     need(not (d.path and d.sources), "data.path and data.sources are both set; list every path under data.sources")
     for i, src in enumerate(d.sources or []):
         ok = isinstance(src, dict) and set(src) <= {"path", "weight"} and isinstance(src.get("path"), str)
-        need(ok and bool(src["path"]), f"data.sources[{i}]={src!r} must be a mapping {{path: ..., weight: ...}}")
+        need(ok and bool(src["path"]), f"data.sources[{i}]={clip(repr(src))} must be a mapping {{path: ..., weight: ...}}")
         w = src.get("weight", 1.0) if ok else 1.0
-        need(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
-             f"data.sources[{i}].weight={w!r} must be a positive number; give every source a weight > 0")
+        need(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf"),
+             f"data.sources[{i}].weight={clip(repr(w))} must be a positive finite number; give every source a "
+             "weight > 0")
     need(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     need(bool(d.tokenizer) or bool(m.init_from),
          "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")
@@ -397,7 +441,7 @@ def validate(r: Recipe) -> list[str]:
     need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in [0, 1]; it is the "
          "share of train.steps that train.lr_schedule=wsd spends decaying to train.min_lr")
     for name in r.run.trackers:
-        need(name in ("tensorboard", "wandb"), f"run.trackers: unknown tracker, got {name!r}; "
+        need(name in ("tensorboard", "wandb"), f"run.trackers: unknown tracker, got {clip(repr(name))}; "
              "use a list of tensorboard and/or wandb, e.g. [tensorboard]")
     if m.lora_rank is None:
         need(not m.lora_targets, f"model.lora_targets={m.lora_targets} is set but model.lora_rank is not; "
@@ -409,7 +453,7 @@ def validate(r: Recipe) -> list[str]:
         need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
         known = lora_projections(m.family)
         for name in m.lora_targets:
-            need(name in known, f"model.lora_targets: {m.family} has no projection {name!r}, got "
+            need(name in known, f"model.lora_targets: {m.family} has no projection {clip(repr(name))}, got "
                  f"{m.lora_targets}; use names from {list(known)}")
     need(p.zero in (0, 1, 2), f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
     if p.dp is not None:

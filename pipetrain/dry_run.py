@@ -12,12 +12,12 @@ import warnings
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.models import build, count_params
 from pipetrain.parallel.layout import layout_problems, resolve_dp
 from pipetrain.parallel.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
-from pipetrain.plan.memory import rank_memory, rank_stages
+from pipetrain.plan.memory import model_params, rank_memory, rank_stages
+from pipetrain.preflight import check_model_fits
 
 GIB = 2 ** 30
 
@@ -27,9 +27,10 @@ def dry_run_report(recipe: Recipe, world_size: int) -> str:
     problems = layout_problems(recipe, world_size)
     if problems:
         raise ConfigError("; ".join(problems))
+    check_model_fits(recipe, world_size)  # before any per-layer work: a million layers answers at once
     p, t = recipe.parallel, recipe.train
     dp = resolve_dp(recipe, world_size)
-    params = count_params(build(recipe.model, device="meta"))
+    params = model_params(recipe.model)
     lines = [f"dry run: recipe and layout are valid for {world_size} process(es): dp={dp} tp={p.tp} pp={p.pp} "
              f"schedule={p.schedule} virtual_stages={p.virtual_stages} microbatches={p.microbatches} "
              f"zero={p.zero} recompute={p.recompute} sequence_parallel={p.sequence_parallel}",

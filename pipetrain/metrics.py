@@ -23,8 +23,7 @@ import time
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.models import build, count_params
-from pipetrain.plan.memory import rank_memory
+from pipetrain.plan.memory import model_params, rank_memory
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device, no sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {
@@ -188,7 +187,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         m, p, t = recipe.model, recipe.parallel, recipe.train
-        params = count_params(build(m, device="meta"))
+        params = model_params(m)
         source = f" from {m.init_from}" if m.init_from else ""
         self.write(f"model: {m.family}{source}, {params:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
                    f"{m.n_heads} heads, vocab {m.vocab_size})")

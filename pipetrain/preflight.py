@@ -23,9 +23,8 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
-from pipetrain.models import build
-from pipetrain.models.decoder import count_params
 from pipetrain.parallel.layout import resolve_dp
+from pipetrain.plan.memory import model_params
 
 GB = 1e9
 
@@ -47,9 +46,16 @@ def device_memory(world_size: int) -> tuple[float, str]:
 def preflight(recipe: Recipe, world_size: int) -> None:
     """ConfigError (exit 2) naming the key, the need and what is available when the run cannot fit in
     memory or its global batch exceeds the corpus's training windows."""
+    check_model_fits(recipe, world_size)
+    _check_data(recipe)
+
+
+def check_model_fits(recipe: Recipe, world_size: int) -> None:
+    """The memory half of preflight: arithmetic on the recipe alone (nothing is built), so a recipe of a
+    million layers is refused at once."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     dp = resolve_dp(recipe, world_size)
-    params = count_params(build(m, device="meta"))
+    params = model_params(m)
     per_rank = params / (p.tp * p.pp)
     state = per_rank * (4 + 4 + 8 / (dp if p.zero >= 1 else 1))
     micro = max(1, t.global_batch // dp // p.microbatches)
@@ -68,6 +74,11 @@ def preflight(recipe: Recipe, world_size: int) -> None:
                           f"about {activations / GB:,.1f} GB of activations per rank on top of {state / GB:,.1f} GB of "
                           f"weights and optimizer state, but {available / GB:,.1f} GB is available ({source}); lower "
                           "train.global_batch or train.seq_len, or raise parallel.microbatches")
+
+
+def _check_data(recipe: Recipe) -> None:
+    """The data half of preflight: a global batch the corpus's training windows can supply."""
+    t = recipe.train
     # the windows: opening the prepared corpus is cheap (memory-mapped); preparing it now is work the
     # loader would do anyway. Its checksums are verified once, by the loader.
     tokenizer = _build_tokenizer(recipe)  # build's tokenizer rules (vocab size) come before preparing data

@@ -19,17 +19,19 @@ import torch
 
 from pipetrain.checkpoint import TensorReader, model_tensors, read_manifest
 from pipetrain.config import ConfigError
-from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size
+from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size, prepare_out_dir
 
-def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write the checkpoint's full model weights (pipetrain names) to out_dir; returns the file names."""
+def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                overwrite: bool = False) -> list[str]:
+    """Write the checkpoint's full model weights (pipetrain names) to out_dir; returns the file names.
+    A folder that already holds model files is refused unless overwrite (then its old ones are removed)."""
     manifest = read_manifest(ckpt_dir)
     reader = TensorReader(ckpt_dir, manifest)  # verifies each file before its first read
     entries = model_tensors(manifest)
     dtypes = {dtype for _, _, dtype in entries}
     if len(dtypes) != 1:
         raise ConfigError(f"consolidate: {ckpt_dir} mixes model dtypes {sorted(dtypes)}; expected one")
-    os.makedirs(out_dir, exist_ok=True)
+    prepare_out_dir(out_dir, "consolidate", source_dir=ckpt_dir, overwrite=overwrite)
     writer = ShardedSafetensorsWriter(out_dir, {name: tuple(shape) for name, shape, _ in entries},
                                       getattr(torch, dtypes.pop()), max_shard_bytes)
     try:
@@ -72,12 +74,13 @@ def main(argv=None) -> int:
     p_cons.add_argument("ckpt")
     p_cons.add_argument("out")
     p_cons.add_argument("--max-shard-size", default="2GB")
+    p_cons.add_argument("--overwrite", action="store_true", help="replace the model files already in OUT")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "inspect":
             print(inspect(args.ckpt))
         else:
-            files = consolidate(args.ckpt, args.out, parse_size(args.max_shard_size))
+            files = consolidate(args.ckpt, args.out, parse_size(args.max_shard_size), args.overwrite)
             print(f"wrote {len(files)} file(s) to {args.out}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ConfigError, clip
 from pipetrain.sft import encode_record
 
 FORMAT_VERSION = 1
@@ -49,14 +49,34 @@ def load_tokenizer(path: str):
     if os.path.sep in path and not os.path.isdir(path):
         raise ConfigError(f"data.tokenizer: directory {path!r} not found; point it at a folder with tokenizer.json")
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        # never run code shipped in the folder: with False, transformers neither asks on stdin nor imports
+        # an auto_map module, and a folder whose auto_map names a class it ships still loads with that class
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        custom = _custom_code_file(path)
+        if custom:
+            raise ConfigError(f"data.tokenizer: {custom} names custom code (auto_map) that pipetrain will not run; "
+                              "use a tokenizer whose class transformers ships (tokenizer.json + "
+                              "tokenizer_config.json without auto_map)") from None
+        first = clip(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         raise ConfigError(f"data.tokenizer: cannot load {path!r} ({first}); "
                           "use a local directory with tokenizer.json") from None
     if tok.eos_token_id is None:
         raise ConfigError(f"data.tokenizer: {path!r} has no EOS token; documents need one as separator")
     return tok
+
+
+def _custom_code_file(path: str) -> str:
+    """The folder's config file whose auto_map points at code in the folder ("" when none does)."""
+    for name in ("tokenizer_config.json", "config.json"):
+        file = os.path.join(path, name)
+        try:
+            with open(file) as f:
+                if "auto_map" in json.load(f):
+                    return file
+        except (OSError, ValueError, TypeError):
+            continue
+    return ""
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -27,12 +27,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _text(prompt: str) -> str:
+    """The prompt as valid UTF-8 text: bytes that are not UTF-8 reach argv as surrogate escapes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("generate: --prompt is not valid UTF-8 text, got undecodable bytes; pass the prompt "
+                          "in UTF-8") from None
+    return prompt
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         model, tokenizer = load_for_generation(args.path, args.tokenizer, torch.device(args.device))
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        prompt = tokenizer(args.prompt)["input_ids"] or [start]  # an empty prompt starts a document
+        prompt = tokenizer(_text(args.prompt))["input_ids"] or [start]  # an empty prompt starts a document
         new = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k,
                               args.seed, eos_id=tokenizer.eos_token_id)
     except (ConfigError, ValueError) as exc:

@@ -90,8 +90,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
     problems = []
     if max_new_tokens < 0:
         problems.append(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        problems.append(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # also refuses nan, which every comparison fails
+        problems.append(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         problems.append(f"--top-p must be in (0, 1], got {top_p}")
     if top_k < 0:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.config import ConfigError, ModelConfig, clip
 from pipetrain.data import load_tokenizer
 from pipetrain.models import build, param_layout
 
@@ -286,6 +286,17 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(shape[::-1]) if name in transposed else tuple(shape) for name, shape in fused.items()}
 
 
+def _inside_name(index: str, name) -> str:
+    """A weight_map file name, checked as text: relative and without a `..` component, so an index can
+    never make a load read a file outside its model folder. (Links inside the folder, as in a Hugging
+    Face cache snapshot whose files link into its blobs folder, are the folder's own and still load.)"""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or name.startswith(("/", "\\")) \
+            or ".." in name.replace("\\", "/").split("/") or "\0" in name:
+        raise ConfigError(f"model.init_from: {index} names weight file {clip(repr(name))}, which is not a plain "
+                          "name inside the model folder; the index may only list files in its own folder")
+    return name
+
+
 class HFWeights:
     """Read-only view of an HF model's safetensors files (single file or sharded index).
 
@@ -300,10 +311,11 @@ class HFWeights:
         if os.path.isfile(index):
             try:
                 with open(index) as f:
-                    self.files = {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
-            except (OSError, ValueError, KeyError, AttributeError) as exc:
-                raise ConfigError(f"model.init_from: {index} has no readable weight_map, got {exc!r}; "
+                    weight_map = dict(json.load(f)["weight_map"])
+            except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+                raise ConfigError(f"model.init_from: {index} has no readable weight_map, got {clip(repr(exc))}; "
                                   "re-save the model") from None
+            self.files = {k: os.path.join(hf_dir, _inside_name(index, v)) for k, v in weight_map.items()}
         elif os.path.isfile(single):
             self.files = None  # filled lazily from the single file's keys
         else:
@@ -317,7 +329,11 @@ class HFWeights:
         if not os.path.isfile(path):
             raise ConfigError(f"model.init_from: weight file {path} listed in {INDEX_FILE} not found; "
                               "copy every shard of the model")
-        return safe_open(path, framework="pt")
+        try:
+            return safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as exc:  # a truncated file, a header length past the file, bad JSON
+            raise ConfigError(f"model.init_from: {path} is not a readable safetensors file ({clip(exc)}); "
+                              "re-save or re-download the model") from None
 
     def file_of(self, name: str) -> str:
         if self.files is None:

@@ -52,6 +52,9 @@ def export_peft(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None) -
         raise ConfigError("export --peft: gpt2's q/k/v are one fused c_attn module in Hugging Face, got family "
                           "gpt2; export the merged model without --peft")
     verify_files(ckpt_dir, manifest)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"export --peft: OUT {out_dir} is an existing file, got a file where a folder goes; "
+                          "name a new folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"export --peft: {out_dir} is not empty, got {sorted(os.listdir(out_dir))[:5]}; "
                           "export into a new directory")

@@ -17,7 +17,7 @@ from pipetrain.plan import format_plan_row, plan_header
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.plan.calibrate import calibrate, save_profile
 from pipetrain.plan.devices import load_profile
-from pipetrain.plan.search import nothing_fits, search
+from pipetrain.plan.search import nothing_fits, search, world_problem
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         profile = load_profile(args.device)
     world = args.nproc * args.nodes
+    problem = world_problem(recipe, world, profile.memory_bytes)
+    if problem:
+        raise ConfigError(f"--nproc {args.nproc} x --nodes {args.nodes}: {problem}")
     fixed = fixed_parallel_keys(args.recipe, args.set) if recipe.parallel.auto else \
         fixed_parallel_keys(None, args.set)
     result = search(recipe, world, profile, fixed, ranks_per_node=args.nproc)

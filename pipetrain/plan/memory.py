@@ -99,6 +99,14 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     return shapes
 
 
+def model_params(m: ModelConfig) -> int:
+    """Parameters of the whole model (count_params of a build), by arithmetic: no layer is built, so a
+    size check on a recipe with a million layers answers at once."""
+    ends = sum(_numel(s) for s in param_shapes(m, 1, [], True, True, False))
+    block = sum(_numel(s) for s in param_shapes(m, 1, [0], False, False, False))
+    return ends + m.n_layers * block
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

@@ -23,7 +23,7 @@ from pipetrain.parallel.layout import layout_problems
 from pipetrain.parallel.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import RankMemory, rank_memory
+from pipetrain.plan.memory import RankMemory, model_params, rank_memory
 
 KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "split_backward", "microbatches", "zero", "recompute",
         "sequence_parallel")
@@ -65,6 +65,24 @@ class SearchResult:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def world_problem(recipe: Recipe, world_size: int, memory_bytes: float) -> str:
+    """Why no layout of world_size ranks can exist, found by arithmetic before any layout is scored ("" when
+    none is found): more ranks than dp <= global_batch, tp <= n_heads and pp <= n_layers allow, or a model
+    whose weights, gradients and AdamW state cannot fit even spread evenly over every rank."""
+    m, t = recipe.model, recipe.train
+    usable = t.global_batch * m.n_heads * m.n_layers
+    if world_size > usable:
+        return (f"world size {world_size} exceeds the {usable:,} ranks this recipe can use (dp <= train.global_batch="
+                f"{t.global_batch}, tp <= model.n_heads={m.n_heads}, pp <= model.n_layers={m.n_layers}); plan for "
+                "fewer processes or a larger batch")
+    floor = model_params(m) * 16 / world_size  # 4 weights + 4 gradients + 8 AdamW bytes per parameter, all sharded
+    if floor > memory_bytes:
+        return (f"model: {model_params(m):,} parameters need at least {floor / 2**30:,.1f} GiB per rank even spread "
+                f"over all {world_size} ranks, but a device has {memory_bytes / 2**30:,.1f} GiB; shrink the model "
+                "or plan for more devices")
+    return ""
 
 
 def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[dict]:

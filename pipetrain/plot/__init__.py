@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ConfigError, clip
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
@@ -18,18 +22,23 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
         raise ConfigError(f"plot: {path} not found; pass a run folder (run.output_dir) of a run that took a step")
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"plot: {path} line {number} is not JSON ({exc.msg}); the file is damaged") from None
-            if "loss" in record:
-                steps[record["step"]] = record
-            elif "eval_loss" in record:
-                evals[record["step"]] = record
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+                raise ConfigError(f"plot: {path} line {number} is not JSON ({why}); the file is damaged") from None
+            kind = "loss" if isinstance(record, dict) and "loss" in record else "eval_loss"
+            if not isinstance(record, dict) or kind not in record:
+                continue  # a line of another kind (a banner, a tracker's record): nothing to plot
+            if not (_number(record.get("step")) and _number(record[kind]) and _number(record.get("lr", 0.0))):
+                raise ConfigError(f"plot: {path} line {number} has step={clip(repr(record.get('step')))} and "
+                                  f"{kind}={clip(repr(record[kind]))}, not numbers; the file is damaged")
+            (steps if kind == "loss" else evals)[record["step"]] = record
     if not steps and not evals:
         raise ConfigError(f"plot: {path} holds no step or eval records, got an empty file; train a few steps first")
     return [steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)]
@@ -50,7 +59,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(3, 1))
     if steps:
         ax_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss", linewidth=1)
-        ax_lr.plot([r["step"] for r in steps], [r["lr"] for r in steps], color="tab:green")
+        ax_lr.plot([r["step"] for r in steps], [r.get("lr", float("nan")) for r in steps], color="tab:green")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     ax_loss.set_ylabel("loss")

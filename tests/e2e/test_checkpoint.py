@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from pipetrain.checkpoint import find_resumable, iter_full_tensors, read_manifest, verify_files
-from pipetrain.checkpoint.tools import consolidate, inspect
+from pipetrain.checkpoint.tools import consolidate, inspect, main as ckpt_main
 from pipetrain.config import ConfigError
 from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, step_losses
 from tests.harness import TP_FP32
@@ -275,6 +275,21 @@ def test_inspect_and_consolidate_without_the_original_world(reference_run, tmp_p
     expected = dict(iter_full_tensors(ckpt))
     assert set(index["weight_map"]) == set(full) == set(expected)
     assert all(torch_equal(full[k], expected[k]) for k in expected)
+
+
+def test_consolidate_refuses_a_file_a_model_folder_and_the_checkpoint_itself(reference_run, tmp_path, capsys):
+    ckpt = str(reference_run[0] / "checkpoints" / "step-00000006")
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "full"
+    big = consolidate(ckpt, str(out), max_shard_bytes=1_000_000)  # sharded: an index and several files
+    for target, pattern in ((tmp_path / "file", "is an existing file"), (out, "already holds a model"),
+                            (ckpt, "is inside the checkpoint"), (os.path.join(ckpt, "sub"), "is inside the checkpoint")):
+        assert ckpt_main(["consolidate", ckpt, str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and pattern in err[0], err
+    assert sorted(os.listdir(out)) == sorted(big + ["model.safetensors.index.json", "pipetrain_model.json"])
+    one = consolidate(ckpt, str(out), overwrite=True)  # one file now: no stale shard or index is left
+    assert sorted(os.listdir(out)) == sorted(one + ["pipetrain_model.json"]) and len(one) == 1
 
 
 def torch_equal(a, b):

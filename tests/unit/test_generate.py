@@ -122,7 +122,11 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "corrupt" in err[0], err
     assert "neither manifest.json" in _one_error_line(capsys, [str(tmp_path), "--prompt", "x"])
-    assert "--temperature must be >= 0" in _one_error_line(capsys, [out, "--prompt", "x", "--temperature", "-1"])
+    for bad in ("-1", "nan", "inf"):
+        assert "--temperature must be a finite number >= 0" in _one_error_line(
+            capsys, [out, "--prompt", "x", "--temperature", bad])
+    undecodable = b"caf\xe9".decode("utf-8", "surrogateescape")  # what argv holds for Latin-1 bytes
+    assert "--prompt is not valid UTF-8" in _one_error_line(capsys, [out, "--prompt", undecodable])
     assert "--top-p must be in (0, 1]" in _one_error_line(capsys, [out, "--prompt", "x", "--top-p", "0"])
 
 

@@ -274,6 +274,9 @@ def test_export_rejects_bad_input(tmp_path):
     export_model(model, cfg, str(tmp_path / "d"))
     with pytest.raises(ConfigError, match=r"already holds a model"):
         export_model(model, cfg, str(tmp_path / "d"))
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ConfigError, match=r"OUT .*/f is an existing file"):
+        export_model(model, cfg, str(tmp_path / "f"))
     gqa_gpt2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
     with pytest.raises(ConfigError, match=r"gpt2 has no grouped-query attention"):
         export_model(random_model(gqa_gpt2), gqa_gpt2, str(tmp_path / "e"))

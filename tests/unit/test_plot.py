@@ -34,3 +34,14 @@ def test_missing_metrics_or_matplotlib_exit_2_with_one_line(tmp_path, capsys, mo
     assert plot_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'pip install -e ".[plot]"' in err[0]
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary", b'{"step": "1", "loss": 2.0, "lr": 0.1}\n',
+                                     b'{"step": 1, "loss": null, "lr": 0.1}\n', b'{"step": 1, "eval_loss": "x"}\n',
+                                     b'{"step": 1, "loss": 2.0, "lr": "high"}\n'],
+                         ids=["binary", "string-step", "null-loss", "string-eval", "string-lr"])
+def test_a_damaged_metrics_file_exits_2_with_one_line(tmp_path, capsys, content):
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    assert plot_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plot:") and "damaged" in err[0], err
