@@ -8,10 +8,12 @@ import torch
 
 from pipetrain.config import ConfigError, DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.data.corpus import source_files
 from pipetrain.data.order import CHUNK, BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
+PLAYS = os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +171,13 @@ def test_missing_path_and_tokenizer_are_config_errors(tmp_path, tokenizer):
         tokenize_corpus(DataConfig(path=str(tmp_path / "missing"), tokenizer="x"), tokenizer)
     with pytest.raises(ConfigError, match="data.tokenizer"):
         load_tokenizer(str(tmp_path / "no-tokenizer"))
+
+
+def test_shipped_corpus_is_exactly_its_plays():
+    """Every text file in a corpus folder is a document: the attribution note lives beside the folder, so
+    the default run's stream is the 14 plays and nothing else (no file of any other kind sits there)."""
+    kind, files = source_files(PLAYS)
+    assert kind == "text" and len(files) == 14, files
+    assert all(f.endswith("_gut.txt") for f in files), files
+    assert sorted(os.listdir(PLAYS)) == [os.path.basename(f) for f in files]
+    assert os.path.isfile(os.path.join(ROOT, "pipetrain", "assets", "SOURCE.md"))  # the attribution is kept
