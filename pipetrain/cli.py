@@ -39,7 +39,8 @@ from pipetrain.trainer import TrainingDiverged
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
-    parser.add_argument("--recipe", required=True, help="path to a YAML recipe, e.g. recipes/tiny.yaml")
+    parser.add_argument("--recipe", required=True,
+                        help="path to a YAML recipe, or a shipped recipe's name (tiny, gpt-1b, ...)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe key, e.g. --set parallel.tp=2 (repeatable)")
     parser.add_argument("--resume", default=None, metavar="auto|DIR",
