@@ -6,6 +6,7 @@ import yaml
 
 from pipetrain.config import ConfigError, build_recipe, load_recipe, parse_override
 from pipetrain.plan.auto import fixed_parallel_keys
+from pipetrain.rerun import recipe_differences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -147,3 +148,13 @@ def test_a_recipe_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
     r = load_recipe(os.path.join("recipes", "tiny.yaml"))
     assert r.run.output_dir == os.path.join(ROOT, "runs", "tiny")
     assert r.data.path == os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
+
+
+def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
+    """pipetrain.rerun: launched again into its output directory, a recipe resumes its checkpoints when only
+    train.steps or run.* changed; any other key names another run."""
+    saved = build_recipe(_with()).to_dict()
+    assert recipe_differences(saved, build_recipe(_with(train={"steps": 7}, run={"log_every": 3, "output_dir": "./o"}),
+                                                   ).to_dict()) == []
+    assert recipe_differences(saved, build_recipe(_with(data={"seed": 5}, train={"steps": 7})).to_dict()) == [
+        "data.seed: 1234 there, 5 now"]
