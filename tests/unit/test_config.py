@@ -148,6 +148,7 @@ def test_a_recipe_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
     r = load_recipe(os.path.join("recipes", "tiny.yaml"))
     assert r.run.output_dir == os.path.join(ROOT, "runs", "tiny")
     assert r.data.path == os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
+    assert load_recipe("tiny") == r  # from the repository root, the name and the path are the same run
 
 
 def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
