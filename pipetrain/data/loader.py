@@ -4,12 +4,13 @@ Documents (each closed by EOS) are split into train and validation by document: 
 val_fraction) documents, at most all but one, are held out, chosen by data.seed. When that rounds to none
 (a corpus of one text file, or a few long documents: whole documents cannot give val_fraction), the last
 val_fraction of every document's tokens (rounded up) is held out instead, as nanoGPT holds out the end of
-its one stream; `val_split` says which split was taken (the data line prints it). The train stream is the train documents concatenated in corpus order (a virtual
-stream over the memory map: runs of consecutive train documents, no copy); the validation stream
-likewise. Window i of a stream is stream[i*S : i*S + S + 1] (S = seq_len): inputs are its first S
-tokens, targets its last S. A stream without a document index (an in-memory array) counts every block
-of S tokens as a document. A loss mask travels with the tokens (fine-tuning data trains only on
-completion tokens); masked targets become IGNORE_INDEX.
+its one stream; `val_split` says which split was taken (the data line prints it). The train stream is the
+train documents (or parts) concatenated in corpus order (a virtual stream over the memory map: runs of
+consecutive train tokens, no copy); the validation stream likewise. Window i of a stream is
+stream[i*S : i*S + S + 1] (S = seq_len): inputs are its first S tokens, targets its last S. A stream
+without a document index (an in-memory array) counts every block of S tokens as a document. A loss mask
+travels with the tokens (fine-tuning data trains only on completion tokens); masked targets become
+IGNORE_INDEX.
 
 Order (see order.py): train sample g is window WindowOrder(n, seed)(g // n, g % n) of the n train
 windows, O(1) per sample and the same for every layout. Step k's global batch is samples k*GB ..
@@ -79,7 +80,7 @@ class PackedData:
         self.documents, self.document_mask = (_plain(documents) if documents is not None else None), document_mask
         n_tok = len(tokens)
         num_docs = len(documents) - 1 if documents is not None else -(-n_tok // seq_len)
-        num_val = min(int(round(num_docs * val_fraction)), num_docs - 1)
+        num_val = max(0, min(int(round(num_docs * val_fraction)), num_docs - 1))
         if val_fraction > 0 and num_val < 1:  # whole documents cannot give val_fraction: hold out their ends
             self.train, self.val = self._split_tails(num_docs, val_fraction)
             self.val_split = f"the last {val_fraction:.1%} of each document's tokens (too few documents to hold " \

@@ -96,8 +96,9 @@ def test_source_paths_resolve_like_data_path_in_the_file_and_with_set(tmp_path, 
 
 
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
-    with pytest.raises(ConfigError, match=r"--recipe: not found as a file or a shipped recipe name, got '.*nope.yaml'; "
-                                          r"pass a recipe file's path or a shipped name \(finetune-llama, gpt-1b, tiny\)"):
+    with pytest.raises(ConfigError, match=r"--recipe: not found as a file or a shipped recipe name, got '.*nope."
+                                          r"yaml'; pass a recipe file's path or a shipped name \(finetune-llama, "
+                                          r"gpt-1b, tiny\)"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
@@ -127,7 +128,8 @@ def test_shipped_recipe_by_name_reads_shipped_data_and_writes_under_the_current_
     assets = os.path.join(ROOT, "pipetrain", "assets")
     for name in ["tiny", "tiny.yaml", "recipes/tiny.yaml"]:
         r = load_recipe(name)
-        assert r.data.path == os.path.join(assets, "shakespeare") and r.data.tokenizer == os.path.join(assets, "tokenizer")
+        assert (r.data.path, r.data.tokenizer) == (os.path.join(assets, "shakespeare"),
+                                                   os.path.join(assets, "tokenizer"))
         assert r.run.output_dir == str(tmp_path / "runs" / "tiny"), name
     big = load_recipe("gpt-1b", ["train.steps=3"])
     assert (big.data.path, big.data.tokenizer, big.run.output_dir, big.train.steps) == (
