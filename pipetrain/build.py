@@ -258,13 +258,14 @@ def _build_schedules(recipe: Recipe, dims: ParallelDims) -> tuple[list, list]:
 def _check_validation(recipe: Recipe, loader: Loader, dims: ParallelDims, eval_only: bool) -> None:
     """Without validation windows an evaluation would log a loss of 0 over 0 tokens: --eval-only is refused,
     periodic evaluation skipped with one warning (Trainer.evaluate). A corpus that is one document (a single
-    text file) holds nothing out, since validation takes whole documents."""
+    text file) holds out the end of its tokens: only data.val_fraction=0, or a held-out share shorter than one
+    window, gives none."""
     if loader.data.num_val_windows > 0 or not (eval_only or recipe.run.eval_every):
         return
-    why = (f"data holds no validation window (data.val_fraction={recipe.data.val_fraction}; whole documents are "
-           "held out, so a single document or a tiny corpus gives none)")
+    why = (f"data holds no validation window (data.val_fraction={recipe.data.val_fraction} holds out fewer than "
+           f"train.seq_len+1={recipe.train.seq_len + 1} tokens of this corpus)")
     if eval_only:
-        raise ConfigError(f"--eval-only: the {why}; use a corpus of several documents or raise data.val_fraction")
+        raise ConfigError(f"--eval-only: the {why}; raise data.val_fraction or use more data")
     if dims.rank == 0:
         print(f"warning: the {why}; evaluation is skipped (run.eval_every={recipe.run.eval_every})", file=sys.stderr)
 

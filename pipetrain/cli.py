@@ -33,6 +33,7 @@ from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.ft import Replica, replica_from_env
 from pipetrain.parallel.layout import layout_problems
 from pipetrain.preflight import preflight
+from pipetrain.rerun import finished_report, rerun_of
 from pipetrain.run_lock import RunLock
 from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
@@ -40,7 +41,8 @@ from pipetrain.trainer import TrainingDiverged
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
-    parser.add_argument("--recipe", required=True, help="path to a YAML recipe, e.g. recipes/tiny.yaml")
+    parser.add_argument("--recipe", required=True,
+                        help="path to a YAML recipe, or a shipped recipe's name (tiny, gpt-1b, ...)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe key, e.g. --set parallel.tp=2 (repeatable)")
     parser.add_argument("--resume", default=None, metavar="auto|DIR",
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     restarted = restart_count() > 0 and args.resume is None
     if restarted:  # torchrun --max-restarts: a restarted attempt continues from the newest intact checkpoint
         args.resume = "auto"
+    if args.resume is None and not args.dry_run and _continue_saved_run(args, recipe):
+        return 0
     recipe, elastic_note = launch_layout(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
                                          args.resume)
     if args.dry_run:
@@ -151,6 +155,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _continue_saved_run(args: argparse.Namespace, recipe: Recipe) -> bool:
+    """A launch without --resume into an output directory that holds checkpoints of the same recipe resumes
+    them (sets args.resume to auto); another recipe's raise ConfigError (pipetrain.rerun). True when that run
+    already reached train.steps: its final metrics are printed and nothing is trained (--eval-only evaluates)."""
+    rank = int(os.environ.get("RANK", 0))
+    saved = rerun_of(recipe)
+    if saved is None:
+        return False
+    if saved.step >= recipe.train.steps and not args.eval_only:
+        if rank == 0:
+            print(finished_report(saved, recipe), flush=True)
+        return True
+    args.resume = "auto"
+    if rank == 0:
+        print(f"run.output_dir={recipe.run.output_dir} holds checkpoints of this recipe: resuming from the newest "
+              "intact one (as --resume auto)", flush=True)
+    return False
 
 
 def _serve(args: argparse.Namespace, recipe: Recipe) -> int:

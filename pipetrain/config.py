@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from pipetrain.shipped import anchor_shipped_paths, recipe_file, shipped_names
+
 
 class ConfigError(ValueError):
     """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
@@ -376,16 +378,20 @@ def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = No
 
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe file, apply overrides and validate."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"recipe file {path!r} not found; pass --recipe with a path such as recipes/tiny.yaml")
-    with open(path) as f:
+    """Read a YAML recipe file (or the shipped recipe of that name, pipetrain.shipped), apply overrides, validate."""
+    file = recipe_file(path)
+    if file is None:
+        raise ConfigError(f"--recipe: not found as a file or a shipped recipe name, got {path!r}; pass a recipe "
+                          f"file's path or a shipped name ({', '.join(shipped_names())})")
+    with open(file) as f:
         try:
             raw = bounded_yaml(f.read(MAX_RECIPE_BYTES + 1), f"recipe {path}") or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if file != path:  # found by name: shipped data stays in the package, output goes under the current directory
+        return build_recipe(anchor_shipped_paths(raw, _PATH_KEYS), overrides, base_dir=os.getcwd())
     return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)))
 
 

@@ -66,8 +66,8 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, *, prepare_missing: boo
         if log:
             m = corpus.manifest
             print(f"data: {where} {out}: {m['num_tokens']:,} tokens, {m['num_documents']:,} documents, "
-                  f"{parts[-1].num_train_windows:,} train / {parts[-1].num_val_windows:,} validation windows",
-                  flush=True)
+                  f"{parts[-1].num_train_windows:,} train / {parts[-1].num_val_windows:,} validation windows "
+                  f"(validation: {parts[-1].val_split})", flush=True)
     if not cfg.sources:
         return parts[0]
     data = BlendedData(parts, weights)

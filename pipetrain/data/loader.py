@@ -1,13 +1,16 @@
 """Packed windows over (memory-mapped) token streams, their order, and the per-dp-rank loader.
 
 Documents (each closed by EOS) are split into train and validation by document: round(num_documents *
-val_fraction) documents, at least one when val_fraction > 0 and there are two or more, are held out,
-chosen by data.seed. The train stream is the train documents concatenated in corpus order (a virtual
-stream over the memory map: runs of consecutive train documents, no copy); the validation stream
-likewise. Window i of a stream is stream[i*S : i*S + S + 1] (S = seq_len): inputs are its first S
-tokens, targets its last S. A stream without a document index (an in-memory array) counts every block
-of S tokens as a document. A loss mask travels with the tokens (fine-tuning data trains only on
-completion tokens); masked targets become IGNORE_INDEX.
+val_fraction) documents, at most all but one, are held out, chosen by data.seed. When that rounds to none
+(a corpus of one text file, or a few long documents: whole documents cannot give val_fraction), the last
+val_fraction of every document's tokens (rounded up) is held out instead, as nanoGPT holds out the end of
+its one stream; `val_split` says which split was taken (the data line prints it). The train stream is the
+train documents (or parts) concatenated in corpus order (a virtual stream over the memory map: runs of
+consecutive train tokens, no copy); the validation stream likewise. Window i of a stream is
+stream[i*S : i*S + S + 1] (S = seq_len): inputs are its first S tokens, targets its last S. A stream
+without a document index (an in-memory array) counts every block of S tokens as a document. A loss mask
+travels with the tokens (fine-tuning data trains only on completion tokens); masked targets become
+IGNORE_INDEX.
 
 Order (see order.py): train sample g is window WindowOrder(n, seed)(g // n, g % n) of the n train
 windows, O(1) per sample and the same for every layout. Step k's global batch is samples k*GB ..
@@ -77,11 +80,15 @@ class PackedData:
         self.documents, self.document_mask = (_plain(documents) if documents is not None else None), document_mask
         n_tok = len(tokens)
         num_docs = len(documents) - 1 if documents is not None else -(-n_tok // seq_len)
-        num_val = int(round(num_docs * val_fraction))
-        if val_fraction > 0 and num_docs >= 2:
-            num_val = min(max(num_val, 1), num_docs - 1)
-        val_docs = np.sort(np.random.default_rng(seed).choice(num_docs, num_val, replace=False)).astype(np.int64)
-        self.train, self.val = self._split(val_docs, num_docs, n_tok)
+        num_val = max(0, min(int(round(num_docs * val_fraction)), num_docs - 1))
+        if val_fraction > 0 and num_val < 1:  # whole documents cannot give val_fraction: hold out their ends
+            self.train, self.val = self._split_tails(num_docs, val_fraction)
+            self.val_split = f"the last {val_fraction:.1%} of each document's tokens (too few documents to hold " \
+                             "out whole ones)"
+        else:
+            val_docs = np.sort(np.random.default_rng(seed).choice(num_docs, num_val, replace=False)).astype(np.int64)
+            self.train, self.val = self._split(val_docs, num_docs, n_tok)
+            self.val_split = f"{num_val:,} whole document(s)"
         self.num_train_windows = max(0, (self.train.length - 1) // seq_len)
         self.num_val_windows = max(0, (self.val.length - 1) // seq_len)
         if self.num_train_windows < 1:
@@ -107,6 +114,14 @@ class PackedData:
         t_start = np.concatenate([[0], v_end])
         t_end = np.concatenate([v_start, [n_tok]])
         return _Stream(t_start, t_end - t_start), _Stream(v_start, v_end - v_start)
+
+    def _split_tails(self, num_docs: int, val_fraction: float) -> tuple[_Stream, _Stream]:
+        """Train and validation streams when whole documents cannot be held out: each document's last
+        ceil(length * val_fraction) tokens are validation, the rest of it training."""
+        starts = self._bound(np.arange(num_docs))
+        ends = self._bound(np.arange(1, num_docs + 1))
+        cut = ends - np.ceil((ends - starts) * val_fraction).astype(np.int64)
+        return _Stream(starts, cut - starts), _Stream(cut, ends - cut)
 
     def train_windows(self, samples) -> np.ndarray:
         """Train window index of each global sample (epoch g // n, position g % n)."""

@@ -14,6 +14,7 @@ import yaml
 from pipetrain.config import ConfigError, Recipe, parse_override
 from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
 from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, search
+from pipetrain.shipped import recipe_file
 
 # torch.cuda.get_device_name substrings -> DEVICES entries (longest first)
 _CUDA_NAMES = (("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-sxm-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
@@ -24,7 +25,7 @@ def fixed_parallel_keys(recipe_path: str | None, overrides=()) -> dict:
     """Parallel search keys set explicitly in the recipe file (if given) or by --set overrides, with values."""
     fixed = {}
     if recipe_path:
-        with open(recipe_path) as f:
+        with open(recipe_file(recipe_path) or recipe_path) as f:  # a shipped recipe's name reads its file
             raw = yaml.safe_load(f) or {}
         fixed.update({k: v for k, v in ((raw.get("parallel") or {}).items()) if k in KEYS})
     for text in overrides:

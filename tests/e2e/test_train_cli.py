@@ -66,12 +66,41 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         assert all(text in line for text in expected), (expected, line)
 
 
-def test_existing_checkpoints_are_never_overwritten_by_a_fresh_run(tmp_path):
+def _snapshot(out) -> dict:
+    """Every file under a run directory with its bytes (the run lock's holder note aside)."""
+    return {os.path.relpath(os.path.join(d, f), out): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(out) for f in files if f != ".pipetrain.lock"}
+
+
+def test_the_same_command_again_resumes_its_run_and_another_recipe_is_refused(tmp_path, token_cache):
+    """Run twice, as torchtitan and Megatron users do: a finished run reports its final metrics and exits 0
+    without touching anything; a raised train.steps resumes from the newest checkpoint; a recipe that differs
+    in any key but train.steps and run.* is refused with one line, leaving the saved run as it was."""
+    base = ["train.steps=2", "run.eval_every=0"]
+    first, metrics = run_train(str(tmp_path), base, cache_dir=token_cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = _snapshot(tmp_path)
+    again, _ = run_train(str(tmp_path), base + ["run.log_every=5"], cache_dir=token_cache)
+    assert again.returncode == 0, again.stderr[-2000:]
+    last = [m for m in metrics if "loss" in m][-1]
+    assert "already finished" in again.stdout and f"final loss {last['loss']:.4f} at step 2" in again.stdout
+    assert _snapshot(tmp_path) == before
+    more, metrics = run_train(str(tmp_path), ["train.steps=3", "run.eval_every=0"], cache_dir=token_cache)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "holds checkpoints of this recipe: resuming" in more.stdout and "at step 2" in more.stdout
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    before = _snapshot(tmp_path)
+    message = _bad(tmp_path, ["train.steps=3", "run.eval_every=0", "train.lr=1e-2", f"data.cache_dir={token_cache}"])
+    assert "already holds checkpoints of another recipe" in message and "train.lr: 0.003 there, 0.01 now" in message
+    assert _snapshot(tmp_path) == before
+
+
+def test_checkpoints_whose_manifest_does_not_read_are_never_overwritten(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-00000005"
     ckpt.mkdir(parents=True)
     (ckpt / "manifest.json").write_text("{}")
     message = _bad(tmp_path, [])
-    assert "already holds checkpoints" in message and "--resume auto" in message
+    assert "already holds checkpoints, none of them readable" in message and "new folder" in message
     assert (ckpt / "manifest.json").read_text() == "{}"
     assert read_metrics(str(tmp_path)) == []
 

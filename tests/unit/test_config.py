@@ -5,6 +5,10 @@ import pytest
 import yaml
 
 from pipetrain.config import ConfigError, build_recipe, load_recipe, parse_override
+from pipetrain.plan.auto import fixed_parallel_keys
+from pipetrain.rerun import recipe_differences
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
 
@@ -92,7 +96,9 @@ def test_source_paths_resolve_like_data_path_in_the_file_and_with_set(tmp_path, 
 
 
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="recipe file .* not found"):
+    with pytest.raises(ConfigError, match=r"--recipe: not found as a file or a shipped recipe name, got '.*nope."
+                                          r"yaml'; pass a recipe file's path or a shipped name \(finetune-llama, "
+                                          r"gpt-1b, tiny\)"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
@@ -113,3 +119,45 @@ def test_every_shipped_recipe_parses():
     assert paths
     for p in paths:
         load_recipe(p)
+
+
+def test_shipped_recipe_by_name_reads_shipped_data_and_writes_under_the_current_directory(tmp_path, monkeypatch):
+    """`--recipe tiny` from anywhere: the corpus and tokenizer it ships resolve into the package, its output
+    and the data it does not ship (gpt-1b's corpus) under the current directory; hub names stay names."""
+    monkeypatch.chdir(tmp_path)
+    assets = os.path.join(ROOT, "pipetrain", "assets")
+    for name in ["tiny", "tiny.yaml", "recipes/tiny.yaml"]:
+        r = load_recipe(name)
+        assert (r.data.path, r.data.tokenizer) == (os.path.join(assets, "shakespeare"),
+                                                   os.path.join(assets, "tokenizer"))
+        assert r.run.output_dir == str(tmp_path / "runs" / "tiny"), name
+    big = load_recipe("gpt-1b", ["train.steps=3"])
+    assert (big.data.path, big.data.tokenizer, big.run.output_dir, big.train.steps) == (
+        str(tmp_path / "data" / "corpus"), "gpt2", str(tmp_path / "runs" / "gpt-1b"), 3)
+    assert fixed_parallel_keys("gpt-1b") == {"tp": 2, "pp": 2, "dp": 2, "microbatches": 8, "schedule": "1f1b",
+                                             "zero": 1, "recompute": "selective", "sequence_parallel": True}
+    with pytest.raises(ConfigError, match=r"got 'tnyi'; .*shipped name \(finetune-llama, gpt-1b, tiny\)"):
+        load_recipe("tnyi")
+
+
+def test_a_recipe_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    """A file that exists is read as a path (relative to its own folder), even when a shipped recipe has its
+    name; the top-level recipes/ folder keeps working from the repository root."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(_with(run={"output_dir": "./mine"})))
+    assert load_recipe("tiny.yaml").run.output_dir == str(tmp_path / "mine")
+    monkeypatch.chdir(ROOT)
+    r = load_recipe(os.path.join("recipes", "tiny.yaml"))
+    assert r.run.output_dir == os.path.join(ROOT, "runs", "tiny")
+    assert r.data.path == os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
+    assert load_recipe("tiny") == r  # from the repository root, the name and the path are the same run
+
+
+def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
+    """pipetrain.rerun: launched again into its output directory, a recipe resumes its checkpoints when only
+    train.steps or run.* changed; any other key names another run."""
+    saved = build_recipe(_with()).to_dict()
+    assert recipe_differences(saved, build_recipe(_with(train={"steps": 7}, run={"log_every": 3, "output_dir": "./o"}),
+                                                   ).to_dict()) == []
+    assert recipe_differences(saved, build_recipe(_with(data={"seed": 5}, train={"steps": 7})).to_dict()) == [
+        "data.seed: 1234 there, 5 now"]

@@ -8,10 +8,12 @@ import torch
 
 from pipetrain.config import ConfigError, DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.data.corpus import source_files
 from pipetrain.data.order import CHUNK, BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
+PLAYS = os.path.join(ROOT, "pipetrain", "assets", "shakespeare")
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +171,36 @@ def test_missing_path_and_tokenizer_are_config_errors(tmp_path, tokenizer):
         tokenize_corpus(DataConfig(path=str(tmp_path / "missing"), tokenizer="x"), tokenizer)
     with pytest.raises(ConfigError, match="data.tokenizer"):
         load_tokenizer(str(tmp_path / "no-tokenizer"))
+
+
+def test_shipped_corpus_is_exactly_its_plays():
+    """Every text file in a corpus folder is a document: the attribution note lives beside the folder, so
+    the default run's stream is the 14 plays and nothing else (no file of any other kind sits there)."""
+    kind, files = source_files(PLAYS)
+    assert kind == "text" and len(files) == 14, files
+    assert all(f.endswith("_gut.txt") for f in files), files
+    assert sorted(os.listdir(PLAYS)) == [os.path.basename(f) for f in files]
+    assert os.path.isfile(os.path.join(ROOT, "pipetrain", "assets", "SOURCE.md"))  # the attribution is kept
+
+
+def test_one_document_holds_out_its_last_tokens_for_validation():
+    """Whole documents cannot give val_fraction of a one-document corpus (one big .txt file): its last 10% of
+    tokens become the validation stream, and no training window reads a held-out token."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    data = PackedData(tokens, None, 16, 0.1, seed=0, documents=np.array([0, 1000]))
+    assert "last 10.0% of each document" in data.val_split
+    assert (data.num_train_windows, data.num_val_windows) == ((900 - 1) // 16, (100 - 1) // 16)
+    val = data.val_batch(0, data.num_val_windows)
+    train = data.train_batch(0, data.num_train_windows)
+    assert int(train.targets.max()) < 900 == int(val.inputs.min()) and int(val.targets.max()) < 1000
+
+
+def test_few_documents_each_hold_out_their_end_and_many_hold_out_whole_documents():
+    """Three documents at val_fraction 0.05 round to no whole document: each gives its last ceil(5%) tokens.
+    Forty give two whole documents, chosen by the seed, as before."""
+    docs = np.array([0, 300, 700, 1000])
+    data = PackedData(np.arange(1000, dtype=np.uint16), None, 8, 0.05, seed=0, documents=docs)
+    assert data.val.starts.tolist() == [285, 680, 985] and data.val.lengths.tolist() == [15, 20, 15]
+    assert data.train.starts.tolist() == [0, 300, 700] and data.train.lengths.tolist() == [285, 380, 285]
+    many = PackedData(np.arange(4000, dtype=np.uint16), None, 8, 0.05, seed=0, documents=np.arange(0, 4001, 100))
+    assert many.val_split == "2 whole document(s)" and many.val.lengths.sum() == 200

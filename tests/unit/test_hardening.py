@@ -67,13 +67,13 @@ def test_an_oserror_during_a_save_keeps_the_previous_checkpoint(saver, monkeypat
 
 
 def test_a_corpus_without_validation_windows_skips_evaluation_and_refuses_eval_only(tmp_path, capsys):
-    """One document cannot be split into train and validation documents: evaluating would log a loss of 0
-    over 0 tokens, which reads as a perfect score. Periodic evaluation is skipped with one warning and
-    --eval-only is refused with the fix."""
+    """A held-out share shorter than one window (here the last 10% of one 100-token document, with seq_len 16)
+    gives no validation window: evaluating would log a loss of 0 over 0 tokens, which reads as a perfect
+    score. Periodic evaluation is skipped with one warning and --eval-only is refused with the fix."""
     recipe = Recipe(model=LLAMA, train=TrainConfig(steps=2, global_batch=2, seq_len=16, warmup_steps=1),
                     data=DataConfig(val_fraction=0.1),
                     run=RunConfig(output_dir=str(tmp_path), eval_every=1, progress=False))
-    tokens = np.random.default_rng(0).integers(0, LLAMA.vocab_size, 200).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, LLAMA.vocab_size, 100).astype(np.int32)
     data = PackedData(tokens, None, 16, 0.1, 0, documents=np.array([0, len(tokens)]))  # one document
     assert data.num_val_windows == 0
     trainer = build_trainer(recipe, loader=Loader(data, 2, 0, 1))
@@ -82,5 +82,5 @@ def test_a_corpus_without_validation_windows_skips_evaluation_and_refuses_eval_o
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "loss" in r] == [1, 2] and not any("eval_loss" in r for r in records)
-    with pytest.raises(ConfigError, match=r"--eval-only: the data holds no validation window.*use a corpus"):
+    with pytest.raises(ConfigError, match=r"--eval-only: the data holds no validation window.*raise data.val_fraction"):
         build_trainer(recipe, loader=Loader(data, 2, 0, 1), eval_only=True)
