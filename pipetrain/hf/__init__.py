@@ -75,6 +75,10 @@ def read_hf_config(hf_dir: str) -> dict:
 def _family(raw: dict, path: str) -> str:
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
+    if not isinstance(model_type, (str, type(None))) or not isinstance(archs, list) \
+            or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{path}: model_type must be a string and architectures a list of class names, got "
+                          f"{clip(repr(model_type))} and {clip(repr(archs))}; re-save the model")
     family = model_type if model_type in FAMILIES else next(
         (f for f, cls in FAMILIES.items() if model_type is None and cls in archs), None)
     if family is None:
@@ -93,7 +97,7 @@ def _rope_theta(raw: dict, path: str, problems: list[str]) -> float:
         if rope is None:
             continue
         if not isinstance(rope, dict):
-            problems.append(f"{path}: {key} must be an object, got {rope!r}")
+            problems.append(f"{path}: {key} must be an object, got {clip(repr(rope))}")
             continue
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
@@ -103,7 +107,15 @@ def _rope_theta(raw: dict, path: str, problems: list[str]) -> float:
         if factor != 1.0:
             problems.append(f"{path}: {key}.partial_rotary_factor must be 1.0, got {factor}")
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not _positive_number(theta):
+        problems.append(f"{path}: rope_theta must be a positive number, got {clip(repr(theta))}")
+        return 10000.0
+    return float(theta)
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def _hf_values(raw: dict, family: str, path: str) -> dict:
@@ -112,13 +124,25 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
 
     def need(cond: bool, option: str, got, fix: str):
         if not cond:
-            problems.append(f"{path}: {option} is not supported, got {got!r}; {fix}")
+            problems.append(f"{path}: {option} is not supported, got {clip(repr(got))}; {fix}")
 
-    def req(key: str):
-        if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool) or raw[key] < 1:
-            problems.append(f"{path}: {key} must be a positive integer, got {raw.get(key)!r}")
+    def req(key: str, default=None):
+        """A positive integer field (default when absent or null and a default is given)."""
+        value = raw.get(key)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{path}: {key} must be a positive integer, got {clip(repr(value))}")
             return 1
-        return raw[key]
+        return value
+
+    def num(key: str, default: float) -> float:
+        """A positive finite number field (epsilons)."""
+        value = raw.get(key, default)
+        if not _positive_number(value):
+            problems.append(f"{path}: {key} must be a positive number, got {clip(repr(value))}")
+            return default
+        return float(value)
 
     need(raw.get("quantization_config") is None, "quantization_config", raw.get("quantization_config"),
          "use unquantized (fp32/bf16/fp16) weights")
@@ -131,9 +155,9 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
         for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
             need(not raw.get(flag, False), flag, raw.get(flag), "set it to false")
         out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("n_layer"),
-                   n_heads=heads, n_kv_heads=heads, ffn_hidden=raw.get("n_inner") or 4 * d,
+                   n_heads=heads, n_kv_heads=heads, ffn_hidden=req("n_inner", 4 * d),
                    max_seq_len=req("n_positions"), tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
-                   norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
+                   norm_eps=num("layer_norm_epsilon", 1e-5))
     else:
         d, heads = req("hidden_size"), req("num_attention_heads")
         act = raw.get("hidden_act", "silu")
@@ -142,25 +166,31 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
              "pipetrain's llama layers have no q/k/v/o biases (qwen2 has q/k/v biases only)")
         need(not raw.get("mlp_bias", False), "mlp_bias", raw.get("mlp_bias"), "use a model without MLP biases")
         head_dim = raw.get("head_dim")
-        need(head_dim in (None, d // heads), "head_dim != hidden_size/num_attention_heads", head_dim,
+        need(head_dim is None or (isinstance(head_dim, int) and head_dim == d // heads), "head_dim != hidden_size/num_attention_heads", head_dim,
              f"pipetrain derives head_dim={d // heads} from hidden_size={d} and num_attention_heads={heads}")
         window = None
-        if family == "mistral":
-            window = raw.get("sliding_window")
-        elif family == "qwen2":
-            window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-            n_layers = raw.get("num_hidden_layers", 0)
-            types = raw.get("layer_types") or [
-                "sliding_attention" if window is not None and i >= raw.get("max_window_layers", 0)
-                else "full_attention" for i in range(n_layers)]
+        if family == "mistral" or (family == "qwen2" and raw.get("use_sliding_window")):
+            window = req("sliding_window") if raw.get("sliding_window") is not None else None
+        if family == "qwen2":
+            n_layers, first_window = req("num_hidden_layers"), raw.get("max_window_layers", 0)
+            types = raw.get("layer_types")
+            if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+                problems.append(f"{path}: layer_types must be a list of strings, got {clip(repr(types))}")
+                types = []
+            if not isinstance(first_window, int) or isinstance(first_window, bool):
+                problems.append(f"{path}: max_window_layers must be an integer, got {clip(repr(first_window))}")
+                first_window = 0
+            if not types:  # full below max_window_layers, sliding from it on: the ends tell whether both occur
+                types = sorted({"sliding_attention" if window is not None and i >= first_window
+                                else "full_attention" for i in (0, n_layers - 1)})
             need(len(set(types)) <= 1, "a mix of sliding and full attention layers (layer_types)",
                  sorted(set(types)), "use use_sliding_window=false or max_window_layers=0")
             window = window if types and types[0] == "sliding_attention" else None
         out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("num_hidden_layers"),
-                   n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
+                   n_heads=heads, n_kv_heads=req("num_key_value_heads", heads),
                    ffn_hidden=req("intermediate_size"), max_seq_len=req("max_position_embeddings"),
                    tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                   rope_theta=_rope_theta(raw, path, problems), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   rope_theta=_rope_theta(raw, path, problems), norm_eps=num("rms_norm_eps", 1e-6),
                    qkv_bias=family == "qwen2", sliding_window=window)
     if not problems:
         need(out["d_model"] % out["n_heads"] == 0, "hidden size not divisible by the head count",
