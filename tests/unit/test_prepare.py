@@ -199,7 +199,7 @@ def test_empty_source_is_refused(tmp_path, tokenizer):
 
 def test_non_positive_blend_weight_is_refused():
     raw = {"data": {"sources": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 0}], "tokenizer": "/t"}}
-    with pytest.raises(ConfigError, match=r"data.sources\[1\].weight=0 must be a positive number"):
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].weight=0 must be a positive finite number"):
         build_recipe(raw)
 
 
