@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     restarted = restart_count() > 0 and args.resume is None
     if restarted:  # torchrun --max-restarts: a restarted attempt continues from the newest intact checkpoint
         args.resume = "auto"
+    if recipe.parallel.auto and not args.dry_run:
+        _init_distributed(world_size)  # parallel.auto's ranks agree on one device profile (plan.auto)
     recipe, elastic_note = launch_layout(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
                                          args.resume)
     if args.dry_run:

@@ -422,7 +422,13 @@ def barrier(world_size: int) -> None:
         dist.barrier(group=_WORKERS)
 
 
-# -- every process, parameter servers included (the checkpoint's agreement: pipetrain.checkpoint)
+# -- every process, parameter servers included (the checkpoint's agreement: pipetrain.checkpoint; the
+# launch's plan: pipetrain.plan.auto)
+def process_count() -> int:
+    """Processes of the default group, servers included; 1 before torch.distributed is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def barrier_all(full_world_size: int) -> None:
     """Wait until every process of the default group, servers included, reaches this point."""
     if full_world_size > 1:
