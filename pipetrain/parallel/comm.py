@@ -97,11 +97,12 @@ def check_devices(call: str, pg, *tensors: torch.Tensor) -> None:
             ok = t.device.index == torch.cuda.current_device()  # nccl binds one device per rank
         if not ok:
             want = " or ".join(sorted(types))
+            if types == {"cuda"} and torch.cuda.is_available():
+                want = f"cuda:{torch.cuda.current_device()}"
             raise CommDeviceError(
                 f"comm.{call}: a {tuple(t.shape)} {t.dtype} tensor on {t.device} reached a "
-                f"{dist.get_backend(pg)} group, which takes {want} tensors"
-                f"{' on cuda:%d' % torch.cuda.current_device() if types == {'cuda'} else ''}; "
-                f"create it with device=comm.group_device(pg)")
+                f"{dist.get_backend(pg)} group, which takes {want} tensors; create it with "
+                f"device=comm.group_device(pg)")
 
 
 def group_size(pg: ProcessGroup) -> int:
