@@ -40,51 +40,46 @@ def test_a_tensor_off_its_groups_device_is_refused_naming_the_call(monkeypatch, 
         check_devices("all_reduce_", object(), x)
 
 
-def _replicas(rank, world_size, out):
-    """ssp, dssp (with its count agreement), a dynamic batch, a checkpoint and the stop agreement, on two
-    replicas with the default device meta: the loss of every step, per mode."""
-    dims = ParallelDims.from_degrees(dp_shard=1)
+def _fit_all(out, runs: dict) -> dict:
+    """Each run's losses: runs maps a name to (dims, parallel keys) of a 3-step replica_trainer fit (fit
+    takes the stop agreement after every step and saves the final checkpoint)."""
     losses = {}
-    for name, keys in {"ssp": dict(dp_sync="ssp", staleness=1), "dssp": dict(dp_sync="dssp", staleness=2),
-                       "dbs": dict(dynamic_batch=True, dynamic_batch_every=1)}.items():
+    for name, (dims, keys) in runs.items():
         os.makedirs(os.path.join(out, name), exist_ok=True)
-        trainer = replica_trainer(os.path.join(out, name), dims, steps=3, **keys)
-        losses[name] = [r["loss"] for r in trainer.fit()]  # fit: the stop agreement and the final checkpoint
+        losses[name] = [r["loss"] for r in replica_trainer(os.path.join(out, name), dims, steps=3, **keys).fit()]
         assert os.path.isfile(os.path.join(out, name, "checkpoints", "latest")), name
     return losses
 
 
+def _four(rank, world_size, out, slow):
+    """With the default device meta, over 4 ranks: ssp and dssp on dp_replicate 2 x dp_shard 2 (ZeRO 1 in
+    a replica, so dssp's count agreement runs over each replica's group) and a dynamic batch over 4
+    replicas; slow: bsp, local_sgd, diloco the same way, and ssp with tp 2 inside a replica. (Resuming is
+    left out: the checkpoint reader builds its read buffer without device=, on the default device.)"""
+    hsdp = ParallelDims.from_degrees(dp_shard=2)
+    modes = ("bsp", "local_sgd", "diloco") if slow else ("ssp", "dssp")
+    runs = {f"hsdp-{m}": (hsdp, dict(zero=1, dp_sync=m, staleness=1, sync_every=2)) for m in modes}
+    if slow:
+        runs["tp2-ssp"] = (ParallelDims.from_degrees(tp=2, dp_shard=1), dict(dp_sync="ssp", staleness=1))
+    else:
+        runs["dbs"] = (ParallelDims.from_degrees(dp_shard=1), dict(dynamic_batch=True, dynamic_batch_every=1))
+    return _fit_all(out, runs)
+
+
 def test_relaxed_dbs_checkpoint_and_stop_agreement_build_collective_tensors_on_the_groups_device(tmp_path):
-    meta = rank_results(2, _replicas, str(tmp_path / "meta"), default_device="meta")
-    for name in meta[0]:
-        assert len(meta[0][name]) == 3 and all(math.isfinite(x) for x in meta[0][name]), (name, meta[0][name])
+    got = rank_results(4, _four, str(tmp_path), False, default_device="meta")
+    assert all(len(v) == 3 and all(math.isfinite(x) for x in v) for v in got[0].values()), got[0]
+
+
+@pytest.mark.slow
+def test_every_replica_mode_and_tp_build_collective_tensors_on_the_groups_device(tmp_path):
+    got = rank_results(4, _four, str(tmp_path), True, default_device="meta")
+    assert all(len(v) == 3 and all(math.isfinite(x) for x in v) for v in got[0].values()), got[0]
 
 
 def test_parameter_servers_build_protocol_tensors_on_the_cpu(tmp_path):
     got = rank_results(3, test_ps._run, str(tmp_path), dict(ps_servers=1), 2, default_device="meta")
     assert got[0] is not None
-
-
-def _four(rank, world_size, out):
-    """Every replica mode over dp_replicate 2 x dp_shard 2 (ZeRO 1 inside a replica), and ssp with tp 2
-    inside a replica, with the default device meta. (Resuming is left out: the checkpoint reader builds
-    its read buffer without device=, on the default device.)"""
-    hsdp = ParallelDims.from_degrees(dp_shard=2)
-    tp2 = ParallelDims.from_degrees(tp=2, dp_shard=1)
-    runs = {f"hsdp-{m}": (hsdp, dict(zero=1, dp_sync=m, staleness=1, sync_every=2))
-            for m in ("bsp", "ssp", "dssp", "local_sgd", "diloco")}
-    runs["tp2-ssp"] = (tp2, dict(dp_sync="ssp", staleness=1))
-    losses = {}
-    for name, (dims, keys) in runs.items():
-        os.makedirs(os.path.join(out, name), exist_ok=True)
-        losses[name] = [r["loss"] for r in replica_trainer(os.path.join(out, name), dims, steps=3, **keys).fit()]
-    return losses
-
-
-@pytest.mark.slow
-def test_every_replica_mode_and_zero_and_tp_build_collective_tensors_on_the_groups_device(tmp_path):
-    got = rank_results(4, _four, str(tmp_path), default_device="meta")
-    assert all(len(v) == 3 and all(math.isfinite(x) for x in v) for v in got[0].values()), got[0]
 
 
 # ---- parallel.auto: one plan for every rank ----
