@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         args.resume = "auto"
     if args.resume is None and not args.dry_run and _continue_saved_run(args, recipe):
         return 0
+    if recipe.parallel.auto and not args.dry_run:
+        _init_distributed(world_size)  # parallel.auto's ranks agree on one device profile (plan.auto)
     recipe, elastic_note = launch_layout(recipe, args.recipe, args.set, workers, int(os.environ.get("RANK", 0)),
                                          args.resume)
     if args.dry_run:

@@ -26,10 +26,19 @@ EXACT_FP32 = dict(rtol=1e-5, atol=1e-6)  # pp / dp: same ops, only gradient-accu
 TP_FP32 = dict(rtol=1e-4, atol=1e-5)     # tp splits reductions over D and F, changing summation order
 
 
-def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, args):
+# The wrong-device mode: PIPETRAIN_TEST_DEFAULT_DEVICE=meta (or run_ranks(default_device="meta")) makes
+# every tensor built without `device=` in a worker a meta tensor. The gloo groups take CPU tensors only,
+# so such a tensor reaching a collective fails comm's device check (CommDeviceError), as a CPU tensor
+# built the same way would crash NCCL on a GPU run, where the default device is not the mesh's either.
+DEFAULT_DEVICE_ENV = "PIPETRAIN_TEST_DEFAULT_DEVICE"
+
+
+def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, default_device, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if default_device:
+        torch.set_default_device(default_device)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -37,11 +46,14 @@ def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, fn, ar
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout_s: float = 300) -> None:
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 300, default_device: str | None = None) -> None:
     """Run fn(rank, world_size, *args) on world_size gloo processes; any rank's exception fails the test.
-    timeout_s bounds each collective (a hang fails instead of blocking forever)."""
+    timeout_s bounds each collective (a hang fails instead of blocking forever). default_device: the
+    workers' torch default device ("meta": the wrong-device mode above); None reads DEFAULT_DEVICE_ENV."""
+    default_device = default_device or os.environ.get(DEFAULT_DEVICE_ENV) or None
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, fn, args), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, default_device, fn, args),
+                 nprocs=world_size)
 
 
 def _keep_result(rank: int, world_size: int, fn, out: str, args: tuple) -> None:
@@ -49,10 +61,10 @@ def _keep_result(rank: int, world_size: int, fn, out: str, args: tuple) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
-def rank_results(world_size: int, fn, out: str, *args) -> list:
+def rank_results(world_size: int, fn, out: str, *args, default_device: str | None = None) -> list:
     """Run fn(rank, world_size, out, *args) on world_size gloo processes and return each rank's return
-    value, in rank order (saved under out by torch.save, read back here)."""
-    run_ranks(world_size, _keep_result, fn, out, args)
+    value, in rank order (saved under out by torch.save, read back here; default_device: run_ranks')."""
+    run_ranks(world_size, _keep_result, fn, out, args, default_device=default_device)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

@@ -27,13 +27,13 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipetrain.checkpoint.manifest import check_manifest, file_metadata, seal
 from pipetrain.config import ConfigError
 from pipetrain.models.init import param_layout
+from pipetrain.parallel.comm import all_gather_object, barrier_all
 from pipetrain.parallel.grads import tied_copy_names
 
 FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
@@ -355,17 +355,12 @@ def _write_latest(root: str, name: str) -> None:
 
 
 def _barrier(dims) -> None:
-    if dims.full_world_size > 1:
-        dist.barrier()
+    barrier_all(dims.full_world_size)
 
 
 def _gather(obj, dims, group=None) -> list:
     """obj of every process, parameter servers included."""
-    if dims.full_world_size == 1:
-        return [obj]
-    out = [None] * dims.full_world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return all_gather_object(obj, dims.full_world_size, group)
 
 
 # ---- reading ------------------------------------------------------------------------------------

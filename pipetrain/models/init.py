@@ -50,14 +50,14 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if "norm" in owner:
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     std = cfg.init_std
     if owner in ("wo", "down"):
         std = std / math.sqrt(2 * cfg.n_layers)  # GPT-2 scaling of residual-branch outputs
     gen = torch.Generator().manual_seed(name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)  # the generator's device
 
 
 @torch.no_grad()

@@ -75,7 +75,7 @@ def adamw_state_items(inner: torch.optim.Optimizer, entries: Sequence[StateEntry
             tensor = state.get(moment)
             items.append((f"{moment}/{name}", torch.zeros_like(p) if tensor is None else tensor,
                           global_shape, offsets))
-    items.append(("step", torch.tensor(step, dtype=torch.int64), (), ()))
+    items.append(("step", torch.tensor(step, dtype=torch.int64, device="cpu"), (), ()))  # saved from the CPU
     return items
 
 
@@ -94,7 +94,7 @@ def load_adamw_state(inner: torch.optim.Optimizer, entries: Sequence[StateEntry]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"optimizer state {m}/{source}: read a box of shape {tuple(t.shape)} at "
                                  f"{offsets}, expected {tuple(p.shape)}")
-        state[index[id(p)]] = {"step": torch.tensor(float(step), dtype=torch.float32), **moments}
+        state[index[id(p)]] = {"step": torch.tensor(float(step), dtype=torch.float32, device="cpu"), **moments}
     sd = inner.state_dict()
     sd["state"] = state
     inner.load_state_dict(sd)

@@ -21,6 +21,13 @@ at first use: older gloo builds lack reduce_scatter, and then it falls back to a
 (same result, n times the received bytes). The probe result is cached per (backend, dtype) in
 _NATIVE_REDUCE_SCATTER, the module's only mutable state; it is a fact about the installed backend, not
 run configuration.
+
+Every tensor handed to a collective must sit on the device its group's backend takes (check_devices):
+a gloo group CPU tensors, an nccl group CUDA tensors on this rank's current device. A tensor built
+without `device=` lands on the default device, which is the CPU: right for gloo, a crash inside NCCL on
+a GPU run. The check raises CommDeviceError at the call instead, on any machine, so the CPU tests catch
+such a tensor when they run with a default device that is not the mesh's (tests/harness.py).
+group_device(pg) is the device to build a tensor on that a collective over pg will receive.
 """
 from __future__ import annotations
 
@@ -48,6 +55,54 @@ def _reduce_scatter_into(out, x, group, async_op=False):
 def _fresh(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy that a collective may overwrite in place (autograd inputs must not change)."""
     return x.clone(memory_format=torch.contiguous_format)
+
+
+class CommDeviceError(RuntimeError):
+    """A tensor reached a collective on a device its group's backend does not take (an internal bug)."""
+
+
+# backend name -> the device type its tensors must have; other backends (mpi, ucc, fake) are not checked
+_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def _device_types(pg) -> set[str] | None:
+    """Device types pg's backend takes ('cpu:gloo,cuda:nccl' style groups take both); None: unchecked.
+    Looked up per call rather than cached: a cache keyed by group would outlive destroyed groups (a
+    ProcessGroup takes no weak reference), and the lookup is a dict read next to a collective."""
+    backend = str(dist.get_backend(pg))
+    if ":" in backend:
+        return {part.split(":")[0] for part in backend.split(",")}
+    found = _BACKEND_DEVICE.get(backend)
+    return None if found is None else {found}
+
+
+def group_device(pg: ProcessGroup) -> torch.device:
+    """The device a tensor must be on to go through a collective over pg: CUDA (this rank's current
+    device) for nccl, else the CPU (gloo, or a group of one, where nothing moves)."""
+    types = _device_types(pg) if group_size(pg) > 1 else None
+    if types == {"cuda"}:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_devices(call: str, pg, *tensors: torch.Tensor) -> None:
+    """Raise CommDeviceError unless every tensor sits on a device pg's backend takes (pg None: the default
+    group; comm's primitives call this only when a collective is really issued)."""
+    types = _device_types(pg)
+    if types is None:
+        return
+    for t in tensors:
+        ok = t.device.type in types
+        if ok and t.device.type == "cuda" and types == {"cuda"}:
+            ok = t.device.index == torch.cuda.current_device()  # nccl binds one device per rank
+        if not ok:
+            want = " or ".join(sorted(types))
+            if types == {"cuda"} and torch.cuda.is_available():
+                want = f"cuda:{torch.cuda.current_device()}"
+            raise CommDeviceError(
+                f"comm.{call}: a {tuple(t.shape)} {t.dtype} tensor on {t.device} reached a "
+                f"{dist.get_backend(pg)} group, which takes {want} tensors; create it with "
+                f"device=comm.group_device(pg)")
 
 
 def group_size(pg: ProcessGroup) -> int:
@@ -84,6 +139,7 @@ class _ThenCopy:
 def all_reduce_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
     """Sum x over pg in place and return it."""
     if group_size(pg) > 1:
+        check_devices("all_reduce_", pg, x)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg)
     return x
 
@@ -91,6 +147,7 @@ def all_reduce_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
 def all_reduce_max_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
     """Elementwise maximum of x over pg, in place; returns x."""
     if group_size(pg) > 1:
+        check_devices("all_reduce_max_", pg, x)
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=pg)
     return x
 
@@ -100,6 +157,7 @@ def all_gather(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
     n = group_size(pg)
     if n == 1:
         return x
+    check_devices("all_gather", pg, x)
     moved = x.movedim(dim, 0).contiguous()  # collectives concatenate along dim 0
     out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_into(out, moved, group=pg)
@@ -140,6 +198,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ProcessGroup, native: bool | N
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible by the "
                          f"group size {n}; make the sequence length a multiple of tp")
+    check_devices("reduce_scatter", pg, x)
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     if _start_native_reduce_scatter(out, moved, pg, async_op=False, native=native) is not None:
@@ -156,6 +215,7 @@ def all_reduce_async(x: torch.Tensor, pg: ProcessGroup):
     """Start summing x over pg in place."""
     if group_size(pg) == 1:
         return _Done()
+    check_devices("all_reduce_async", pg, x)
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg, async_op=True)
 
 
@@ -164,6 +224,7 @@ def all_gather_async(out: torch.Tensor, x: torch.Tensor, pg: ProcessGroup):
     if group_size(pg) == 1:
         out.copy_(x)
         return _Done()
+    check_devices("all_gather_async", pg, out, x)
     return _all_gather_into(out, x, group=pg, async_op=True)
 
 
@@ -174,6 +235,7 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroup
     if n == 1:
         out.copy_(flat)
         return _Done()
+    check_devices("reduce_scatter_async", pg, out, flat)
     work = _start_native_reduce_scatter(out, flat, pg, async_op=True, native=None)
     if work is not None:
         return work
@@ -187,30 +249,36 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroup
 # -- tagged point-to-point on a group (the parameter servers' protocol: pipetrain.parallel.ps). Ranks
 # are global; recv_any_ takes a message from whichever member sent first and returns its rank.
 def isend(x: torch.Tensor, dst: int, pg: ProcessGroup, tag: int = 0):
+    check_devices("isend", pg, x)
     return dist.isend(x, dst, group=pg, tag=tag)
 
 
 def irecv(x: torch.Tensor, src: int, pg: ProcessGroup, tag: int = 0):
+    check_devices("irecv", pg, x)
     return dist.irecv(x, src, group=pg, tag=tag)
 
 
 def send_(x: torch.Tensor, dst: int, pg: ProcessGroup, tag: int = 0) -> None:
+    check_devices("send_", pg, x)
     dist.send(x, dst, group=pg, tag=tag)
 
 
 def recv_(x: torch.Tensor, src: int, pg: ProcessGroup, tag: int = 0) -> torch.Tensor:
+    check_devices("recv_", pg, x)
     dist.recv(x, src, group=pg, tag=tag)
     return x
 
 
 def recv_any_(x: torch.Tensor, pg: ProcessGroup, tag: int = 0) -> int:
     """Receive into x from any member of pg; returns the sender's global rank."""
+    check_devices("recv_any_", pg, x)
     return dist.recv(x, group=pg, tag=tag)
 
 
 def broadcast_(x: torch.Tensor, src: int, pg: ProcessGroup) -> torch.Tensor:
     """x from global rank src on every member of pg, in place (a group of one: x unchanged)."""
     if group_size(pg) > 1:
+        check_devices("broadcast_", pg, x)
         dist.broadcast(x, src, group=pg)
     return x
 
@@ -225,6 +293,7 @@ def post_p2p(ops: list[tuple[bool, torch.Tensor, int]], batched: bool) -> list[l
     """Post sends (True, tensor, peer global rank) and receives (False, buffer, peer) in order; returns,
     per op, the Works to wait for before its buffer is read (batched: the batch's, which NCCL may
     coalesce into one)."""
+    check_devices("post_p2p", None, *(t for _, t, _ in ops))
     if batched:
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer)
                                         for send, t, peer in ops])
@@ -325,6 +394,7 @@ def set_workers_group(pg: ProcessGroup) -> None:
 def sum_over_world_(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Sum x over every worker rank, in place; returns x."""
     if world_size > 1:
+        check_devices("sum_over_world_", _WORKERS, x)
         dist.all_reduce(x, group=_WORKERS)
     return x
 
@@ -334,6 +404,7 @@ def max_over_world_async(x: torch.Tensor, world_size: int):
     reading x."""
     if world_size == 1:
         return _Done()
+    check_devices("max_over_world_async", _WORKERS, x)
     return dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True, group=_WORKERS)
 
 
@@ -350,3 +421,26 @@ def barrier(world_size: int) -> None:
     """Wait until every worker rank reaches this point."""
     if world_size > 1:
         dist.barrier(group=_WORKERS)
+
+
+# -- every process, parameter servers included (the checkpoint's agreement: pipetrain.checkpoint; the
+# launch's plan: pipetrain.plan.auto)
+def process_count() -> int:
+    """Processes of the default group, servers included; 1 before torch.distributed is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier_all(full_world_size: int) -> None:
+    """Wait until every process of the default group, servers included, reaches this point."""
+    if full_world_size > 1:
+        dist.barrier()
+
+
+def all_gather_object(obj, full_world_size: int, pg: ProcessGroup = None) -> list:
+    """Every process's obj (picklable), in rank order; pg None: the default group (servers included).
+    Objects travel as tensors torch builds on the group's device itself, so no device check is needed."""
+    if full_world_size == 1:
+        return [obj]
+    out = [None] * full_world_size
+    dist.all_gather_object(out, obj, group=pg)
+    return out

@@ -63,7 +63,7 @@ def mesh_rank_lists(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> list[l
     names = list(mesh_shape)
     unknown = [a for a in axes if a not in mesh_shape]
     assert not unknown, f"unknown mesh axes {unknown}; mesh has {names}"
-    grid = torch.arange(_prod(mesh_shape.values())).reshape(*mesh_shape.values())
+    grid = torch.arange(_prod(mesh_shape.values()), device="cpu").reshape(*mesh_shape.values())
     moved = grid.movedim([names.index(a) for a in axes], list(range(-len(axes), 0)))
     group_size = _prod(mesh_shape[a] for a in axes)
     return moved.reshape(-1, group_size).tolist()
@@ -285,7 +285,8 @@ class ParallelDims:
     def _build_mesh(self) -> None:
         """Build the (dp, pp, tp) device mesh and read this rank's groups from it, then create the embed
         groups; every rank makes the same calls in the same order. The backend is the default group's."""
-        grid = torch.arange(self.world_size).reshape(*self.mesh_shape.values())  # row-major: tp fastest
+        # row-major: tp fastest; on the CPU whatever the default device (DeviceMesh copies it to the CPU)
+        grid = torch.arange(self.world_size, device="cpu").reshape(*self.mesh_shape.values())
         self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=MESH_DIM_NAMES)
         if self.is_server:
             assert self.mesh.get_coordinate() is None, f"server rank {self.rank} sits inside the device mesh"

@@ -242,9 +242,10 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         ft_wait_s (for the exchange and the commit), ft_healed_at / ft_committed when so)."""
         m = self.manager
         grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        # torchft's gloo group takes CPU and CUDA tensors alike: each stays where it is used (no default device)
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0, device=self.dims.device)
         total, own = self._targets()
-        stats = torch.tensor([self.replica_loss, float(own)], dtype=torch.float64)
+        stats = torch.tensor([self.replica_loss, float(own)], dtype=torch.float64, device="cpu")
         t0 = time.perf_counter()
         works = [m.allreduce(flat, reduce_op=ReduceOp.SUM), m.allreduce(stats, reduce_op=ReduceOp.SUM)]
         for work in works:

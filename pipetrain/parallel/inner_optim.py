@@ -39,7 +39,7 @@ def inner_state_items(inner, entries: Sequence[StateEntry], step: int) -> list:
         for name, p, global_shape, offsets in entries:
             buf = inner.state.get(p, {}).get(SGD_MOMENT)
             items.append((f"{SGD_MOMENT}/{name}", torch.zeros_like(p) if buf is None else buf, global_shape, offsets))
-    items.append(("step", torch.tensor(step, dtype=torch.int64), (), ()))
+    items.append(("step", torch.tensor(step, dtype=torch.int64, device="cpu"), (), ()))  # saved from the CPU
     return items
 
 

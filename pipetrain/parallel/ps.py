@@ -68,6 +68,7 @@ from pipetrain.parallel.comm import all_reduce_, broadcast_, group_size, irecv, 
 OP_PULL, OP_PUSH, OP_APPLY, OP_SAVE, OP_STOP = 1, 2, 3, 4, 5
 TAG_ROWS, TAG_NORM = 11, 12  # server -> worker replies
 HEADER = 4  # int64: op, step, n, aux
+PS_DEVICE = torch.device("cpu")  # the servers' group is gloo on every machine (ParallelDims): CPU tensors
 
 
 def row_range(vocab: int, servers: int, index: int) -> tuple[int, int]:
@@ -125,7 +126,7 @@ class PSEmbedding(nn.Module):
 
 
 def _header(op: int, step: int = 0, n: int = 0, aux: int = 0) -> torch.Tensor:
-    return torch.tensor([op, step, n, aux], dtype=torch.int64)
+    return torch.tensor([op, step, n, aux], dtype=torch.int64, device=PS_DEVICE)
 
 
 class _Pull:
@@ -144,7 +145,7 @@ class _Pull:
                 w.wait()
             rows.append(box)
             version = int(ver[0]) if version is None else min(version, int(ver[0]))
-        table = torch.cat(rows) if rows else torch.zeros(0, 0)
+        table = torch.cat(rows) if rows else torch.zeros(0, 0, device=PS_DEVICE)
         return table, (version if version is not None else -1)
 
 
@@ -178,8 +179,8 @@ class PSClient:
                 continue
             head = _header(OP_PULL, step, sub.numel(), required)
             sends += [(isend(head, server, self.group), head), (isend(sub, server, self.group), sub)]
-            version = torch.zeros(1, dtype=torch.int64)
-            rows = torch.empty(sub.numel(), self.d, dtype=torch.float32)
+            version = torch.zeros(1, dtype=torch.int64, device=PS_DEVICE)
+            rows = torch.empty(sub.numel(), self.d, dtype=torch.float32, device=PS_DEVICE)
             works = [irecv(version, server, self.group, TAG_ROWS),
                      irecv(rows, server, self.group, TAG_ROWS)]
             parts.append((works, version, rows))
@@ -195,7 +196,7 @@ class PSClient:
             self.bytes_pulled = pull.bytes
         else:  # a tp peer of the pusher: same batch, same ids; the rows come by broadcast
             ids = torch.unique(inputs.reshape(-1).cpu())
-            rows = torch.empty(ids.numel(), self.d, dtype=torch.float32)
+            rows = torch.empty(ids.numel(), self.d, dtype=torch.float32, device=PS_DEVICE)
         if dims.tp > 1:
             rows = rows.to(dims.device)
             broadcast_(rows, dims.global_rank(dims.dp_rank, 0, 0), dims.tp_group)
@@ -264,7 +265,7 @@ class PSClient:
             return 0.0
         total = 0.0
         for server in asked:
-            box = torch.zeros(1, dtype=torch.float64)
+            box = torch.zeros(1, dtype=torch.float64, device=PS_DEVICE)
             recv_(box, server, self.group, TAG_NORM)
             total += float(box[0])
         return total
@@ -274,7 +275,7 @@ class PSClient:
         every worker computed."""
         if self.mode != "bsp" or self.dims.rank != 0:
             return
-        payload = torch.tensor([-1.0 if coef is None else coef, lr], dtype=torch.float64)
+        payload = torch.tensor([-1.0 if coef is None else coef, lr], dtype=torch.float64, device=PS_DEVICE)
         for server in self.servers:
             self._send(_header(OP_APPLY, step), server)
             self._send(payload, server)
@@ -371,25 +372,25 @@ class Server:
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> None:
         """Answer workers until rank 0 says stop."""
-        header = torch.zeros(HEADER, dtype=torch.int64)
+        header = torch.zeros(HEADER, dtype=torch.int64, device=PS_DEVICE)
         try:
             while True:
                 src = recv_any_(header, self.group)
                 op, step, n, aux = (int(x) for x in header)
                 if op == OP_PULL:
-                    ids = torch.empty(n, dtype=torch.int64)
+                    ids = torch.empty(n, dtype=torch.int64, device=PS_DEVICE)
                     recv_(ids, src, self.group)
                     self._pulls[src].append((step, aux, ids))
                     self._answer_pulls()
                 elif op == OP_PUSH:
-                    ids = torch.empty(n, dtype=torch.int64)
-                    rows = torch.empty(n, self.d, dtype=torch.float32)
+                    ids = torch.empty(n, dtype=torch.int64, device=PS_DEVICE)
+                    rows = torch.empty(n, self.d, dtype=torch.float32, device=PS_DEVICE)
                     if n:
                         recv_(ids, src, self.group)
                         recv_(rows, src, self.group)
                     self._on_push(src, step, ids, rows, aux)
                 elif op == OP_APPLY:
-                    payload = torch.zeros(2, dtype=torch.float64)
+                    payload = torch.zeros(2, dtype=torch.float64, device=PS_DEVICE)
                     recv_(payload, src, self.group)
                     coef = float(payload[0])
                     self._apply_step(step, None if coef < 0 else coef, float(payload[1]))
@@ -416,7 +417,7 @@ class Server:
             while queue and self.version >= queue[0][1]:
                 step, required, ids = queue.pop(0)
                 rows = self.weight.detach()[ids - self.lo].contiguous()
-                version = torch.tensor([self.version], dtype=torch.int64)
+                version = torch.tensor([self.version], dtype=torch.int64, device=PS_DEVICE)
                 for t in (version, rows):
                     self._sends.append((isend(t, worker, self.group, TAG_ROWS), t))
                 self._write({"event": "pull", "worker": worker, "step": step, "version": self.version,
@@ -446,7 +447,7 @@ class Server:
             pushes = self._pending[step]
             if len(pushes) == len(self.pushers):
                 self._grad = self._dense_grad(pushes)
-                sq = torch.tensor([float(self._grad.double().square().sum())], dtype=torch.float64)
+                sq = torch.tensor([float(self._grad.double().square().sum())], dtype=torch.float64, device=PS_DEVICE)
                 for w in sorted(pushes):
                     self._sends.append((isend(sq, w, self.group, TAG_NORM), sq))
             return

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from pipetrain.config import ParallelConfig, TrainConfig
-from pipetrain.parallel.comm import all_reduce_, all_reduce_async, all_reduce_max_
+from pipetrain.parallel.comm import all_reduce_, all_reduce_async, all_reduce_max_, group_device
 from pipetrain.parallel.wrapped import WrappedOptimizer
 from pipetrain.parallel.zero import ZeroOptimizer
 
@@ -188,11 +188,12 @@ class RelaxedOptimizer(WrappedOptimizer):
 
     def _launch(self, clock: int) -> None:
         grads = self._grads()
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        device = group_device(self.group)  # nccl on GPUs: a CPU tensor there crashes the collective
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0, device=device)
         work = all_reduce_async(flat, self.group)
-        meta = torch.zeros(self.R, 2, dtype=torch.float64)
+        meta = torch.zeros(self.R, 2, dtype=torch.float64, device=device)
         mean_t = sum(self.step_times[-8:]) / max(1, len(self.step_times[-8:]))
-        meta[self.dims.dp_replicate_rank] = torch.tensor([time.time(), mean_t], dtype=torch.float64)
+        meta[self.dims.dp_replicate_rank] = torch.tensor([time.time(), mean_t], dtype=torch.float64, device=device)
         meta_work = all_reduce_async(meta, self.group) if self.mode in ("ssp", "dssp") else None
         self.pending.append(_Pending(clock, flat, work, meta, meta_work))
         self.stats["replica_bytes"] += ring_bytes(flat.numel() * flat.element_size(), self.R)
@@ -242,7 +243,7 @@ class RelaxedOptimizer(WrappedOptimizer):
                 break
             count += 1
         if self.dims.replica_group is not None:
-            t = torch.tensor([float(count)])
+            t = torch.tensor([float(count)], device=group_device(self.dims.replica_group))
             all_reduce_max_(t, self.dims.replica_group)
             count = int(t.item())
         return count

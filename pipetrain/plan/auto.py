@@ -1,8 +1,10 @@
 """parallel.auto: fill every parallel key the recipe does not fix with the planner's best layout at launch.
 
 Semi-auto: a key given in the recipe file or with --set is kept; the search (search.py) runs over the rest.
-The choice is a pure function of the recipe, the world size and the device profile (launch_profile: the same
-hardware on every rank), so every rank reaches it without communicating.
+The choice is a pure function of the recipe, the world size and the device profile. Each rank measures its own
+profile (launch_profile), and nodes can differ (a CPU rank's memory is its node's RAM over its ranks): planned
+apart, two ranks could pick different layouts and hang in the first collective. So the ranks first agree on
+one profile (agree_profile: rank 0's, with the smallest memory of any rank), and every rank plans from it.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import yaml
 
 from pipetrain.config import ConfigError, Recipe, parse_override
+from pipetrain.parallel.comm import all_gather_object, process_count
 from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
 from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, search
 from pipetrain.shipped import recipe_file
@@ -51,6 +54,18 @@ def launch_profile(world_size: int, ranks_per_node: int | None = None) -> Device
     return DeviceProfile(**{**cpu.as_dict(), "memory_bytes": float(memory) / per_node})
 
 
+def agree_profile(profile: DeviceProfile, num_processes: int) -> DeviceProfile:
+    """The one profile every process plans from: rank 0's, with memory_bytes the smallest over every process
+    (the plan must fit the smallest rank). A collective over the default group: every process calls it."""
+    mine = profile.as_dict()
+    everyone = all_gather_object(mine, num_processes)
+    memory = min(p["memory_bytes"] for p in everyone)
+    agreed = {**everyone[0], "memory_bytes": memory}
+    if agreed != everyone[0]:
+        agreed["source"] = f"{everyone[0]['source'] or everyone[0]['name']}; memory: smallest of {num_processes} ranks"
+    return DeviceProfile(**agreed)
+
+
 def resolve_auto(recipe: Recipe, world_size: int, fixed: dict, profile: DeviceProfile,
                  ranks_per_node: int | None = None) -> tuple[Recipe, Plan]:
     """recipe with the best plan's layout; ConfigError naming the fix when nothing fits or divides."""
@@ -85,7 +100,8 @@ def resolve_at_launch(recipe: Recipe, recipe_path: str, overrides, world_size: i
         return recipe
     fixed = {k: v for k, v in fixed_parallel_keys(recipe_path, overrides).items() if k not in free}
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    profile = launch_profile(world_size, ranks_per_node)
+    # every process (servers included) takes part: the CLI initialises torch.distributed before planning
+    profile = agree_profile(launch_profile(world_size, ranks_per_node), process_count())
     resolved, plan = resolve_auto(recipe, world_size, fixed, profile, ranks_per_node)
     if rank == 0:
         print(describe(plan, world_size, profile, fixed), flush=True)
