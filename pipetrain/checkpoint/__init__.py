@@ -427,7 +427,7 @@ class TensorReader:
         if info is None:
             raise ConfigError(f"checkpoint {self.dir}: tensor {name} is not in the manifest; the checkpoint does "
                               "not match this model or optimizer")
-        out = torch.empty(list(shape), dtype=getattr(torch, info["dtype"]))
+        out = torch.empty(list(shape), dtype=getattr(torch, info["dtype"]), device="cpu")  # read on the host
         covered, seen = 0, set()
         for piece in info["pieces"]:
             box = (tuple(piece["offsets"]), tuple(piece["shape"]))
