@@ -427,13 +427,14 @@ class Server:
         for worker, queue in self._pulls.items():
             while queue and self.version >= queue[0][1]:
                 step, required, ids = queue.pop(0)
-                served, rows = self.version, self.weight.detach()[ids - self.lo].contiguous()
+                rows = self.weight.detach()[ids - self.lo].contiguous()
+                version = torch.tensor([self.version], dtype=torch.int64)
                 saved = self._resumed.pop((worker, step), None)
                 if saved is not None and torch.equal(saved[1], ids):  # what the original run served this pull
-                    served, rows = saved[0], saved[2].contiguous()
+                    version[0], rows = saved[0], saved[2].contiguous()
+                served = int(version[0])
                 if self.mode != "bsp":
                     self._served.answered(worker, step, served, ids, rows)
-                version = torch.tensor([served], dtype=torch.int64)
                 for t in (version, rows):
                     self._sends.append((isend(t, worker, self.group, TAG_ROWS), t))
                 self._write({"event": "pull", "worker": worker, "step": step, "version": served,
