@@ -73,12 +73,13 @@ def torchft_round(heartbeat_s: float, kill_at: int, steps: int) -> dict:
     after = [m for m in m0 if m["wall_time"] > t_kill]
     steps_alone = sum(m["ft_replicas"] == 1 for m in m0)
     return {"survivor_back_s": after[0]["wall_time"] - t_kill,
-            "survivor_max_wait_s": max(m["ft_quorum_s"] + m["ft_wait_s"] for m in after),
-            "survivor_redone": sum(m.get("ft_committed") is False for m in m0),
+            "survivor_max_wait_s": max(max(m["ft_quorum_s"] + m["ft_wait_s"], m.get("ft_redone_wait_s", 0.0))
+                                       for m in after),
+            "survivor_redone": sum(m.get("ft_redone", 0) for m in m0),
             "steps_alone": steps_alone,
             "restarted_back_s": healed[0]["wall_time"] - t_kill,
             "heal_s": healed[0]["ft_quorum_s"],
-            "restarted_redone": sum(m.get("ft_committed") is False for m in m1),
+            "restarted_redone": sum(m.get("ft_redone", 0) for m in m1),
             "normal_step_s": statistics.median(m["step_time_s"] for m in m0[1:kill_at - 1])}
 
 

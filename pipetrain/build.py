@@ -44,6 +44,7 @@ from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.lora import apply_lora
 from pipetrain.parallel.pipeline import build_stage, stage_costs
 from pipetrain.parallel.ps import PSClient, PSEmbedding, Server
+from pipetrain.parallel.ps_state import server_log
 from pipetrain.parallel.recompute import apply_recompute
 from pipetrain.parallel.schedules import build_schedule, gpipe
 from pipetrain.parallel.tensor import apply_tensor_parallel
@@ -168,13 +169,18 @@ def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: Para
 def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) -> Server:
     """A parameter-server rank (dims.is_server): its rows of the table, from the seed or the checkpoint
     the workers resume from, and a checkpointer that joins their saves. serve() runs it."""
-    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))
     ckpt_dir = _resume_dir(recipe, dims, resume)  # the same collective as the workers' in build_trainer
-    if ckpt_dir is not None:
-        manifest = checkpoint.read_manifest(ckpt_dir)
+    manifest = checkpoint.read_manifest(ckpt_dir) if ckpt_dir is not None else None
+    log = server_log(recipe.run.output_dir, dims.rank - dims.world_size)
+    if resume is None and os.path.exists(log):
+        os.remove(log)  # a fresh run starts a fresh log, as metrics.jsonl
+    elif resume is not None:  # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl
+        _truncate_metrics(log, manifest["step"] if manifest else 0)
+    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))
+    if manifest is not None:
         checkpoint.check_compatible(manifest, recipe, ckpt_dir)
         reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
-        server.load(lambda name, offsets, shape: reader.read(name, offsets, shape, torch.float32), manifest["step"])
+        server.load(reader.read, manifest)
     server.checkpointer = checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
     return server
 
@@ -286,9 +292,9 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
 
 
 def _truncate_metrics(path: str, step: int) -> int:
-    """A resumed run rewrites history after its checkpoint: drop metric lines past that step. A line
-    that is not complete JSON (a kill during a metrics write leaves a torn last line) ends the file
-    there, with a warning. Returns the newest step the file had logged (0 without a file)."""
+    """A resumed run rewrites history after its checkpoint: drop metric lines (and parameter servers' log
+    lines) past that step. A line that is not complete JSON (a kill during a metrics write leaves a torn
+    last line) ends the file there, with a warning. Returns the newest step the file had logged (0 without a file)."""
     if not os.path.exists(path):
         return 0
     keep, newest = [], 0

@@ -290,6 +290,8 @@ class Trainer:
         try:
             while self.step < steps:
                 record = self.train_step()
+                if record.get("ft_committed") is False:  # torchft redoes it: the redo is its one line
+                    continue
                 history.append(record)
                 self.logger.log(record)  # every step to metrics.jsonl; the console every run.log_every
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < steps:

@@ -24,7 +24,8 @@ at the same learning rate; the missing groups' samples of that step are skipped,
 loss is the mean over the live groups' target tokens; `ft_replicas` is the number of live groups.
 
 A step whose exchange failed (a group died during it) is not committed by any group (should_commit) and is
-redone with the same batch. A fresh run (step 0, first attempt) waits until every group has joined, so a
+redone with the same batch; metrics.jsonl gets one line for it, the redo's, with ft_redone (the attempts
+that failed) and ft_redone_wait_s (the longest wait, quorum and exchange, of one of them). A fresh run (step 0, first attempt) waits until every group has joined, so a
 group that starts early does not take steps alone; a restarted or resumed group never waits: it joins the
 next quorum and heals.
 """
@@ -160,6 +161,8 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         self._store = None   # its TCPStore on the group's rank 0
         self._gate = False
         self._healed_at: int | None = None
+        self._redone = 0      # failed attempts of the step being taken (reported with the one that commits)
+        self._redone_wait_s = 0.0
         self._quorum_s = 0.0  # this step's wait for its quorum (healing included)
 
     @property
@@ -239,7 +242,8 @@ class FaultTolerantOptimizer(WrappedOptimizer):
                   check: Callable[[float], None], compute_s: float = 0.0) -> tuple[float, float, dict]:
         """Sum gradients and (loss, targets) over the live groups, agree to commit, update. Returns (grad
         norm, lr, metrics: the global loss, ft_replicas, ft_quorum_s (the step's wait for its quorum),
-        ft_wait_s (for the exchange and the commit), ft_healed_at / ft_committed when so)."""
+        ft_wait_s (for the exchange and the commit), ft_healed_at / ft_committed / ft_redone when so). An
+        uncommitted step's metrics (ft_committed False) are not logged: the trainer takes it again."""
         m = self.manager
         grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
         # torchft's gloo group takes CPU and CUDA tensors alike: each stays where it is used (no default device)
@@ -260,9 +264,13 @@ class FaultTolerantOptimizer(WrappedOptimizer):
             extra["ft_healed_at"], self._healed_at = self._healed_at, None
         if not committed:
             self._redo(clock)
+            self._redone_wait_s = max(self._redone_wait_s, self._quorum_s + extra["ft_wait_s"])
             extra["ft_committed"] = False
             extra["loss"] = self.replica_loss * total / max(own, 1)  # this group's own mean: nothing was summed
             return 0.0, lr, extra
+        if self._redone:  # the failed attempts' lines are not logged: their count and longest wait go here
+            extra.update(ft_redone=self._redone, ft_redone_wait_s=self._redone_wait_s)
+            self._redone, self._redone_wait_s = 0, 0.0
         live_targets = float(stats[1])
         if live_targets != total:  # groups are missing: the mean gradient over the samples seen
             flat.mul_(total / live_targets)
@@ -280,6 +288,7 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         """A step no group committed is taken again with the same batch: the trainer's step counter and
         token count and the loader go back one step (the trainer adds them again as the step ends)."""
         t, loader = self.trainer, self.trainer.loader
+        self._redone += 1
         t.step -= 1
         t.tokens_seen -= self.recipe.train.global_batch * self.recipe.train.seq_len
         loader.samples -= loader.global_batch

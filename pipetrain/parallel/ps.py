@@ -37,7 +37,8 @@ Consistency (parallel.ps_sync):
   mean over its batch, at lr / P for P pushers); pulls are never held back. The staleness of each push
   (updates applied between its pull and its apply) is recorded.
 Each server logs every pull (worker, step, version served) and every apply to
-run.output_dir/ps-server-<i>.jsonl: the staleness bounds are checked from these logs.
+run.output_dir/ps-server-<i>.jsonl: the staleness bounds are checked from these logs. A resumed run
+cuts the log back to the checkpoint's step, as it does metrics.jsonl.
 
 Prefetch: under bsp, as soon as a step's APPLY is sent the pusher asks for the next step's rows
 (Loader.peek_inputs) and receives them while the dense optimizer step, logging and the next batch's
@@ -47,9 +48,11 @@ one from the second step on (ssp needs staleness >= 1 for this reason). The dens
 bulk-synchronous, so workers never drift more than a step apart here: the bound s limits how far the
 table may lag behind the servers' slowest aggregation, not the workers' clocks.
 
-Checkpoints: rank 0 tells the servers to save; they join the same sharded checkpoint with their rows
-of model/embed.weight and of its optimizer state under the same names a run without servers writes,
-so a checkpoint moves between runs with and without servers (the table is just a tensor there).
+Checkpoints: every pusher sends each server a SAVE marker behind its pushes of the save's step; once it
+has every pusher's marker, the server has applied every push up to that step, and it joins the same
+sharded checkpoint with its rows of model/embed.weight and of its optimizer state under the same names
+a run without servers writes, so a checkpoint moves between runs with and without servers (the table is
+just a tensor there). Its version and the rows it served ahead of the save go in too (ps_state.py).
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ import torch.nn.functional as F
 
 from pipetrain.faults import Faults
 from pipetrain.parallel.comm import all_reduce_, broadcast_, group_size, irecv, isend, recv_, recv_any_, send_
+from pipetrain.parallel.ps_state import ServedPulls, read_server_state, server_log, state_items
 
 OP_PULL, OP_PUSH, OP_APPLY, OP_SAVE, OP_STOP = 1, 2, 3, 4, 5
 TAG_ROWS, TAG_NORM = 11, 12  # server -> worker replies
@@ -289,14 +293,16 @@ class PSClient:
         self._sends = []
 
     def _control(self, op: int, step: int) -> None:
-        if self.dims.rank != 0:
+        # SAVE is a marker in every pusher's stream behind its pushes (a server saves once it has all of
+        # them: every push up to the save is in); STOP comes from rank 0 alone
+        if not (self.pusher if op == OP_SAVE else self.dims.rank == 0):
             return
         self._finish_sends()
         for server in self.servers:
             send_(_header(op, step), server, self.group)
 
     def announce_save(self, step: int) -> None:
-        """Rank 0, before a checkpoint: the servers join this save."""
+        """Every pusher, before a checkpoint: the servers join this save once each pusher's is announced."""
         self._control(OP_SAVE, step)
 
     def stop(self, step: int) -> None:
@@ -341,11 +347,13 @@ class Server:
         self._pending: dict[int, dict[int, tuple]] = {}  # step -> {pusher: (ids, rows, pulled version)}
         self._pulls: dict[int, list] = {w: [] for w in self.pushers}  # each worker's unanswered pulls, in order
         self._sends: list = []
-        self._norm_sent: set[int] = set()
+        self._saves: dict[int, set[int]] = {}  # step -> pushers whose SAVE marker arrived
+        self._served = ServedPulls()            # ssp / async: rows answered ahead of their push (checkpoints)
+        self._resumed: dict = {}                # (worker, step) -> the rows the original run served it
         self.checkpointer = None
         self.faults = Faults(recipe.faults, dims.rank)  # faults.kill_rank may name a server: killed at its push
         os.makedirs(recipe.run.output_dir, exist_ok=True)
-        self._log = open(os.path.join(recipe.run.output_dir, f"ps-server-{self.index}.jsonl"), "a")
+        self._log = open(server_log(recipe.run.output_dir, self.index), "a")
 
     # -- state for checkpoints (pipetrain.checkpoint.Checkpointer uses these names) ----------------
     def _entries(self):
@@ -357,17 +365,22 @@ class Server:
         for name, tensor, shape, offsets in inner_state_items(self.inner, self._entries(), self.steps_taken):
             if name != "step":  # the workers write the optimizer's step
                 items.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
-        return items
+        stale = self._served.stale(self.step, self.version)
+        return items + state_items(self.index, len(self.dims.server_ranks), self.version, stale, self.d)
 
-    def load(self, read: Callable, step: int) -> None:
-        """Rows and moments of a checkpoint (written with or without servers) at `step`; read(name,
-        offsets, shape) returns that box of a saved tensor."""
+    def load(self, read: Callable, manifest: dict) -> None:
+        """Rows and moments of a checkpoint (written with or without servers), its version and the rows
+        served ahead of it (ps_state.py); read(name, offsets, shape) returns that box of a saved tensor."""
         from pipetrain.parallel.inner_optim import load_inner_state
+        self.step = manifest["step"]
+        self.version, self._resumed = read_server_state(manifest, read, self.index, self.mode, self.dims)
         with torch.no_grad():
-            self.weight.copy_(read("model/embed.weight", [self.lo, 0], tuple(self.weight.shape)))
-        self.steps_taken = load_inner_state(self.inner, self._entries(),
-                                            lambda name, g, o, shape: read(f"optim/{name}", o, shape), False)
-        self.step = self.version = step  # async: versions count on from the step
+            self.weight.copy_(read("model/embed.weight", [self.lo, 0], tuple(self.weight.shape)).float())
+
+        def read_optim(name, global_shape, offsets, shape):  # AdamW's step count is the version (async: pushes)
+            return torch.tensor(self.version) if name == "step" else read(f"optim/{name}", offsets, shape).float()
+        self.steps_taken = load_inner_state(self.inner, self._entries(), read_optim, False)
+        self._served.last_push = {w: self.step for w in self.pushers}
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -395,8 +408,7 @@ class Server:
                     coef = float(payload[0])
                     self._apply_step(step, None if coef < 0 else coef, float(payload[1]))
                 elif op == OP_SAVE:
-                    self.step = step
-                    self.checkpointer.save(self)
+                    self._on_save(src, step)
                 elif op == OP_STOP:
                     break
         finally:
@@ -418,9 +430,15 @@ class Server:
                 step, required, ids = queue.pop(0)
                 rows = self.weight.detach()[ids - self.lo].contiguous()
                 version = torch.tensor([self.version], dtype=torch.int64, device=PS_DEVICE)
+                saved = self._resumed.pop((worker, step), None)
+                if saved is not None and torch.equal(saved[1], ids):  # what the original run served this pull
+                    version[0], rows = saved[0], saved[2].contiguous()
+                served = int(version[0])
+                if self.mode != "bsp":
+                    self._served.answered(worker, step, served, ids, rows)
                 for t in (version, rows):
                     self._sends.append((isend(t, worker, self.group, TAG_ROWS), t))
-                self._write({"event": "pull", "worker": worker, "step": step, "version": self.version,
+                self._write({"event": "pull", "worker": worker, "step": step, "version": served,
                              "required": required, "rows": int(ids.numel())})
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
@@ -434,6 +452,7 @@ class Server:
 
     def _on_push(self, worker: int, step: int, ids, rows, pulled_version: int) -> None:
         self.faults.maybe_kill(step)
+        self._served.pushed(worker, step)
         if self.mode == "async":
             grad = self._dense_grad({worker: (ids, rows, pulled_version)}) * len(self.pushers)
             staleness = self.version - pulled_version
@@ -456,6 +475,20 @@ class Server:
             self._adamw(self._dense_grad(self._pending.pop(step)), self.lr_at(step))
             self._write({"event": "apply", "version": self.version, "step": step})
         self._answer_pulls()
+
+    def _on_save(self, worker: int, step: int) -> None:
+        """A pusher's SAVE marker for `step`. It follows that pusher's pushes, so with every pusher's marker
+        in, every push up to `step` has arrived and is applied (bsp: rank 0's APPLY came before its marker):
+        the snapshot pairs the table with the workers' weights of the same step."""
+        waiting = self._saves.setdefault(step, set())
+        waiting.add(worker)
+        if len(waiting) < len(self.pushers):
+            return
+        del self._saves[step]
+        assert self.mode == "async" or self.version == step, \
+            f"server {self.index}: saving step {step} at version {self.version}"
+        self.step = step
+        self.checkpointer.save(self)
 
     def _apply_step(self, step: int, coef: float | None, lr: float) -> None:
         """bsp: apply step `step`'s summed gradient with the workers' clip factor and learning rate."""

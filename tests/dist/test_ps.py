@@ -1,22 +1,32 @@
 """The parameter server (parallel.ps_servers) against the all-reduce run: bsp gives the single-process
-loss at every step in every layout; ssp's staleness bound and async's staleness records from the
-servers' logs; a checkpoint's round trip through a run without servers; what the workers put on the
-wire, counted at the transport, against the unique-row formula; prefetch's one pull per step."""
+loss at every step in every layout; ssp's staleness bound from the servers' logs, and a resumed ssp run
+reading the original's versions; async applying every push once, in the order its log records, a resumed
+async run counting on from the checkpoint's version; a checkpoint's round trip through a run without
+servers; what the workers put on the wire, counted at the transport, against the unique-row formula;
+prefetch's one pull per step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import types
 
+import numpy as np
 import pytest
 import torch
 
-from pipetrain.build import build_server
+from pipetrain.build import build_server, build_trainer
 from pipetrain.checkpoint import TensorReader, read_manifest
-from pipetrain.config import ModelConfig
+from pipetrain.config import CheckpointConfig, FaultsConfig, ModelConfig
+from pipetrain.data import Loader, PackedData
+from pipetrain.models.init import init_tensor
+from pipetrain.optim import lr_at
 from pipetrain.parallel import ps as ps_module
+from pipetrain.parallel.adamw import decays, set_lr
 from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.ps import row_range
-from tests.dist.common import replica_recipe, replica_trainer
+from pipetrain.parallel.inner_optim import build_inner
+from pipetrain.parallel.ps import required_version, row_range
+from tests.dist.common import replica_recipe
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 
 # a vocabulary large enough that a batch (8 x 16 tokens) leaves most rows untouched
@@ -24,17 +34,27 @@ MODEL = ModelConfig(family="llama", vocab_size=256, d_model=32, n_layers=2, n_he
                     ffn_hidden=64, max_seq_len=32)
 
 
-def _run(rank, world, out, keys, steps, resume=None):
-    """One rank of a run: a server serves until told to stop; a worker trains and returns its history
-    and what its PSClient did (_spy_on_ps)."""
+def _recipe(out, dims, steps, keys):
+    """replica_recipe with the test's model, its parallel keys, faults and a checkpoint every keys["every"]."""
     p = {k: v for k, v in keys.items() if k in ("ps_servers", "ps_sync", "staleness", "sequence_parallel",
                                                  "microbatches", "zero", "grad_clip")}
+    recipe = replica_recipe(out, dims, steps=steps, model=MODEL, faults=keys.get("faults"), **p)
+    return dataclasses.replace(recipe, checkpoint=CheckpointConfig(every=keys.get("every", 0)))
+
+
+def _run(rank, world, out, keys, steps, resume=None):
+    """One rank of a run: a server serves until told to stop; a worker trains (fixed random tokens, as
+    tests/dist/common.replica_trainer) and returns its history and what its PSClient did (_spy_on_ps)."""
     os.makedirs(out, exist_ok=True)
     dims = ParallelDims.init(_parallel(keys))
+    recipe = _recipe(out, dims, steps, keys)
     if dims.is_server:
-        build_server(replica_recipe(out, dims, steps=steps, model=MODEL, **p), dims, resume=resume).serve()
+        build_server(recipe, dims, resume=resume).serve()
         return None
-    trainer = replica_trainer(out, dims, steps=steps, model=MODEL, resume=resume, **p)
+    rng = np.random.default_rng(0)
+    num = 64 * 17
+    data = PackedData(rng.integers(0, MODEL.vocab_size, num).astype(np.int32), np.ones(num, dtype=bool), 16, 0.0, 2)
+    trainer = build_trainer(recipe, dims, loader=Loader(data, 8, dims.dp_rank, dims.dp), resume=resume)
     spy = _spy_on_ps(trainer) if trainer.ps is not None else {}
     history = trainer.fit()
     return {"history": history, "dims": (dims.dp_rank, dims.pp_rank, dims.tp_rank), **spy}
@@ -46,9 +66,10 @@ def _spy_on_ps(trainer) -> dict:
     with kind pull (step's training rows, prefetched or not), eval, push, apply or control (save, stop);
     `events` orders the training pulls ("pull", step, trainer step when asked) and begin_step calls
     ("begin", step); `ids[t - 1]` are step t's unique token ids and `installed[t - 1]` says whether the
-    table step t trained on is, value for value, the rows its pull received."""
+    table step t trained on is, value for value, the rows its pull received; `pushed[t]` is (ids, row
+    gradients) of what step t's push sent (on pushers)."""
     client = trainer.ps
-    spy = {"wire": {}, "events": [], "ids": [], "installed": []}
+    spy = {"wire": {}, "events": [], "ids": [], "installed": [], "pushed": {}}
     doing = []          # (kind, step) of the client call in progress
     rows_in = {}        # training pull step -> the fp32 row buffers posted for its replies
 
@@ -91,9 +112,17 @@ def _spy_on_ps(trainer) -> dict:
         spy["installed"].append(torch.equal(client.embed.ids.cpu(), ids)
                                 and torch.equal(table, torch.cat(rows_in.pop(step, [torch.empty(0)]))))
 
+    push = during("push", client.push)
+
+    def spied_push(step):
+        out = push(step)
+        if client.pusher:
+            spy["pushed"][step] = (client.embed.ids.cpu().clone(), client.embed.table.grad.detach().cpu().clone())
+        return out
+
     client._request = during("pull", client._request)
     client.begin_eval = during("eval", client.begin_eval)
-    client.push = during("push", client.push)
+    client.push = spied_push
     client.apply = during("apply", client.apply)
     client._control = during("control", client._control, step_arg=1)
     client.begin_step = spied_begin_step
@@ -147,7 +176,7 @@ def test_bsp_ps_gives_the_single_process_loss(tmp_path, keys, world, tol):
     # the table after training: the servers' rows in the final checkpoint equal the all-reduce run's
     ps_final = full_tensors(os.path.join(tmp_path / "ps", "checkpoints", "step-00000004"))
     ref_final = full_tensors(os.path.join(tmp_path / "ref", "checkpoints", "step-00000004"))
-    assert sorted(ps_final) == sorted(ref_final)
+    assert sorted(ps_final) == sorted(ref_final) + ["ps/version"]  # the servers' own state (bsp: the step)
     # the rows' gradient is summed in another order (the server adds each worker's rows; the all-reduce
     # adds dense tables), and Adam's division by sqrt(v) magnifies that round-off where v is tiny
     state_tol = dict(rtol=1e-4, atol=1e-5)
@@ -175,7 +204,10 @@ def _check_wire(r, servers, rank0):
     d, wire = MODEL.d_model, r["wire"]
     kinds = {kind for kind, _ in wire}
     assert kinds <= {"pull", "push", "apply", "control", "eval"}, kinds
-    assert ("apply" in kinds) == ("control" in kinds) == rank0, kinds  # only rank 0 commands the servers
+    assert ("apply" in kinds) == rank0, kinds  # only rank 0 commands the updates
+    # every pusher marks the final save in its stream (a header per server); rank 0 also sends the stop
+    control = [sum(v[i] for (kind, _), v in wire.items() if kind == "control") for i in (0, 1)]
+    assert control == [servers * HEADER * (2 if rank0 else 1), 0], wire
     for step, (record, ids) in enumerate(zip(r["history"], r["ids"]), start=1):
         unique = len(ids)
         asked = sum(any(lo <= i < hi for i in ids) for lo, hi in (row_range(MODEL.vocab_size, servers, k)
@@ -209,44 +241,114 @@ def _check_prefetch(r, steps):
     assert r["installed"] == [True] * steps
 
 
-def test_ssp_training_pulls_stay_within_the_staleness_bound(tmp_path):
-    """ssp s=1 end to end: each worker prefetches step t+1's rows right after step t's arrived, so every
-    pull from step 2 on lags the step before it by at least one version, and the server's log shows none
-    lagging more than s. The dense all-reduce keeps the workers within a step of each other, so here the
-    server holds a pull back only when it races the other worker's push; the hold-back itself, with one
-    worker steps ahead, is tested without processes (tests/unit/test_ps.py)."""
-    s, steps = 1, 5
-    got = rank_results(3, _run, str(tmp_path), dict(ps_servers=1, ps_sync="ssp", staleness=s, grad_clip=0.0), steps)
-    log = _server_log(str(tmp_path))
-    train = [e for e in log if e["event"] == "pull" and e["step"] <= steps
-             and e["required"] == max(0, e["step"] - 1 - s)]  # not the evaluation's pulls after the last step
+def _training_pulls(log, steps, mode, s=0):
+    """The log's pulls of training steps (not the evaluation's after a step, which need another version)."""
+    return [e for e in log if e["event"] == "pull" and e["step"] <= steps
+            and e["required"] == required_version(mode, s, e["step"])]
+
+
+def _ckpt(out, step):
+    return os.path.join(out, "checkpoints", f"step-{step:08d}")
+
+
+def test_ssp_stays_within_its_bound_and_a_resumed_run_reads_the_originals_versions(tmp_path):
+    """ssp s=1 with a slow worker (faults), 2 workers + 1 server, a checkpoint at step 2 of 4.
+    The run: each worker prefetches step t+1's rows right after step t's arrived, so every pull from step 2
+    on lags the step before it by at least one version, and the server's log shows none lagging more than
+    s (the hold-back itself, one worker steps ahead, is tested without processes: tests/unit/test_ps.py).
+    With s = 1 that makes every version read exact (t - 2 at step t), whatever the timing.
+    The resume from step 2, in the same folder: the server's log is cut back to step 2 and then holds the
+    original's lines again; each step reads the version the original read (step 3's rows come from the
+    version-1 table the original prefetched before the save, not the version-2 table the save holds), and
+    so every loss and the final weights are bitwise the original's."""
+    s, steps, k = 1, 4, 2
+    out = str(tmp_path)
+    keys = dict(ps_servers=1, ps_sync="ssp", staleness=s, grad_clip=0.0, every=k,
+                faults=FaultsConfig(slow_ranks=[1], slow_factor=2.0))
+    first = rank_results(3, _run, out, keys, steps)
+    log = _server_log(out)
+    train = _training_pulls(log, steps, "ssp", s)
     assert sorted((e["worker"], e["step"]) for e in train) == [(w, t) for w in (0, 1) for t in range(1, steps + 1)]
     lags = [(e["step"] - 1) - e["version"] for e in train if e["step"] > 1]
     assert all(1 <= lag <= s for lag in lags), lags
-    assert all(e["version"] >= e["required"] for e in train), train
     applies = [e for e in log if e["event"] == "apply"]
     assert [e["step"] for e in applies] == list(range(1, steps + 1))  # one update per step, in order
-    for r in got[:2]:
+    for r in first[:2]:
         assert len(r["history"]) == steps
         _check_prefetch(r, steps)
+    assert read_manifest(_ckpt(out, k))["step"] == k
+    weights = full_tensors(_ckpt(out, steps))
+
+    resumed = rank_results(3, _run, out, keys, steps, _ckpt(out, k))
+    assert sorted(map(json.dumps, _server_log(out))) == sorted(map(json.dumps, log))
+    for a, b in zip(first[:2], resumed[:2]):
+        assert [(r["step"], r["ps_version"], r["loss"]) for r in b["history"]] == \
+            [(r["step"], r["ps_version"], r["loss"]) for r in a["history"][k:]]
+        assert [r["ps_version"] for r in a["history"]] == [max(0, t - 2) for t in range(1, steps + 1)]
+    again = full_tensors(_ckpt(out, steps))
+    assert sorted(again) == sorted(weights) and all(torch.equal(again[n], weights[n]) for n in weights)
+
+
+def _replay_async(applies, pushed, recipe) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """The table async promises: from the seeded initial table, each push as its own AdamW step in the order
+    the log applied it (the worker's row gradients times P, at lr / P for P pushers)."""
+    m, pushers = recipe.model, 2
+    weight = torch.nn.Parameter(init_tensor(m, "embed.weight", (m.vocab_size, m.d_model), recipe.train.seed))
+    wd = recipe.train.weight_decay if decays("embed.weight", weight) else 0.0
+    inner = build_inner([{"params": [weight], "weight_decay": wd}], recipe.train)
+    for e in applies:
+        ids, rows = pushed[(e["worker"], e["step"])]
+        weight.grad = torch.zeros_like(weight).index_add_(0, ids, rows) * pushers
+        set_lr(inner, lr_at(e["step"], recipe.train) / pushers)
+        inner.step()
+    return weight.detach(), inner
 
 
 @pytest.mark.slow
-def test_async_applies_every_push_and_records_its_staleness(tmp_path):
-    steps = 5
-    got = rank_results(3, _run, str(tmp_path), dict(ps_servers=1, ps_sync="async"), steps)
-    applies = [e for e in _server_log(str(tmp_path)) if e["event"] == "apply"]
-    assert len(applies) == 2 * steps  # each of the two workers' pushes, each its own update
-    assert sorted(e["version"] for e in applies) == list(range(1, 2 * steps + 1))
-    assert all(0 <= e["staleness"] < 2 * steps for e in applies)
-    losses = [r["loss"] for r in got[0]["history"]]
-    assert all(torch.isfinite(torch.tensor(losses))) and len(losses) == steps
+def test_async_applies_every_push_once_and_a_resumed_run_counts_on_from_the_saved_version(tmp_path):
+    """async, 2 workers + 1 server, 6 steps, a checkpoint at step 3, then resumed from it in the same folder.
+    What async promises, read from the server's log (cut back to step 3 by the resume, then the resumed
+    steps): every worker's push of every step applied exactly once, each as the next version (the resumed
+    run counting on from the checkpoint's, which is the number of pushes up to its step: nothing repeated,
+    nothing restarted); each push's staleness is the updates applied between the pull its rows came from
+    and its apply; each step trained on the version its pull's log line records; and the final table and
+    its moments are exactly the replay of the pushes the workers sent, in the log's order."""
+    steps, k = 6, 3
+    out = str(tmp_path)
+    keys = dict(ps_servers=1, ps_sync="async", every=k)
+    first = rank_results(3, _run, out, keys, steps)
+    assert full_tensors(_ckpt(out, k))["ps/version"].tolist() == [2 * k]  # every push up to the save's step
+    resumed = rank_results(3, _run, out, keys, steps, _ckpt(out, k))
+    log = _server_log(out)
+    applies = [e for e in log if e["event"] == "apply"]
+    assert sorted((e["worker"], e["step"]) for e in applies) == [(w, t) for w in (0, 1) for t in range(1, steps + 1)]
+    assert [e["version"] for e in applies] == list(range(1, 2 * steps + 1))
+    pulls = {}
+    for e in _training_pulls(log, steps, "async"):
+        assert (e["worker"], e["step"]) not in pulls, e  # one pull per worker and step
+        pulls[(e["worker"], e["step"])] = e["version"]
+    for e in applies:
+        assert e["staleness"] == e["version"] - 1 - pulls[(e["worker"], e["step"])], e
+    pushed = {}
+    for w in (0, 1):
+        for r in first[w]["history"][:k] + resumed[w]["history"]:
+            assert r["ps_version"] == pulls[(w, r["step"])], (w, r)
+        pushed.update({(w, t): v for t, v in first[w]["pushed"].items() if t <= k})
+        pushed.update({(w, t): v for t, v in resumed[w]["pushed"].items()})
+    recipe = _recipe(out, types.SimpleNamespace(tp=1, pp=1), steps, keys)
+    weight, inner = _replay_async(applies, pushed, recipe)
+    final = full_tensors(_ckpt(out, steps))
+    assert torch.equal(final["model/embed.weight"], weight)
+    state = inner.state[inner.param_groups[0]["params"][0]]
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(final[f"optim/{moment}/embed.weight"], state[moment]), moment
 
 
 def test_checkpoint_round_trip_through_a_run_without_servers_is_bitwise(tmp_path):
     """A PS checkpoint loads into a run without servers and back: servers write their rows under the plain
-    run's names, and servers read their rows of a plain checkpoint; every tensor is unchanged. (Training on
-    from a plain checkpoint with servers: the slow test below.)"""
+    run's names, and servers read their rows of a plain checkpoint; every tensor is unchanged. The servers'
+    own state (ps/version: bsp's is the step) is only in checkpoints written with servers. (Training on from
+    a plain checkpoint with servers: the slow test below.)"""
     a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
     rank_results(3, _run, a, dict(ps_servers=1), 2)
     ckpt_a = os.path.join(a, "checkpoints", "step-00000002")
@@ -255,9 +357,10 @@ def test_checkpoint_round_trip_through_a_run_without_servers_is_bitwise(tmp_path
     rank_results(3, _run, c, dict(ps_servers=1), 2, ckpt_b)  # and back into servers
     ckpt_c = os.path.join(c, "checkpoints", "step-00000002")
     ta, tb, tc = full_tensors(ckpt_a), full_tensors(ckpt_b), full_tensors(ckpt_c)
-    assert sorted(ta) == sorted(tb) == sorted(tc)
+    assert sorted(ta) == sorted(tc) == sorted(tb) + ["ps/version"]
+    assert ta["ps/version"].tolist() == tc["ps/version"].tolist() == [2]
     assert read_manifest(ckpt_a)["layout"]["ps_servers"] == 1 and read_manifest(ckpt_b)["layout"]["ps_servers"] == 0
-    for name in ta:
+    for name in tb:
         assert torch.equal(ta[name], tb[name]) and torch.equal(ta[name], tc[name]), name
 
 

@@ -1,7 +1,9 @@
 """pipetrain.parallel.ft without processes: where a torchrun sits among the replica groups, what its layout
 check sees, every launch problem at once, and sync_step's arithmetic against a stand-in for torchft's Manager
-(all groups live, one missing, an uncommitted step)."""
+(all groups live, one missing, an uncommitted step, and a trainer logging a redone step once)."""
 import importlib.util
+import json
+import os
 import types
 
 import pytest
@@ -11,6 +13,7 @@ from pipetrain.config import TrainConfig, build_recipe
 from pipetrain.optim import Optimizer
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica, replica_from_env
+from tests.unit.common import LLAMA, build_trainer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason='torchft is not installed: pip install "pipetrain[torchft]"')
@@ -103,6 +106,54 @@ def test_an_uncommitted_step_is_taken_again_with_the_same_batch():
     _, _, extra = opt.sync_step(2, lambda k: 0.1, 0.0, lambda norm: None)
     assert extra["ft_committed"] is False and (model.weight == before).all()
     assert opt.trainer.step == 0 and opt.trainer.loader.samples == 8  # the trainer's += 1 brings back step 1
+
+
+class _OneGroup:
+    """torchft's Manager for a lone replica group whose exchange fails (should_commit False) on the given
+    attempts, counted over the run."""
+
+    def __init__(self, failing):
+        self.failing, self.attempts = set(failing), 0
+
+    def start_quorum(self):
+        pass
+
+    def num_participants(self):
+        return 1
+
+    def allreduce(self, tensor, reduce_op=None):
+        return _Work()
+
+    def should_commit(self):
+        self.attempts += 1
+        return self.attempts not in self.failing
+
+
+def _fit(out, failing):
+    """A 3-step single-process run under FaultTolerantOptimizer with _OneGroup(failing): (history, the step
+    lines of its metrics.jsonl)."""
+    os.makedirs(out)
+    trainer = build_trainer(LLAMA, str(out), steps=3)
+    optimizer = FaultTolerantOptimizer(trainer.optimizer, trainer.dims, trainer.recipe, Replica(0, 1, 1))
+    optimizer.attach(trainer)
+    optimizer.manager = _OneGroup(failing)
+    trainer.optimizer = optimizer
+    history = trainer.fit()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return history, [r for r in map(json.loads, f) if "loss" in r]
+
+
+def test_a_redone_step_is_logged_once_with_its_failed_attempts(tmp_path):
+    """Step 2's exchange fails twice (attempts 2 and 3), then commits: metrics.jsonl and the history have one
+    line per step, step 2's saying it was redone twice, and every loss is the uninterrupted run's (the redo
+    takes the same batch)."""
+    history, lines = _fit(tmp_path / "redone", failing={2, 3})
+    assert [r["step"] for r in lines] == [r["step"] for r in history] == [1, 2, 3]
+    assert [r.get("ft_redone", 0) for r in lines] == [0, 2, 0]
+    assert all(r["ft_redone_wait_s"] >= 0 for r in lines if "ft_redone" in r)
+    assert "ft_committed" not in json.dumps(lines)
+    _, plain = _fit(tmp_path / "plain", failing=())
+    assert [r["loss"] for r in lines] == [r["loss"] for r in plain]
 
 
 def test_recipe_combinations_torchft_refuses_name_the_key():

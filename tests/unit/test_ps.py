@@ -1,6 +1,7 @@
 """The parameter server's pieces without processes: the compact-table embedding against a dense one,
 row ranges, version bounds, byte formulas, the recipe checks (exit 2 through the CLI), and a Server
-driven through a scripted in-process transport (the ssp hold-back of a pull that runs too far ahead)."""
+driven through a scripted in-process transport (the ssp hold-back of a pull that runs too far ahead; a
+save that waits for every pusher's pushes; a resumed server serving the rows the original served)."""
 import dataclasses
 import json
 import os
@@ -13,8 +14,8 @@ from pipetrain.config import ParallelConfig, Recipe, RunConfig, validate
 from pipetrain.parallel import ps
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.layout import layout_problems
-from pipetrain.parallel.ps import (OP_PULL, OP_PUSH, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes, push_bytes,
-                                   required_version, row_range)
+from pipetrain.parallel.ps import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes,
+                                   push_bytes, required_version, row_range)
 from tests.unit.common import GPT2, LLAMA
 
 
@@ -151,3 +152,94 @@ def test_ssp_server_holds_a_pull_until_the_apply_its_staleness_needs(tmp_path, m
     assert log[late]["required"] == 2 - staleness and log[late]["version"] == version
     applied = next(i for i, e in enumerate(log) if e["event"] == "apply")
     assert (applied < late) == held  # the log shows the hold: the pull is answered after the apply
+
+
+class _Checkpointer:
+    """Takes the server's checkpoint items at each save, as the real one snapshots them."""
+
+    def __init__(self):
+        self.saves = []
+
+    def save(self, server):
+        self.saves.append((server.step, server.version,
+                           [(n, t.clone(), g, o) for n, t, g, o in server.checkpoint_items()]))
+
+    def wait(self):
+        pass
+
+
+def _server(tmp_path, mode, staleness=0):
+    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(dp=2, ps_servers=1, ps_sync=mode, staleness=staleness),
+                    run=RunConfig(output_dir=str(tmp_path), progress=False))
+    server = Server(recipe, ParallelDims(dp=2, rank=2, ps_servers=1), lambda step: 0.1)
+    server.checkpointer = _Checkpointer()
+    return server
+
+
+def _serve(server, monkeypatch, messages) -> _ScriptedWire:
+    wire = _ScriptedWire(messages)
+    for name in ("recv_any_", "recv_", "isend"):
+        monkeypatch.setattr(ps, name, getattr(wire, name))
+    server.serve()
+    return wire
+
+
+def _save(worker, step):
+    return worker, [ps._header(OP_SAVE, step)]
+
+
+@pytest.mark.parametrize("mode,version", [("ssp", 1), ("async", 2)])
+def test_a_save_waits_for_every_pushers_pushes_up_to_its_step(tmp_path, monkeypatch, mode, version):
+    """Worker 0 pushes step 1 and reaches the save while worker 1's step-1 push is still on its way: the
+    server snapshots once worker 1's push is in and applied, never the table of step 0 beside the workers'
+    weights of step 1. Its version is part of the snapshot."""
+    server = _server(tmp_path, mode, staleness=1)
+    ids, grad = torch.tensor([1, 5, 9]), torch.randn(3, LLAMA.d_model)
+    _serve(server, monkeypatch, [_push(0, 1, ids, grad, 0), _save(0, 1), _push(1, 1, ids, grad, 0), _save(1, 1),
+                                 (0, [ps._header(OP_STOP, 1)])])
+    assert [(step, v) for step, v, _ in server.checkpointer.saves] == [(1, version)]  # once, all pushes applied
+    items = {n: t for n, t, _, _ in server.checkpointer.saves[0][2]}
+    assert items["ps/version"].tolist() == [version]
+    assert torch.equal(items["model/embed.weight"], server.weight.detach())
+
+
+def _checkpoint(items, step, layout):
+    """(read, manifest) over a server's checkpoint items, as the TensorReader and manifest give them."""
+    tensors = {n: (t, o) for n, t, _, o in items}
+
+    def read(name, offsets, shape):
+        t, saved_at = tensors[name]
+        box = tuple(slice(o - s, o - s + n) for o, s, n in zip(offsets, saved_at, shape))
+        return t[box].clone()
+    manifest = {"step": step, "layout": layout,
+                "tensors": {n: {"global_shape": list(g)} for n, _, g, _ in items}}
+    return read, manifest
+
+
+def test_a_resumed_ssp_server_serves_the_rows_its_original_served_ahead_of_the_save(tmp_path, monkeypatch):
+    """ssp s=1: each worker asks for step 2's rows during step 1 (prefetch), so both get version 0; then
+    step 1 applies and both save. The resumed server is at version 1, yet its answer to the same pulls is the
+    original's: version 0 and those rows, so the resumed run trains on what the original trained on."""
+    server = _server(tmp_path / "a", "ssp", staleness=1)
+    ids = [torch.tensor([1, 5, 9]), torch.tensor([2, 5, 7, 11])]
+    grads = [torch.randn(3, LLAMA.d_model), torch.randn(4, LLAMA.d_model)]
+    wire = _serve(server, monkeypatch, [
+        _pull(0, 1, ids[0], 1), _pull(1, 1, ids[1], 1), _pull(0, 2, ids[1], 1), _push(0, 1, ids[0], grads[0], 0),
+        _pull(1, 2, ids[0], 1), _push(1, 1, ids[1], grads[1], 0), _save(0, 1), _save(1, 1),
+        (0, [ps._header(OP_STOP, 1)])])
+    original = [wire.pulls_answered(w)[1] for w in (0, 1)]
+    assert [v for _, v, _ in original] == [0, 0]
+    step, version, items = server.checkpointer.saves[0]
+    assert (step, version) == (1, 1)
+    read, manifest = _checkpoint(items, 1, {"dp": 2, "tp": 1, "pp": 1, "ps_servers": 1})
+    resumed = _server(tmp_path / "b", "ssp", staleness=1)
+    resumed.load(read, manifest)
+    assert resumed.version == 1 and torch.equal(resumed.weight, server.weight)
+    wire = _serve(resumed, monkeypatch, [_pull(1, 2, ids[0], 1), _pull(0, 2, ids[1], 1),
+                                         (0, [ps._header(OP_STOP, 1)])])
+    for worker in (0, 1):
+        (_, v, rows), = wire.pulls_answered(worker)
+        assert v == 0 and torch.equal(rows, original[worker][2]), worker
+        assert not torch.equal(rows, resumed.weight.detach()[ids[1 - worker]])  # not the table at version 1
+    with open(os.path.join(tmp_path / "b", "ps-server-0.jsonl")) as f:
+        assert sorted((e["worker"], e["version"]) for e in map(json.loads, f)) == [(0, 0), (1, 0)]
