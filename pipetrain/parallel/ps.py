@@ -378,7 +378,7 @@ class Server:
             self.weight.copy_(read("model/embed.weight", [self.lo, 0], tuple(self.weight.shape)).float())
 
         def read_optim(name, global_shape, offsets, shape):  # AdamW's step count is the version (async: pushes)
-            return torch.tensor(self.version) if name == "step" else read(f"optim/{name}", offsets, shape).float()
+            return torch.tensor(self.version, device=PS_DEVICE) if name == "step" else read(f"optim/{name}", offsets, shape).float()
         self.steps_taken = load_inner_state(self.inner, self._entries(), read_optim, False)
         self._served.last_push = {w: self.step for w in self.pushers}
 

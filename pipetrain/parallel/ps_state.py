@@ -60,9 +60,9 @@ class ServedPulls:
 
 def state_items(index: int, servers: int, version: int, stale: list, d: int) -> list:
     """Checkpoint items (name, tensor, global shape, offsets) of server `index`'s version and stale pulls."""
-    items = [(VERSION, torch.tensor([version], dtype=torch.int64), (servers,), [index])]
+    items = [(VERSION, torch.tensor([version], dtype=torch.int64, device="cpu"), (servers,), [index])]
     if stale:
-        pulls = torch.tensor([[w, s, v, ids.numel()] for w, s, v, ids, _ in stale], dtype=torch.int64)
+        pulls = torch.tensor([[w, s, v, ids.numel()] for w, s, v, ids, _ in stale], dtype=torch.int64, device="cpu")
         ids = torch.cat([ids for *_, ids, _ in stale])
         rows = torch.cat([rows for *_, rows in stale])
         base = _in_flight(index)
