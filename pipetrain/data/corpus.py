@@ -161,9 +161,14 @@ class _EncodeText:
     def __init__(self, tokenizer, text_field: str):
         self.tokenizer, self.text_field = tokenizer, text_field
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
         eos = self.tokenizer.eos_token_id
-        ids = self.tokenizer(batch[self.text_field], add_special_tokens=False)["input_ids"]
+        texts = batch[self.text_field]
+        for index, text in zip(indices, texts):
+            if not isinstance(text, str):  # a jsonl/parquet field holding null or a number
+                raise ConfigError(f"data.text_field={self.text_field!r}: record {index} holds {clip(repr(text))}, "
+                                  "not text; fix or remove that record")
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
 
 
@@ -256,7 +261,7 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     fn = _EncodeRecords(tokenizer) if records else _EncodeText(tokenizer, text_field)
     start = time.perf_counter()
     mapped = ds.map(fn, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
-                    remove_columns=ds.column_names, desc="tokenising")
+                    with_indices=not records, remove_columns=ds.column_names, desc="tokenising")
 
     tmp = f"{_temp_prefix(out_dir)}{os.getpid()}"
     remove_dead_temps(out_dir)

@@ -197,6 +197,16 @@ def test_empty_source_is_refused(tmp_path, tokenizer):
             prepare(str(path), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
 
 
+@pytest.mark.parametrize("records", ['{"text": "fine"}\n{"text": 5}\n', '{"text": 5}\n{"text": 7}\n',
+                                     '{"text": "fine"}\n{"text": null}\n'], ids=["mixed", "numbers", "null"])
+def test_a_text_field_that_is_not_text_is_named(tmp_path, tokenizer, records):
+    path = tmp_path / "data.jsonl"
+    path.write_text(records)
+    with pytest.raises(ConfigError, match=r"data.text_field='text': record \d holds (5|None), not text"):
+        prepare(str(path), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
 def test_non_positive_blend_weight_is_refused():
     raw = {"data": {"sources": [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 0}], "tokenizer": "/t"}}
     with pytest.raises(ConfigError, match=r"data.sources\[1\].weight=0 must be a positive finite number"):
