@@ -118,6 +118,7 @@ class ParallelConfig:
     ps_sync: Literal["bsp", "ssp", "async"] = "bsp"  # ssp bounds pulled rows' age by parallel.staleness
     # ---- replica failover (pipetrain.parallel.ft, docs/fault_tolerance.md) ----
     fault_tolerance: Literal["none", "torchft"] = "none"  # torchft: each dp_replicate group is a torchft replica
+    ft_connect_timeout_s: float = 60.0  # torchft: how long a group waits for the lighthouse before exit 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,6 +441,8 @@ def validate(r: Recipe) -> list[str]:
     need(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     need(bool(d.tokenizer) or bool(m.init_from),
          "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")
+    need(0 < r.parallel.ft_connect_timeout_s < float("inf"), f"parallel.ft_connect_timeout_s="
+         f"{r.parallel.ft_connect_timeout_s} must be a positive number of seconds (torchft's default is 60)")
     need(r.checkpoint.every >= 0, f"checkpoint.every={r.checkpoint.every} must be >= 0")
     need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
     need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")

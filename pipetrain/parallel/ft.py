@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 from torch.distributed import ReduceOp, TCPStore
 
-from pipetrain.config import ParallelConfig, Recipe
+from pipetrain.config import ConfigError, ParallelConfig, Recipe
 from pipetrain.faults import restart_count
 from pipetrain.parallel.comm import broadcast_object_from_rank0
 from pipetrain.parallel.wrapped import WrappedOptimizer
@@ -183,7 +183,20 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         self._store, host, port = _replica_store(self.dims)
         # Gloo between the groups on every device: torchft's ProcessGroupGloo registers itself for CUDA
         # tensors too (only the CPU path is tested here; ProcessGroupNCCL is the faster choice on GPUs).
-        self.manager = Manager(
+        connect = self.recipe.parallel.ft_connect_timeout_s
+        try:
+            self.manager = self._manager(Manager, ProcessGroupGloo, host, port, connect)
+        except RuntimeError as exc:
+            if "failed to connect" not in str(exc):
+                raise
+            raise ConfigError(f"{self.tag} parallel.fault_tolerance=torchft: no torchft lighthouse answered at "
+                              f"{os.environ.get(LIGHTHOUSE_ENV)!r} within parallel.ft_connect_timeout_s={connect:g}; "
+                              f"start torchft_lighthouse there, or export {LIGHTHOUSE_ENV} with its address") from None
+        # the manager counts steps from the trainer's: a group resumed from its checkpoint is behind by that much
+        self.manager.load_state_dict({"step": self.trainer.step, "batches_committed": 0})
+
+    def _manager(self, Manager, ProcessGroupGloo, host: str, port: int, connect_s: float):
+        return Manager(
             pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=self._load_state_dict,
             state_dict=self._state_dict, min_replica_size=1,
             # synchronous quorum: a healing group loads the peer's state before its forward, so its own
@@ -191,10 +204,9 @@ class FaultTolerantOptimizer(WrappedOptimizer):
             use_async_quorum=False,
             # every group initialises identically from train.seed, so step 0 needs no weight broadcast
             init_sync=False,
-            timeout=TIMEOUT, rank=self.dims.rank, world_size=self.dims.world_size, store_addr=host,
-            store_port=port, replica_id=f"pipetrain_replica_{self.replica.replica_id}")
-        # the manager counts steps from the trainer's: a group resumed from its checkpoint is behind by that much
-        self.manager.load_state_dict({"step": self.trainer.step, "batches_committed": 0})
+            timeout=TIMEOUT, connect_timeout=timedelta(seconds=connect_s), rank=self.dims.rank,
+            world_size=self.dims.world_size, store_addr=host, store_port=port,
+            replica_id=f"pipetrain_replica_{self.replica.replica_id}")
 
     def shutdown(self) -> None:
         if self.manager is not None:

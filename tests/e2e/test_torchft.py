@@ -144,6 +144,9 @@ def test_bad_torchft_input_exits_2_with_one_line(tmp_path):
         cases.append((ft + ["parallel.dp=2"], {"TORCHFT_LIGHTHOUSE": "http://localhost:1"},
                       ["REPLICA_GROUP_ID is not set"]))
         cases.append((ft + ["parallel.dp=2"], dict(env, REPLICA_GROUP_ID="2"), ["REPLICA_GROUP_ID: must be"]))
+        cases.append((ft + ["parallel.dp=2", "parallel.ft_connect_timeout_s=2"],  # nothing listens at port 9
+                      dict(env, TORCHFT_LIGHTHOUSE="http://127.0.0.1:9"),
+                      ["no torchft lighthouse answered at 'http://127.0.0.1:9'", "ft_connect_timeout_s=2"]))
     with ThreadPoolExecutor(max_workers=2) as pool:
         lines = list(pool.map(lambda i: _bad(tmp_path / f"case{i}", cases[i][0], cases[i][1]), range(len(cases))))
     for (_, _, expected), line in zip(cases, lines):
