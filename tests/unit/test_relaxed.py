@@ -15,6 +15,7 @@ from pipetrain.optim import Optimizer
 from pipetrain.parallel import relaxed
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.layout import layout_problems, resolve_dp_shard
+from pipetrain.stopping import resume_point
 from tests.unit.common import LLAMA, read_from
 
 BASE = {"data": {"path": "x.txt", "tokenizer": "tok"}}
@@ -216,3 +217,12 @@ def test_ssp_with_staleness_0_takes_bsps_path():
         assert relaxed.sync_mode(pcfg) == "bsp"
         assert not relaxed.needs_relaxed(pcfg, SimpleNamespace(dp_replicate=2, dp_shard=1), zero=0)
     assert relaxed.sync_mode(ParallelConfig(dp_sync="ssp", staleness=1)) == "ssp"
+
+
+def test_a_stop_without_a_save_names_what_there_is_to_resume_from(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert "no checkpoint was saved before" in resume_point(str(root))  # a stop before any save
+    root.mkdir()
+    (root / "latest").write_text("step-00000040\n")
+    assert resume_point(str(root)).startswith("checkpoints/latest still names step-00000040")
+    assert "no checkpoint was saved before" in resume_point(None)  # --eval-only: no checkpoint folder
