@@ -1,14 +1,13 @@
 """train.py with a relaxed parallel.dp_sync: a 2-replica local_sgd run with an injected straggler and a
-checkpoint writes the per-step replica metrics, announces the faults and resumes; bad relaxed input
-exits 2 with one line naming the key."""
-import os
-
+checkpoint between syncs writes the per-step replica metrics, announces the faults and resumes with the
+same losses and final weights, bitwise; bad relaxed input exits 2 with one line naming the key."""
 import pytest
+import torch
 
-from tests.e2e.common import run_train
+from tests.e2e.common import checkpoint_tensors, run_train
 
-RELAXED = ["parallel.dp_sync=local_sgd", "parallel.sync_every=2", "train.steps=4", "run.eval_every=0",
-           "checkpoint.every=2", "faults.slow_ranks=[1]", "faults.slow_factor=2"]
+RELAXED = ["parallel.dp_sync=local_sgd", "parallel.sync_every=2", "train.steps=6", "run.eval_every=0",
+           "checkpoint.every=3", "faults.slow_ranks=[1]", "faults.slow_factor=2"]
 
 
 def _bad(tmp_path, overrides, nproc=1):
@@ -43,16 +42,20 @@ def test_ssp_with_dynamic_batch_moves_work_off_a_persistent_straggler(tmp_path, 
 
 
 @pytest.mark.slow
-def test_local_sgd_run_logs_replica_metrics_and_resumes(tmp_path, token_cache):
+def test_local_sgd_run_logs_replica_metrics_and_resumes_exactly(tmp_path, token_cache):
     proc, metrics = run_train(str(tmp_path), RELAXED, nproc=2, cache_dir=token_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAULT INJECTION ON" in proc.stderr
     steps = [m for m in metrics if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4]
-    assert [m["replica_bytes"] > 0 for m in steps] == [False, True, False, True]  # sync every 2 steps
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    assert [m["replica_bytes"] > 0 for m in steps] == [False, True] * 3  # sync every 2 steps
     assert all("wait_s" in m for m in steps)
-    assert os.path.isdir(tmp_path / "checkpoints" / "step-00000002")
-    proc, metrics = run_train(str(tmp_path), RELAXED[:2] + ["train.steps=6", "run.eval_every=0"], nproc=2,
-                              cache_dir=token_cache, extra_args=["--resume", "auto"])
+    final = checkpoint_tensors(tmp_path / "checkpoints" / "step-00000006")
+    assert any(name.startswith("optim/replica1/param/") for name in final)  # each replica's own state
+    # resume from step 3, between two syncs: the same losses and the same final checkpoint, bitwise
+    proc, resumed = run_train(str(tmp_path), RELAXED, nproc=2, cache_dir=token_cache,
+                              extra_args=["--resume", str(tmp_path / "checkpoints" / "step-00000003")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    assert [(m["step"], m["loss"]) for m in resumed if "loss" in m] == [(m["step"], m["loss"]) for m in steps]
+    again = checkpoint_tensors(tmp_path / "checkpoints" / "step-00000006")
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
