@@ -121,6 +121,7 @@ def _worker(rank, world_size, out):
         for _ in range(3):
             trainer.train_step()
         ckpt = trainer.checkpointer.save(trainer)
+        at3 = _flat(trainer)  # this replica's weights at the save (between syncs: the replicas differ)
         for _ in range(3):
             trainer.train_step()
         trainer.drain_replicas()
@@ -133,6 +134,10 @@ def _worker(rank, world_size, out):
                                "bsp_step": bsp_loaded.step, "bsp_record": bsp_loaded.train_step()["loss"]}
         if mode in ("local_sgd", "diloco"):
             res[f"ckpt_{mode}"]["straight"] = _flat(_run(ck_out, hsdp, drain=False, zero=1, **kw)[0])
+            # 2 replicas of 2 ZeRO shards resumed as 4 replicas of one rank: each starts from the average
+            four_loaded = _make(ck_out, four, resume=ckpt, **kw)
+            res[f"ckpt_{mode}"].update(at3=at3, four=_flat(four_loaded),
+                                       four_record=four_loaded.train_step()["loss"])
     dist.barrier()
     return res
 
@@ -236,6 +241,15 @@ def test_resumed_relaxed_run_continues_exactly_and_loads_into_bsp(world4, mode):
         assert np.isfinite(ck["bsp_record"])
     if mode != "ssp":  # step 6 is a sync step: replicas (ranks 0, 1 and 2, 3: ZeRO gathers full weights) agree
         assert torch.equal(world4[2][f"ckpt_{mode}"]["cont"], world4[0][f"ckpt_{mode}"]["cont"])
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_another_replica_count_starts_every_replica_from_the_average(world4, mode):
+    a, b = world4[0][f"ckpt_{mode}"]["at3"], world4[2][f"ckpt_{mode}"]["at3"]  # replicas 0 and 1
+    assert not torch.equal(a, b)
+    for res in world4:
+        assert torch.equal(res[f"ckpt_{mode}"]["four"], (a + b) * 0.5)
+        assert np.isfinite(res[f"ckpt_{mode}"]["four_record"])
 
 
 def test_a_resumed_dssp_run_continues_with_identical_replicas_and_loads_into_bsp(world4):
