@@ -25,8 +25,8 @@ from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.parallel.dbs import DynamicBatch
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
-from pipetrain.parallel.relaxed import sync_mode
 from pipetrain.parallel.grads import clip_coefficient
+from pipetrain.parallel.relaxed import sync_mode
 from pipetrain.parallel.schedules import Action
 
 
