@@ -85,6 +85,13 @@ def _rank_pid(out_dir: str, rank: int) -> int | None:
     return None
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler (the stop guard, installed just before the training loop)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
 @pytest.mark.slow
 def test_sigterm_under_local_sgd_with_sync_every_50_saves_at_the_next_step(tmp_path, token_cache):
     # The issue: the stop agreement was read sync_every steps later, past run.stop_timeout_s, and the run
@@ -96,11 +103,11 @@ def test_sigterm_under_local_sgd_with_sync_every_50_saves_at_the_next_step(tmp_p
            os.path.join(ROOT, "train.py"), "--recipe", TINY] + [a for s in sets for a in ("--set", s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    # rank 0 logs step 3 after waiting, at the end of step 2, for step 1's agreement: rank 1 is in the loop
-    for line in proc.stdout:
-        if line.startswith("step ") and line.split()[1].startswith("3/"):
+    pid = None
+    for _ in proc.stdout:  # rank 0 prints a line per step; signal rank 1 once its stop guard is installed
+        pid = pid or _rank_pid(str(tmp_path), 1)
+        if pid is not None and _catches_sigterm(pid):
             break
-    pid = _rank_pid(str(tmp_path), 1)
     assert pid is not None, "rank 1's process not found"
     os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
