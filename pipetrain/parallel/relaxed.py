@@ -109,7 +109,7 @@ class RelaxedOptimizer(WrappedOptimizer):
         self.replica_scale = float(self.R)  # global batch / this replica's samples (the trainer sets it under DBS)
         self.applied: list[int] = []  # clocks whose update was applied at the last sync_step
         self._last_applied = start_step  # the newest clock whose update was applied (a resume sets it)
-        self.now = time.time  # wall clock of the dssp prediction (a test scripts it)
+        self.now = time.time  # the clock dssp predicts waits against (a test scripts it)
         self._averages: dict | None = None  # local_sgd / diloco: what drain() computed for the checkpoint
         self.stats: dict = {}
         self.step_times: list[float] = []
@@ -274,7 +274,7 @@ class RelaxedOptimizer(WrappedOptimizer):
         work = all_reduce_async(flat, self.group)
         meta = torch.zeros(self.R, 2, dtype=torch.float64)
         mean_t = sum(self.step_times[-8:]) / max(1, len(self.step_times[-8:]))
-        meta[self.dims.dp_replicate_rank] = torch.tensor([self.now(), mean_t], dtype=torch.float64)
+        meta[self.dims.dp_replicate_rank] = torch.tensor([time.time(), mean_t], dtype=torch.float64)
         meta_work = all_reduce_async(meta, self.group) if self.mode in ("ssp", "dssp") else None
         self.pending.append(_Pending(clock, flat, work, meta, meta_work))
         self.stats["replica_bytes"] += ring_bytes(flat.numel() * flat.element_size(), self.R)

@@ -160,10 +160,11 @@ def _relaxed(monkeypatch, mode="dssp", staleness=3, staleness_min=1, steps_taken
     """A RelaxedOptimizer of replica 0 of 2 whose exchanges are _Works: the peer replica reaches clock c
     at time c (1 s per step) and publishes that beside its gradient; the other rank of this replica
     decides replica_counts[clock] (max-agreed)."""
-    works, replica_counts, clock = {}, {}, []
+    works, replica_counts, clock, now = {}, {}, [], []
 
     def all_reduce_async(x, group):
-        if x.dtype == torch.float64:  # the clock metadata (wall time at this clock, mean step time) per replica,
+        if x.dtype == torch.float64:  # the clock metadata (time at this clock, mean step time) of each replica,
+            x[0] = torch.tensor([now[-1], 1.0], dtype=torch.float64)  # on the scripted clock
             x[1] = torch.tensor([float(clock[-1]), 1.0], dtype=torch.float64)
             return works[clock[-1]]   # exchanged beside the clock's gradient: complete with it
         works[clock[-1]] = _Work()
@@ -178,9 +179,10 @@ def _relaxed(monkeypatch, mode="dssp", staleness=3, staleness_min=1, steps_taken
     pcfg = ParallelConfig(dp_sync=mode, staleness=staleness, staleness_min=staleness_min)
     opt = relaxed.RelaxedOptimizer(_Inner(steps_taken), dims, pcfg, TrainConfig())
 
-    def step(c: int, now: float) -> dict:
+    def step(c: int, t: float) -> dict:
         clock.append(c)
-        opt.now = lambda: now
+        now.append(t)
+        opt.now = lambda: t
         _, _, stats = opt.sync_step(c, lambda k: k / 100, 0.0, lambda norm: None, compute_s=1.0)
         return stats
     return opt, works, replica_counts, step
