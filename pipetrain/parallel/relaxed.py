@@ -132,7 +132,8 @@ class RelaxedOptimizer(WrappedOptimizer):
             items += [(prefix + n, t, g, o) for n, t, g, o in self.inner.state_items()]
             if self.dims.dp_shard_rank == 0:  # the replica's parameters, once per replica (ZeRO gathered them)
                 items += [(f"{prefix}param/{n}", p.detach(), g, o) for n, p, g, o in self._trainable_boxes()]
-            items.append(("num_replicas", torch.tensor(self.R, dtype=torch.int64), (), ()))
+            count = torch.tensor(self.R, dtype=torch.int64, device="cpu")  # saved from the host, as "step" is
+            items.append(("num_replicas", count, (), ()))
         else:
             items = self.inner.state_items()
         if self.global_params is not None:
