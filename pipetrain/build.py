@@ -127,8 +127,6 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if ckpt_dir is not None:
         manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
         start = manifest["step"]
-        if hasattr(optimizer, "anchor"):  # relaxed dp_sync: local periods count from the (drained) checkpoint
-            optimizer.anchor = start
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
     if resume is not None and dims.rank == 0:
         logged = _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending

@@ -108,7 +108,7 @@ class ParallelConfig:
     staleness: int = 0               # ssp: s; dssp: the upper bound
     staleness_min: int = 0           # dssp: the lower bound
     sync_every: int = 1              # local_sgd / diloco: H inner steps between synchronisations
-    sync_warmup_steps: int = 0       # local_sgd: bsp steps before local steps (post-local SGD)
+    sync_warmup_steps: int = 0       # local_sgd / diloco: bsp steps before local steps (post-local SGD)
     outer_lr: float = 0.7            # diloco: outer Nesterov SGD learning rate
     outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
     dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/dbs.py)

@@ -30,6 +30,21 @@ STOP_TIMEOUT_EXIT = 143  # 128 + SIGTERM: "terminated", what a scheduler expects
 INTERRUPT_EXIT = 130     # 128 + SIGINT
 
 
+def resume_point(checkpoint_root: str | None) -> str:
+    """What a run that exits without saving leaves to resume from, for its exit line (read at exit: the
+    last save may have landed after the signal)."""
+    name = ""
+    if checkpoint_root:
+        try:
+            with open(os.path.join(checkpoint_root, "latest")) as f:
+                name = f.read().strip()
+        except OSError:
+            pass  # no checkpoint yet
+    if name:
+        return f"checkpoints/latest still names {name}, the newest checkpoint"
+    return "no checkpoint was saved before: nothing to resume from, a restart begins at step 0"
+
+
 class StopGuard:
     """Installed by the CLI around Trainer.fit (main thread only); uninstall() restores the handlers."""
 
@@ -69,7 +84,7 @@ class StopGuard:
             except socket.timeout:
                 self._exit(STOP_TIMEOUT_EXIT, f"error: SIGTERM: the run did not reach a step boundary and save "
                                               f"within run.stop_timeout_s={self.timeout_s:g}; exiting without a "
-                                              "checkpoint (checkpoints/latest still names the previous one)")
+                                              f"checkpoint ({resume_point(self.root)})")
                 return
             except OSError:
                 return
@@ -81,7 +96,7 @@ class StopGuard:
                                                "was written)")
                 elif signum == signal.SIGTERM and self._deadline is not None:
                     self._exit(STOP_TIMEOUT_EXIT, "error: second SIGTERM: exiting at once without a checkpoint "
-                                                  "(checkpoints/latest still names the previous one)")
+                                                  f"({resume_point(self.root)})")
                 elif signum == signal.SIGTERM:
                     self._deadline = time.monotonic() + self.timeout_s
                     self.trainer.stop_requested = True

@@ -26,6 +26,7 @@ from pipetrain.parallel.dbs import DynamicBatch
 from pipetrain.parallel.dims import ParallelDims
 from pipetrain.parallel.executor import Executor
 from pipetrain.parallel.grads import clip_coefficient
+from pipetrain.parallel.relaxed import sync_mode
 from pipetrain.parallel.schedules import Action
 
 
@@ -120,8 +121,9 @@ class Trainer:
         return self._faults_obj
 
     def drain_replicas(self) -> None:
-        """Bring relaxed replicas to one state (pending updates applied, parameters averaged): before a
-        checkpoint. A no-op for bsp."""
+        """Before a checkpoint: ssp / dssp apply their pending updates; local_sgd / diloco prepare the
+        replicas' averages beside each replica's own state, changing nothing (parallel/relaxed.py).
+        A no-op for bsp."""
         drain = getattr(self.optimizer, "drain", None)
         if drain is not None:
             cfg = self.recipe.train
@@ -154,7 +156,7 @@ class Trainer:
         if self.ps is not None:  # the table's rows go to the servers; bsp returns their squared norm
             self.optimizer.extra_grad_sq = self.ps.push(self.step + 1)
         relaxed = getattr(self.optimizer, "sync_step", None)
-        if relaxed is not None and self.recipe.parallel.dp_sync != "bsp":
+        if relaxed is not None and sync_mode(self.recipe.parallel) != "bsp":
             loss = self._replica_loss(local, num_targets)
         else:
             loss = self._global_loss(local, num_targets)
@@ -236,13 +238,12 @@ class Trainer:
         return self.recipe.train.global_batch // self.dims.dp // self.recipe.parallel.microbatches
 
     def agreement_lag(self) -> int:
-        """Steps between starting a step's agreement and acting on it: 0 under bsp; under a relaxed
-        dp_sync its own bound (staleness, sync_every), so agreeing couples replicas no tighter than
-        the mode already does."""
-        p = self.recipe.parallel
-        if self.dims.dp_replicate == 1 or p.dp_sync == "bsp":
+        """Steps between starting a step's agreement and acting on it: 0 under bsp; 1 under a relaxed
+        dp_sync, so a stop lands at the next step boundary (the mode's own bound, up to sync_every
+        steps, could outlast run.stop_timeout_s) while no rank blocks on a step it has just finished."""
+        if self.dims.dp_replicate == 1 or sync_mode(self.recipe.parallel) == "bsp":
             return 0
-        return p.staleness if p.dp_sync in ("ssp", "dssp") else p.sync_every
+        return 1
 
     def agree(self, final: bool = False) -> bool:
         """After each step: every rank contributes (stop requested?, its replica's seconds per slot) to a

@@ -71,6 +71,8 @@ def owned_tensors(model, optimizer, dims,
     only parameters that train, i.e. LoRA's adapters, not the frozen base)."""
     out = []
     params = dict(model.named_parameters())
+    # local_sgd / diloco: model/ holds the replicas' average, each replica's own under optim/replica<r>/
+    params.update(getattr(optimizer, "checkpoint_params", dict)())
     skip = tied_copy_names(model)
     replicated_over_tp = set()
     for name, (shape, slices) in param_layout(model).items():
@@ -82,13 +84,16 @@ def owned_tensors(model, optimizer, dims,
             continue
         out.append((f"model/{name}", params[name].detach(), tuple(shape), _box(shape, slices)))
     for name, tensor, shape, offsets in optimizer.state_items():
-        param_name = name.split("/", 1)[-1]
+        param_name = name.rsplit("/", 1)[-1]
         if param_name in skip or (dims.tp_rank != 0 and param_name in replicated_over_tp):
             continue
         sharded_over_dp = getattr(optimizer, "stage", 0) >= 1  # ZeRO: every dp rank owns a row shard
-        if dims.dp_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
+        if name.startswith("replica") and "/" in name:  # one replica's own state: written by each replica
+            if dims.dp_shard_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
+                continue
+        elif dims.dp_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
             continue
-        if sharded_over_dp and getattr(dims, "dp_replicate_rank", 0) != 0:  # drained replicas hold the same rows
+        elif sharded_over_dp and getattr(dims, "dp_replicate_rank", 0) != 0:  # replicas hold the same rows
             continue
         out.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
     return out
@@ -273,7 +278,8 @@ class Checkpointer:
             "recipe": self.recipe.to_dict(),
             "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
                        "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size,
-                       "dp_shard": d.dp_shard, "dp_sync": self.recipe.parallel.dp_sync,
+                       "dp_shard": d.dp_shard, "dp_replicate": d.dp_replicate,
+                       "dp_sync": self.recipe.parallel.dp_sync,
                        "ps_servers": d.ps_servers},
             "tensors": tensors,
             "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},

@@ -13,7 +13,7 @@ exchange between replicas, always between the ranks with the same (dp_shard, pp,
   so replicas are bitwise identical and the trajectory does not depend on timing; a replica at clock c
   has applied every update of clocks <= c - s - 1 (indeed <= c - s) and, because the all-reduce of
   clock c - s needs every replica to have reached it, never runs more than s clocks ahead of the slowest.
-  s = 0 is bsp, bitwise (the same code path).
+  s = 0 is bsp: it takes bsp's path (sync_mode), so it is bsp bitwise.
 - dssp (staleness_min .. staleness): as ssp with bound staleness, but at clock c the updates of clocks
   in (c - staleness, c - staleness_min] are applied too when they are complete, or when the predicted
   wait for them is short (under half this replica's mean step time). The prediction uses the clocks the
@@ -24,17 +24,20 @@ exchange between replicas, always between the ranks with the same (dp_shard, pp,
   Replicas still apply the same updates in the same order; only when depends on timing.
 - local_sgd (sync_every H, sync_warmup_steps W): W bsp steps, then every replica steps on its own
   gradient (scaled by dp_replicate: the loss is normalised by the global batch's tokens) and the
-  parameters are averaged every H steps. With dp_shard inside a node and dp_replicate across nodes this
-  is hierarchical local SGD.
-- diloco (sync_every H, outer_lr, outer_momentum): replicas take H local inner steps; then the
-  pseudo-gradient (global params - local params) is averaged over replicas and outer Nesterov SGD
-  updates the global params, which every replica copies. The global params and the outer momentum are
-  kept beside the rank's (shard of the) parameters.
+  parameters are averaged at every clock c with (c - W) % H == 0. With dp_shard inside a node and
+  dp_replicate across nodes this is hierarchical local SGD.
+- diloco (sync_every H, sync_warmup_steps W, outer_lr, outer_momentum): W bsp steps (DiLoCo starts from
+  a synchronously trained model), then replicas take local inner steps and at the same clocks as
+  local_sgd the pseudo-gradient (global params - local params) is averaged over replicas and outer
+  Nesterov SGD updates the global params, which every replica copies. The global params and the outer
+  momentum are kept beside the rank's (shard of the) parameters.
 
 Under ZeRO the exchanged tensors are the rank's own gradient rows and parameter rows (shard-sized);
 after averaging rows the replica all-gathers them over dp_shard as after any step.
-drain() brings replicas to one state (pending ssp/dssp updates applied; local_sgd / diloco: params
-and the inner optimizer state averaged, the outer step taken); checkpoints call it before saving.
+Checkpoints call drain() first. ssp / dssp: the pending updates are applied (this changes the run:
+docs/relaxed_sync.md says how). local_sgd / diloco: nothing changes; each replica saves its own
+parameters and inner state under "replica<r>/" and the replicas' averages under the plain names
+(what another layout, bsp, or an export loads), so a checkpoint never changes the trajectory.
 """
 from __future__ import annotations
 
@@ -44,18 +47,35 @@ from typing import Callable
 import torch
 
 from pipetrain.config import ParallelConfig, TrainConfig
+from pipetrain.models.init import TIED_ALIASES
+from pipetrain.parallel.adamw import param_boxes
 from pipetrain.parallel.comm import all_reduce_, all_reduce_async, all_reduce_max_, group_device
+from pipetrain.parallel.grads import tied_copy_names
 from pipetrain.parallel.wrapped import WrappedOptimizer
 from pipetrain.parallel.zero import ZeroOptimizer
 
 RELAXED_MODES = ("ssp", "dssp", "local_sgd", "diloco")
+LOCAL_MODES = ("local_sgd", "diloco")  # replicas step on their own between syncs: per-replica checkpoint state
+
+
+def sync_mode(pcfg: ParallelConfig) -> str:
+    """The mode a run takes: ssp / dssp with staleness 0 wait for every replica's gradient before each
+    update, which is bsp, so they take bsp's path (no clock metadata, no pending queue)."""
+    if pcfg.dp_sync in ("ssp", "dssp") and pcfg.staleness == 0:
+        return "bsp"
+    return pcfg.dp_sync
 
 
 def needs_relaxed(pcfg: ParallelConfig, dims, zero: int) -> bool:
     """Whether the optimizer must be wrapped: a relaxed mode, or bsp with ZeRO over dp_shard < dp."""
     if dims.dp_replicate == 1:
         return False
-    return pcfg.dp_sync != "bsp" or (zero >= 1 and dims.dp_shard > 1)
+    return sync_mode(pcfg) != "bsp" or (zero >= 1 and dims.dp_shard > 1)
+
+
+def replica_prefix(replica: int) -> str:
+    """Checkpoint names of one replica's own state (local_sgd / diloco), e.g. "replica1/exp_avg/<name>"."""
+    return f"replica{replica}/"
 
 
 def ring_bytes(nbytes: int, n: int) -> int:
@@ -82,14 +102,15 @@ class RelaxedOptimizer(WrappedOptimizer):
 
     def __init__(self, inner, dims, pcfg: ParallelConfig, tcfg: TrainConfig, start_step: int = 0):
         self.inner, self.dims, self.pcfg, self.tcfg = inner, dims, pcfg, tcfg
-        self.mode = pcfg.dp_sync
+        self.mode = sync_mode(pcfg)
         self.R = dims.dp_replicate
         self.group = dims.dp_replicate_group
         self.pending: list[_Pending] = []
         self.replica_scale = float(self.R)  # global batch / this replica's samples (the trainer sets it under DBS)
-        self.anchor = start_step  # local_sgd / diloco: steps are counted from here to the next sync
         self.applied: list[int] = []  # clocks whose update was applied at the last sync_step
-        self._last_applied = 0  # the newest clock whose update was applied
+        self._last_applied = start_step  # the newest clock whose update was applied (a resume sets it)
+        self.now = time.time  # the clock dssp predicts waits against (a test scripts it)
+        self._averages: dict | None = None  # local_sgd / diloco: what drain() computed for the checkpoint
         self.stats: dict = {}
         self.step_times: list[float] = []
         self.peer_meta = None  # (R, 2) float64: wall time at the last published clock, mean step time
@@ -99,20 +120,78 @@ class RelaxedOptimizer(WrappedOptimizer):
 
     # ---- the wrapped optimizer's interface (the rest passes through: WrappedOptimizer) ----
     def state_items(self):
-        items = self.inner.state_items()
+        """The inner optimizer's items; under local_sgd / diloco after drain(): the replicas' averages
+        under the plain names, and this replica's own parameters and inner state under replica<r>/;
+        diloco adds the global params and the outer momentum (the same on every replica). drain()
+        prepares one checkpoint's averages and this hands them over (after checkpoint_params): they are
+        dropped here so the copies do not stay in memory between checkpoints."""
+        averages, self._averages = self._averages, None
+        if averages is not None:
+            prefix = replica_prefix(self.dims.dp_replicate_rank)
+            items = list(averages["optim"])
+            items += [(prefix + n, t, g, o) for n, t, g, o in self.inner.state_items()]
+            if self.dims.dp_shard_rank == 0:  # the replica's parameters, once per replica (ZeRO gathered them)
+                items += [(f"{prefix}param/{n}", p.detach(), g, o) for n, p, g, o in self._trainable_boxes()]
+            count = torch.tensor(self.R, dtype=torch.int64, device="cpu")  # saved from the host, as "step" is
+            items.append(("num_replicas", count, (), ()))
+        else:
+            items = self.inner.state_items()
+        if self.global_params is not None:
+            for (name, _, gshape, offsets), buf in zip(self._param_boxes(), self.global_params):
+                items.append((f"global/{name}", buf, gshape, offsets))
         if self.outer_momentum is not None and self.pcfg.outer_momentum > 0:
             for (name, _, gshape, offsets), buf in zip(self._param_boxes(), self.outer_momentum):
                 items.append((f"outer_momentum/{name}", buf, gshape, offsets))
         return items
 
+    def checkpoint_params(self) -> dict:
+        """{name: tensor} the checkpoint saves as model/<name> instead of this rank's parameter: the
+        replicas' average under local_sgd / diloco (set by drain()); empty otherwise."""
+        return {} if self._averages is None else self._averages["params"]
+
     def load_state_items(self, read) -> None:
-        self.inner.load_state_items(read)
-        if self.mode == "diloco" and self.pcfg.outer_momentum > 0:
-            try:
-                self.outer_momentum = [read(f"outer_momentum/{name}", gshape, offsets, tuple(t.shape)).clone()
-                                       for name, t, gshape, offsets in self._param_boxes()]
-            except (KeyError, ValueError):  # a bsp (or momentum-free) checkpoint: start the momentum at zero
-                self.outer_momentum = None
+        """Same replica count under local_sgd / diloco: this replica's own parameters and inner state
+        (the run continues bitwise). Otherwise the plain names: the replicas' averages (the parameters
+        came from model/, which holds the average)."""
+        model = self.inner.model
+        if self.mode in LOCAL_MODES and self._saved_replicas(read) == self.R:
+            prefix = replica_prefix(self.dims.dp_replicate_rank)
+            self.inner.load_state_items(lambda name, g, o, shape: read(prefix + name, g, o, shape))
+            tied = tied_copy_names(model)
+            with torch.no_grad():
+                for name, p, g, o in self._trainable_boxes(include_tied_copy=True):
+                    source = TIED_ALIASES.get(name, name) if name in tied else name
+                    p.copy_(read(f"{prefix}param/{source}", g, o, tuple(p.shape)))
+        else:
+            self.inner.load_state_items(read)
+        self._last_applied = self.inner.steps_taken  # a checkpoint holds every update up to its step
+        if self.mode != "diloco":
+            return
+        tied = tied_copy_names(model)
+
+        def boxes(kind):
+            return [read(f"{kind}/{TIED_ALIASES.get(name, name) if name in tied else name}", gshape, offsets,
+                         tuple(t.shape)).clone() for name, t, gshape, offsets in self._param_boxes()]
+        try:  # saved once the DiLoCo phase began; else (warm-up, bsp) they start at the next inner step
+            self.global_params = boxes("global")
+        except ValueError:
+            self.global_params = None
+        try:
+            self.outer_momentum = boxes("outer_momentum") if self.pcfg.outer_momentum > 0 else None
+        except ValueError:  # a bsp (or momentum-free) checkpoint: start the momentum at zero
+            self.outer_momentum = None
+
+    @staticmethod
+    def _saved_replicas(read) -> int:
+        """dp_replicate of a local_sgd / diloco checkpoint with per-replica state; 0 for any other."""
+        try:
+            return int(read("num_replicas", (), (), ()))
+        except ValueError:  # ConfigError: not in the manifest
+            return 0
+
+    def _trainable_boxes(self, include_tied_copy: bool = False):
+        skip = set() if include_tied_copy else tied_copy_names(self.inner.model)
+        return [e for e in param_boxes(self.inner.model) if e[1].requires_grad and e[0] not in skip]
 
     def state_bytes(self) -> int:
         extra = sum(t.numel() * t.element_size() for t in (self.global_params or []) + (self.outer_momentum or []))
@@ -167,11 +246,9 @@ class RelaxedOptimizer(WrappedOptimizer):
                 self.stats["clock_lead"] = self._lead(clock)
                 self.stats["applied"] = list(self.applied)
             return norm, lr, self.stats
-        warm = self.mode == "local_sgd" and clock <= self.pcfg.sync_warmup_steps
-        if warm:  # post-local SGD: bulk-synchronous first
+        if clock <= self.pcfg.sync_warmup_steps:  # post-local SGD / DiLoCo: bulk-synchronous first
             self._launch(clock)
             norm, lr = self._apply_due(clock, 0, lr_at, grad_clip, check)
-            self.anchor = clock
             return norm, lr, self.stats
         if self.mode == "diloco" and self.global_params is None:
             self.global_params = [t.clone() for t in self._params()]
@@ -182,9 +259,15 @@ class RelaxedOptimizer(WrappedOptimizer):
         check(norm)
         lr = lr_at(clock)
         self.inner.step(lr)
-        if (clock - self.anchor) % self.pcfg.sync_every == 0:
+        if self.is_sync_clock(clock):
             self._average_params() if self.mode == "local_sgd" else self._outer_step()
         return norm, lr, self.stats
+
+    def is_sync_clock(self, clock: int) -> bool:
+        """local_sgd / diloco: whether replicas synchronise at the end of clock (fixed by the clock alone,
+        so neither a checkpoint nor a resume moves it); warm-up clocks are bsp, synchronised too."""
+        warm = self.pcfg.sync_warmup_steps
+        return clock <= warm or (clock - warm) % self.pcfg.sync_every == 0
 
     def _launch(self, clock: int) -> None:
         grads = self._grads()
@@ -252,7 +335,7 @@ class RelaxedOptimizer(WrappedOptimizer):
         """Seconds until the slowest replica reaches target_clock, from the newest published clocks."""
         if self.peer_meta is None:
             return float("inf")
-        now = time.time()
+        now = self.now()
         worst = 0.0
         for t_pub, t_step in self.peer_meta.tolist():
             t_step = max(t_step, 1e-6)
@@ -264,7 +347,7 @@ class RelaxedOptimizer(WrappedOptimizer):
         """This replica's clock minus the slowest replica's estimated clock (from published clocks)."""
         if self.peer_meta is None:
             return 0.0
-        now = time.time()
+        now = self.now()
         est = [self.peer_clock + (now - t_pub) / max(t_step, 1e-6) for t_pub, t_step in self.peer_meta.tolist()]
         return round(clock - min(min(est), clock), 3)
 
@@ -311,15 +394,23 @@ class RelaxedOptimizer(WrappedOptimizer):
     # ---- checkpoints ----
     @torch.no_grad()
     def drain(self, clock: int, lr_at: Callable[[int], float], grad_clip: float) -> None:
-        """Bring every replica to one state before a checkpoint: apply pending ssp/dssp updates;
-        local_sgd / diloco: synchronise now and average the inner optimizer's state."""
+        """Before a checkpoint. ssp / dssp: apply every pending update (the replicas become identical;
+        this changes the run). local_sgd / diloco: change nothing; average copies of the replicas'
+        parameters (unless they are synchronised at this clock) and inner state for the plain names."""
         self.stats = {"wait_s": 0.0, "replica_bytes": 0}
         if self.pending:
             self._apply_due(clock, -(1 << 30), lr_at, grad_clip, lambda norm: None)
-        if self.mode in ("local_sgd", "diloco") and self.anchor != clock:
-            self._average_params() if self.mode == "local_sgd" else self._outer_step()
-        if self.mode in ("local_sgd", "diloco"):
-            state = [t for st in self.inner.inner.state.values() for t in st.values()
-                     if torch.is_tensor(t) and t.dim() > 0 and t.is_floating_point()]
-            self._allreduce_mean(state)
-        self.anchor = clock
+        self._averages = None
+        if self.mode not in LOCAL_MODES:
+            return
+        params = {}
+        if self.dims.dp_shard_rank == 0:  # model/ comes from dp rank 0; its replicate group is dp_shard rank 0's
+            boxes = self._trainable_boxes()
+            copies = [p.detach().clone() for _, p, _, _ in boxes]  # a file may not hold one tensor twice
+            if not self.is_sync_clock(clock):  # on a sync clock the replicas hold the same parameters
+                self._allreduce_mean(copies)
+            params = {name: t for (name, _, _, _), t in zip(boxes, copies)}
+        optim = [(n, t.clone() if t.dim() > 0 and t.is_floating_point() else t, g, o)
+                 for n, t, g, o in self.inner.state_items()]
+        self._allreduce_mean([t for _, t, _, _ in optim if t.dim() > 0 and t.is_floating_point()])
+        self._averages = {"params": params, "optim": optim}

@@ -4,14 +4,15 @@ One world of 4 runs every case once and saves its measurements; each test checks
 bsp over dp_replicate 2 x dp_shard 2 (ZeRO 1) gives the single-process run; ssp s=0 is bsp bitwise;
 local_sgd H=1 with SGD is bsp to round-off; diloco (outer_lr 1, momentum 0, H=1) is local_sgd H=1;
 the SSP bound holds in per-rank clock logs under transient and persistent injected stragglers, and the
-replicas end bitwise identical and equal whatever the straggler pattern; ssp and local_sgd compose with
-tp 2 inside a replica, and every mode with pp 2 inside a replica; a relaxed run resumed from its (drained)
-checkpoint continues it exactly (dssp: with identical replicas), and a bsp run loads it.
+replicas end bitwise identical and equal whatever the straggler pattern; replicas are identical after a
+sync without any drain; ssp and local_sgd compose with tp 2 inside a replica, and every mode with pp 2
+inside a replica; over ZeRO shards, a checkpoint leaves local_sgd and diloco runs unchanged and a resume
+continues them bitwise, ssp continues its drained run exactly, dssp resumes with identical replicas,
+and a bsp run loads each (tests/dist/test_relaxed_checkpoint.py checks checkpoints on and off syncs).
 """
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -65,10 +66,11 @@ def _worker(rank, world_size, out):
     res["sgd_local"] = _flat(_run(out, four, dp_sync="local_sgd", sync_every=1, **sgd)[0])
     res["sgd_diloco"] = _flat(_run(out, four, dp_sync="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0,
                                    **sgd)[0])
-    # the diloco and local_sgd paths with their defaults run and move replicas together
-    res["diloco_h2"] = _flat(_run(out, four, dp_sync="diloco", sync_every=2)[0])
-    res["local_h2_warm"] = _flat(_run(out, four, dp_sync="local_sgd", sync_every=2, sync_warmup_steps=2)[0])
-    res["dssp"] = _flat(_run(out, four, dp_sync="dssp", staleness=S, staleness_min=1)[0])
+    # replicas after step 6, a sync step of both (no drain: nothing averages them but the sync itself)
+    res["diloco_h2"] = _flat(_run(out, four, drain=False, dp_sync="diloco", sync_every=2)[0])
+    res["local_h2_warm"] = _flat(_run(out, four, drain=False, dp_sync="local_sgd", sync_every=2,
+                                      sync_warmup_steps=2)[0])
+    res["dssp"] = _flat(_run(out, four, dp_sync="dssp", staleness=S, staleness_min=1)[0])  # drain applies, not averages
 
     # the SSP bound under injected stragglers; the same weights whatever the pattern
     patterns = {"none": FaultsConfig(),
@@ -79,14 +81,13 @@ def _worker(rank, world_size, out):
         trainer = _make(out, four, steps=STEPS, dp_sync="ssp", staleness=S, faults=faults)
         log = []
         for _ in range(STEPS):
-            t0 = time.time()
             rec = trainer.train_step()
-            log.append({"clock": rec["step"], "start": t0, "end": time.time(),
-                        "applied": rec["applied"], "delay": rec.get("injected_delay_s", 0.0),
+            log.append({"clock": rec["step"], "applied": rec["applied"], "delay": rec.get("injected_delay_s", 0.0),
                         "lead": rec["clock_lead"], "lag": rec["clock_lag"], "wait_s": rec["wait_s"],
                         "bytes": rec["replica_bytes"]})
+        undrained = _flat(trainer)
         trainer.drain_replicas()
-        res[f"ssp_{name}"] = {"log": log, "params": _flat(trainer)}
+        res[f"ssp_{name}"] = {"log": log, "params": _flat(trainer), "undrained": undrained}
 
     # composition: tp 2 inside each of 2 replicas
     tp2 = ParallelDims.from_degrees(tp=2, dp_shard=1)
@@ -107,9 +108,10 @@ def _worker(rank, world_size, out):
                      "local_sgd": dict(sync_every=2), "diloco": dict(sync_every=2)}.items():
         res[f"pp_{mode}_h"] = _flat(_run(out, pp2, microbatches=2, dp_sync=mode, **kw)[0])
 
-    # checkpoint / resume: save at step 3 (drains), continue to 6; a resumed run reaches the same weights
+    # checkpoint / resume over ZeRO shards: save at step 3 (between syncs), continue to 6; a resumed run
+    # reaches the same weights; local_sgd / diloco: both are the run without a checkpoint
     for mode, kw in {"ssp": dict(dp_sync="ssp", staleness=S), "local_sgd": dict(dp_sync="local_sgd", sync_every=2),
-                     "diloco": dict(dp_sync="diloco", sync_every=2),
+                     "diloco": dict(dp_sync="diloco", sync_every=2, outer_momentum=0.9),
                      "dssp": dict(dp_sync="dssp", staleness=S, staleness_min=1)}.items():
         ck_out = os.path.join(out, f"ck-{mode}")
         if rank == 0:
@@ -119,6 +121,7 @@ def _worker(rank, world_size, out):
         for _ in range(3):
             trainer.train_step()
         ckpt = trainer.checkpointer.save(trainer)
+        at3 = _flat(trainer)  # this replica's weights at the save (between syncs: the replicas differ)
         for _ in range(3):
             trainer.train_step()
         trainer.drain_replicas()
@@ -129,6 +132,12 @@ def _worker(rank, world_size, out):
         bsp_loaded = _make(ck_out, hsdp, zero=1, resume=ckpt)
         res[f"ckpt_{mode}"] = {"cont": _flat(trainer), "resumed": _flat(resumed), "start": resumed.step,
                                "bsp_step": bsp_loaded.step, "bsp_record": bsp_loaded.train_step()["loss"]}
+        if mode in ("local_sgd", "diloco"):
+            res[f"ckpt_{mode}"]["straight"] = _flat(_run(ck_out, hsdp, drain=False, zero=1, **kw)[0])
+            # 2 replicas of 2 ZeRO shards resumed as 4 replicas of one rank: each starts from the average
+            four_loaded = _make(ck_out, four, resume=ckpt, **kw)
+            res[f"ckpt_{mode}"].update(at3=at3, four=_flat(four_loaded),
+                                       four_record=four_loaded.train_step()["loss"])
     dist.barrier()
     return res
 
@@ -157,11 +166,13 @@ def test_local_sgd_h1_with_sgd_is_bsp_and_diloco_h1_is_local_sgd(world4):
         torch.testing.assert_close(res["sgd_diloco"], res["sgd_local"], **EXACT_FP32)
 
 
-def test_every_mode_leaves_replicas_identical_after_drain(world4):
+def test_replicas_are_identical_after_a_sync_and_after_an_ssp_or_dssp_drain(world4):
+    """local_sgd / diloco at a sync step and ssp at any clock, undrained; dssp after its drain, which
+    applies the pending summed updates (it averages nothing)."""
     for key in ("diloco_h2", "local_h2_warm", "dssp", "ssp_none"):
-        params = [res[key]["params"] if isinstance(res[key], dict) else res[key] for res in world4]
+        params = [res[key]["undrained"] if isinstance(res[key], dict) else res[key] for res in world4]
         for p in params[1:]:  # 4 replicas of one rank each: every rank holds the whole model
-            torch.testing.assert_close(p, params[0], rtol=0, atol=1e-6)
+            assert torch.equal(p, params[0]), key
 
 
 def _bound_violations(world4, name: str) -> list:
@@ -175,9 +186,8 @@ def _bound_violations(world4, name: str) -> list:
                     bad.append((a, c, "applied", entry["applied"]))
             elif entry["applied"]:
                 bad.append((a, c, "applied early", entry["applied"]))
-            for b, other in enumerate(logs):  # clock gap: b had started clock c - S before a finished c
-                if c - S >= 1 and other[c - S - 1]["start"] > entry["end"]:
-                    bad.append((a, c, "gap", b))
+    # No wall clocks compared across ranks (hosts' clocks differ): applying clock c - S at clock c waited
+    # for the all-reduce of clock c - S, which completes only once every replica has reached it.
     return bad
 
 
@@ -226,7 +236,20 @@ def test_resumed_relaxed_run_continues_exactly_and_loads_into_bsp(world4, mode):
         ck = res[f"ckpt_{mode}"]
         assert ck["start"] == 6 and ck["bsp_step"] == 3
         assert torch.equal(ck["resumed"], ck["cont"])
+        if mode != "ssp":  # the save changed nothing: both are the run without a checkpoint
+            assert torch.equal(ck["cont"], ck["straight"])
         assert np.isfinite(ck["bsp_record"])
+    if mode != "ssp":  # step 6 is a sync step: replicas (ranks 0, 1 and 2, 3: ZeRO gathers full weights) agree
+        assert torch.equal(world4[2][f"ckpt_{mode}"]["cont"], world4[0][f"ckpt_{mode}"]["cont"])
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_another_replica_count_starts_every_replica_from_the_average(world4, mode):
+    a, b = world4[0][f"ckpt_{mode}"]["at3"], world4[2][f"ckpt_{mode}"]["at3"]  # replicas 0 and 1
+    assert not torch.equal(a, b)
+    for res in world4:
+        assert torch.equal(res[f"ckpt_{mode}"]["four"], (a + b) * 0.5)
+        assert np.isfinite(res[f"ckpt_{mode}"]["four_record"])
 
 
 def test_a_resumed_dssp_run_continues_with_identical_replicas_and_loads_into_bsp(world4):
@@ -235,4 +258,6 @@ def test_a_resumed_dssp_run_continues_with_identical_replicas_and_loads_into_bsp
     for res in world4:
         ck = res["ckpt_dssp"]
         assert ck["start"] == 6 and ck["bsp_step"] == 3 and np.isfinite(ck["bsp_record"])
-        assert torch.equal(ck["resumed"], world4[0]["ckpt_dssp"]["resumed"])
+    # ranks 0, 1 are replica 0 and ranks 2, 3 replica 1 (ZeRO shards; each rank gathers the full weights)
+    for a, b in ((2, 0), (3, 1), (1, 0)):
+        assert torch.equal(world4[a]["ckpt_dssp"]["resumed"], world4[b]["ckpt_dssp"]["resumed"]), (a, b)
