@@ -17,7 +17,7 @@ import pytest
 from pipetrain.config import ConfigError, DataConfig, build_recipe
 from pipetrain.data import (BlendedData, PackedData, build_data, is_prepared, load_tokenizer, open_prepared, prepare,
                             prepared_dir_for)
-from pipetrain.data.corpus import MANIFEST, _HashedWriter
+from pipetrain.data.corpus import MANIFEST, _HashedWriter, text_pieces
 from pipetrain.data.order import BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -205,6 +205,46 @@ def test_a_text_field_that_is_not_text_is_named(tmp_path, tokenizer, records):
     with pytest.raises(ConfigError, match=r"data.text_field='text': record \d holds (5|None), not text"):
         prepare(str(path), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_a_long_document_tokenised_in_pieces_gives_the_whole_documents_tokens(tokenizer):
+    with open(os.path.join(ROOT, "pipetrain", "assets", "shakespeare", "hamlet_gut.txt")) as f:
+        text = f.read()[:60_000] + "  double  spaces,\ttabs and\n\n\nnewlines   end"
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for limit in (64, 1000, 7777):
+        pieces = text_pieces(text, limit)
+        assert "".join(pieces) == text and max(map(len, pieces)) <= limit and len(pieces) > 1
+        ids = [t for piece in pieces for t in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+        assert ids == whole, limit
+    runs = "".join(f"word{i}" + " " * (i % 5 + 1) + "\n" * (i % 3) for i in range(400))  # cuts near runs of spaces
+    for limit in range(24, 64):
+        assert [t for piece in text_pieces(runs, limit) for t in tokenizer(piece, add_special_tokens=False)[
+            "input_ids"]] == tokenizer(runs, add_special_tokens=False)["input_ids"], limit
+    assert text_pieces("x" * 10, 4) == ["xxxx", "xxxx", "xx"]  # no boundary at all: cut at the limit
+
+
+def _prepare_peak_rss(tmp_path, megabytes: int) -> int:
+    """Peak RSS in bytes of a fresh process preparing a one-line file of `megabytes` MB."""
+    rng = np.random.default_rng(0)
+    words = np.array(["the", "king", "doth", "wake", "tonight", "and", "takes", "his", "rouse"])
+    line = " ".join(words[rng.integers(0, len(words), megabytes * 1024 * 1024 // 4)])[:megabytes * 1024 * 1024]
+    path = tmp_path / f"line{megabytes}.txt"
+    path.write_text(line)
+    probe = ("from pipetrain.data import load_tokenizer, prepare\n"
+             f"prepare({str(path)!r}, load_tokenizer({TOKENIZER!r}), cache_dir={str(tmp_path / 'c')!r}, "
+             f"out_dir={str(tmp_path / f'p{megabytes}')!r}, progress=False)\n"
+             # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking (pytest) process
+             "print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_prepare_memory_stays_flat_as_a_single_line_grows(tmp_path):
+    """A 4x longer line costs a few bytes a character more (the text and its int32 ids), not the tokenizer's
+    ~140 bytes a character: before pieces, 5 MB peaked at 1.1 GB and 20 MB at 3.2 GB."""
+    small, large = _prepare_peak_rss(tmp_path, 5), _prepare_peak_rss(tmp_path, 20)
+    assert large - small < 15 * 1024 * 1024 * 10, (small, large)  # under 10 bytes per added character
 
 
 def test_non_positive_blend_weight_is_refused():
