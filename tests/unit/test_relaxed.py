@@ -174,6 +174,7 @@ def _relaxed(monkeypatch, mode="dssp", staleness=3, staleness_min=1, steps_taken
         t.fill_(max(float(t), replica_counts.get(clock[-1], 0)))
     monkeypatch.setattr(relaxed, "all_reduce_async", all_reduce_async)
     monkeypatch.setattr(relaxed, "all_reduce_max_", all_reduce_max_)
+    monkeypatch.setattr(relaxed, "group_device", lambda group: torch.device("cpu"))  # the groups are names here
     dims = SimpleNamespace(dp_replicate=2, dp_replicate_group="replicate", dp_replicate_rank=0, dp_shard_rank=0,
                            replica_group="replica", device=torch.device("cpu"))
     pcfg = ParallelConfig(dp_sync=mode, staleness=staleness, staleness_min=staleness_min)
