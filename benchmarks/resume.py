@@ -8,7 +8,8 @@ parameter) on 2 gloo processes at pp 2 and saves it, so each rank's file holds h
 rebuilds the same run on 2 processes and times what build_trainer does for `--resume auto`: rank 0
 chooses a checkpoint (build._resume_dir) and every rank loads it (build's load_agreed where the code
 has it, else checkpoint.load), up to a barrier, so the figure is the slowest rank's. It prints the
-median of --reps and the bytes each rank hashed (pipetrain.checkpoint.file_sha256 wrapped). The timed
+median of --reps, the median time of the choice alone (rank 1 waits that long in a collective for
+rank 0) and the bytes each rank hashed (pipetrain.checkpoint.file_sha256 wrapped). The timed
 code is whatever pipetrain this checkout holds, so the same command measures old and new code.
 """
 from __future__ import annotations
@@ -67,12 +68,13 @@ def _time(rank, world_size, out, layers, reps):
         return real_hash(path)
 
     checkpoint.file_sha256 = counting_sha256
-    times = []
+    times, chosen = [], []
     for _ in range(reps):
         hashed[0] = 0
         barrier(dims.world_size)
         t0 = time.perf_counter()
         ckpt_dir = build._resume_dir(recipe, dims, "auto")
+        chosen.append(time.perf_counter() - t0)  # rank 1: how long it waited in the broadcast for rank 0's choice
         if hasattr(build, "load_agreed"):  # the code under test agrees on per-rank verification
             build.load_agreed(ckpt_dir, lambda path: checkpoint.load(path, parts, recipe, dims), dims, auto=True,
                               output_dir=out)
@@ -80,10 +82,10 @@ def _time(rank, world_size, out, layers, reps):
             checkpoint.load(ckpt_dir, parts, recipe, dims)
         barrier(dims.world_size)
         times.append(time.perf_counter() - t0)
-    per_rank = torch.zeros(world_size, dtype=torch.int64)
-    per_rank[rank] = hashed[0]
+    per_rank = torch.zeros(2, world_size, dtype=torch.float64)  # bytes hashed, median choice wait
+    per_rank[:, rank] = torch.tensor([hashed[0], statistics.median(chosen)])
     sum_over_world_(per_rank, world_size)
-    return statistics.median(times), times, per_rank.tolist()
+    return statistics.median(times), times, per_rank[0].tolist(), per_rank[1].tolist()
 
 
 def main() -> None:
@@ -98,10 +100,11 @@ def main() -> None:
         params, size = run_ranks(2, _make, args.make, args.layers)
         print(f"saved {params / 1e6:.0f}M params (rank 0's stage) into {args.make}: {size / 1e9:.2f} GB on disk")
     if args.time:
-        median, times, per_rank = run_ranks(2, _time, args.time, args.layers, args.reps)
+        median, times, hashed, chosen = run_ranks(2, _time, args.time, args.layers, args.reps)
         print(f"--resume auto, 2 processes (pp 2): median {median:.2f} s of {args.reps} "
-              f"({', '.join(f'{t:.2f}' for t in times)}); bytes hashed per rank: "
-              f"{', '.join(f'{b / 1e9:.2f} GB' for b in per_rank)}", flush=True)
+              f"({', '.join(f'{t:.2f}' for t in times)}); choosing (median, rank 0 / rank 1's wait): "
+              f"{chosen[0]:.2f} / {chosen[1]:.2f} s; bytes hashed per rank: "
+              f"{', '.join(f'{b / 1e9:.2f} GB' for b in hashed)}", flush=True)
 
 
 if __name__ == "__main__":
