@@ -55,15 +55,16 @@ def load_agreed(ckpt_dir: str, load_one: Callable[[str], T], dims, *, auto: bool
             raise error or ConfigError(f"checkpoint {ckpt_dir}: another rank refused it (its error above says why); "
                                        "resume from another checkpoint")
         if error is not None:
-            print(f"warning: [rank {dims.rank}] skipping checkpoint {ckpt_dir}: {error}", file=sys.stderr, flush=True)
+            print(f"warning: {dims.coords} skipping checkpoint {ckpt_dir}: {error}", file=sys.stderr, flush=True)
         failed = ckpt_dir
         ckpt_dir = broadcast_object_from_rank0(
             find_resumable(output_dir, dims.rank, older_than=failed) if dims.rank == 0 else None,
             dims.full_world_size)
         if ckpt_dir is None:
-            raise ConfigError(f"--resume auto: no intact checkpoint is left in {os.path.join(output_dir, 'checkpoints')} "
-                              f"({os.path.basename(failed)} and any newer failed verification, see the warnings); "
-                              "restore a good copy, or move the checkpoints away to start fresh")
+            root = os.path.join(output_dir, "checkpoints")
+            raise ConfigError(f"--resume auto: no intact checkpoint is left in {root} ({os.path.basename(failed)} "
+                              "and any newer failed verification, see the warnings); restore a good copy, or move "
+                              "the checkpoints away to start fresh")
         if dims.rank == 0:
             print(f"--resume auto: {os.path.basename(failed)} is damaged; every rank falls back to {ckpt_dir}",
                   file=sys.stderr, flush=True)
