@@ -9,6 +9,7 @@ overlap it, reading only those slices (safetensors slicing), so any layout loads
 Directory (docs/checkpoints.md): checkpoints/step-00000100/{manifest.json, rank-00000.safetensors, ...} and
 checkpoints/latest naming the newest complete one. A save writes into checkpoints/.tmp-step-...,
 fsyncs every file, then renames; a crash mid-save leaves the previous checkpoint as latest.
+Resuming (resume.py): rank 0 chooses by manifest, headers and sizes; each rank hashes what it reads.
 Nothing is pickled: tensors are safetensors, everything else JSON.
 
 RNG: the model has no dropout, so the only consumer of torch's RNG is end-of-run sampling. Each
@@ -383,7 +384,7 @@ def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
     path = os.path.join(ckpt_dir, "manifest.json")
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
-                          "resume from another checkpoint")
+                                "resume from another checkpoint")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -391,11 +392,11 @@ def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if isinstance(version, int) and version > FORMAT_VERSION:
-        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} is newer than this pipetrain reads "
-                          f"({FORMAT_VERSION}); upgrade pipetrain")
+        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} is newer than this pipetrain "
+                                f"reads ({FORMAT_VERSION}); upgrade pipetrain")
     if isinstance(version, int) and version < FORMAT_VERSION:
-        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} has no manifest checksum, which this "
-                          f"pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
+        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} has no manifest checksum, which "
+                                f"this pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
     try:
         return check_manifest(manifest, ckpt_dir, check_files=check_files)
     except ConfigError as exc:  # every structural failure is damage to this checkpoint
@@ -411,11 +412,11 @@ def verify_files(ckpt_dir: str, manifest: dict, files=None, *, sha256: bool = Tr
         if not os.path.isfile(path):
             raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: file {name} is missing; the checkpoint is incomplete")
         if os.path.getsize(path) != info["bytes"]:
-            raise CorruptCheckpoint(f"checkpoint {path}: {os.path.getsize(path)} bytes, manifest says {info['bytes']} "
-                              "(truncated or overwritten); use another checkpoint")
+            raise CorruptCheckpoint(f"checkpoint {path}: {os.path.getsize(path)} bytes, manifest says "
+                                    f"{info['bytes']} (truncated or overwritten); use another checkpoint")
         if sha256 and file_sha256(path) != info["sha256"]:
             raise CorruptCheckpoint(f"checkpoint {path}: SHA-256 does not match the manifest (corrupt); "
-                              "use another checkpoint")
+                                    "use another checkpoint")
 
 
 class TensorReader:
