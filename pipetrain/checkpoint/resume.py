@@ -12,8 +12,9 @@ processes (parameter servers included) agree on an outcome code by an all-reduce
 tensor on the gloo checkpoint group (pipetrain.parallel.comm). Any rank's damage sends all of them to
 the next older checkpoint that rank 0 finds intact (`--resume auto`), or to one error when none is
 left or the checkpoint was named (`--resume DIR`). Any other refusal (a checkpoint of another model)
-stops every rank. Falling back reloads everything: each load overwrites every parameter, optimizer
-tensor, the data position and the RNG, so nothing of the damaged attempt remains.
+or error stops every rank, instead of leaving the others waiting in the next collective. Falling back
+reloads everything: each load overwrites every parameter, optimizer tensor, the data position and
+the RNG, so nothing of the damaged attempt remains.
 
 May import: checkpoint, config, parallel.comm. Never: trainer, build, cli.
 """
@@ -46,7 +47,7 @@ def load_agreed(ckpt_dir: str, load_one: Callable[[str], T], dims, *, auto: bool
             result = load_one(ckpt_dir)
         except CorruptCheckpoint as exc:
             error, outcome = exc, DAMAGED
-        except ConfigError as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised below once agreed, so no rank waits on a failed one
             error, outcome = exc, REFUSED
         agreed = int(all_reduce_max_(torch.tensor([outcome], dtype=torch.int64, device="cpu"), group).item())
         if agreed == LOADED:
