@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain import checkpoint
+from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.config import ConfigError, Recipe, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
@@ -124,8 +125,10 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if replica is not None:
         optimizer = FaultTolerantOptimizer(optimizer, dims, recipe, replica)
     start = 0
-    if ckpt_dir is not None:
-        manifest = checkpoint.load(ckpt_dir, {"model": model, "optimizer": optimizer, "loader": loader}, recipe, dims)
+    if ckpt_dir is not None:  # every rank hashes the files it reads; a damaged one moves all ranks together
+        parts = {"model": model, "optimizer": optimizer, "loader": loader}
+        ckpt_dir, manifest = load_agreed(ckpt_dir, lambda path: checkpoint.load(path, parts, recipe, dims), dims,
+                                         auto=resume == "auto", output_dir=recipe.run.output_dir)
         start = manifest["step"]
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
     if resume is not None and dims.rank == 0:
@@ -168,19 +171,27 @@ def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) 
     """A parameter-server rank (dims.is_server): its rows of the table, from the seed or the checkpoint
     the workers resume from, and a checkpointer that joins their saves. serve() runs it."""
     ckpt_dir = _resume_dir(recipe, dims, resume)  # the same collective as the workers' in build_trainer
-    manifest = checkpoint.read_manifest(ckpt_dir) if ckpt_dir is not None else None
     log = server_log(recipe.run.output_dir, dims.rank - dims.world_size)
     if resume is None and os.path.exists(log):
         os.remove(log)  # a fresh run starts a fresh log, as metrics.jsonl
-    elif resume is not None:  # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl
-        _truncate_metrics(log, manifest["step"] if manifest else 0)
-    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))
-    if manifest is not None:
-        checkpoint.check_compatible(manifest, recipe, ckpt_dir)
-        reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
-        server.load(reader.read, manifest)
+    elif resume is not None and ckpt_dir is None:
+        _truncate_metrics(log, 0)  # --resume auto found nothing: the run starts over
+    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))  # appends to the log: cut back below
+    if ckpt_dir is not None:  # the workers' agreement in build_trainer, from the server's side
+        load_agreed(ckpt_dir, lambda path: _load_server(server, path, recipe, log), dims, auto=resume == "auto",
+                    output_dir=recipe.run.output_dir)
     server.checkpointer = checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
     return server
+
+
+def _load_server(server: Server, ckpt_dir: str, recipe: Recipe, log: str) -> None:
+    manifest = checkpoint.read_manifest(ckpt_dir)
+    checkpoint.check_compatible(manifest, recipe, ckpt_dir)
+    reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
+    server.load(reader.read, manifest)
+    # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl (the server's
+    # log is opened for appending, so cutting it now is safe; a fallback to an older checkpoint cuts further)
+    _truncate_metrics(log, manifest["step"])
 
 
 def _build_tokenizer(recipe: Recipe):
@@ -281,7 +292,8 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
     if resume != "auto":
         checkpoint.check_resume_dir(resume)
         return resume
-    # rank 0 verifies and chooses, so every rank resumes from the same checkpoint
+    # rank 0 checks the manifests, headers and sizes (no hashing) and chooses, so every rank starts from the
+    # same checkpoint; the hashing happens per rank in load_agreed
     choice = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too
         checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.full_world_size)
     if choice is None and dims.rank == 0:

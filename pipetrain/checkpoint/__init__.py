@@ -9,6 +9,7 @@ overlap it, reading only those slices (safetensors slicing), so any layout loads
 Directory (docs/checkpoints.md): checkpoints/step-00000100/{manifest.json, rank-00000.safetensors, ...} and
 checkpoints/latest naming the newest complete one. A save writes into checkpoints/.tmp-step-...,
 fsyncs every file, then renames; a crash mid-save leaves the previous checkpoint as latest.
+Resuming (resume.py): rank 0 chooses by manifest, headers and sizes; each rank hashes what it reads.
 Nothing is pickled: tensors are safetensors, everything else JSON.
 
 RNG: the model has no dropout, so the only consumer of torch's RNG is end-of-run sampling. Each
@@ -285,7 +286,8 @@ class Checkpointer:
             "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries},
             "rng": {str(e["rank"]): e["file"] for e in entries},
             "data": snap.data,
-            "lr_schedule": {"step": snap.step, "name": "warmup-cosine"},
+            "lr_schedule": {"step": snap.step, "name": self.recipe.train.lr_schedule,
+                            "warmup_steps": self.recipe.train.warmup_steps},
         }
 
     def _rotate(self) -> None:
@@ -313,6 +315,12 @@ def check_base(manifest: dict, init_from: str | None, seed: int, ckpt_dir: str) 
     if saved.get("sha256") != now.get("sha256") or saved.get("seed") != now.get("seed"):
         raise ConfigError(f"checkpoint {ckpt_dir} holds LoRA adapters trained on base {saved}, got base {now}; "
                           "set model.init_from (and train.seed) to the base the adapters were trained on")
+
+
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint's manifest or files do not match (missing, truncated, wrong checksum, unreadable):
+    `--resume auto` falls back to an older checkpoint; any other ConfigError (a checkpoint of another
+    model, say) stops the resume."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -373,39 +381,43 @@ def _gather(obj, dims, group=None) -> list:
 
 def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
     """The checkpoint's manifest, verified (pipetrain.checkpoint.manifest.check_manifest): its checksum,
-    its structure and, with check_files, the headers of the files it names. ConfigError if not."""
+    its structure and, with check_files, the headers of the files it names. CorruptCheckpoint if not."""
     path = os.path.join(ckpt_dir, "manifest.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
-                          "resume from another checkpoint")
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
+                                "resume from another checkpoint")
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
+        raise CorruptCheckpoint(f"checkpoint {path}: not valid JSON ({exc}); the file is corrupt") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if isinstance(version, int) and version > FORMAT_VERSION:
-        raise ConfigError(f"checkpoint {path}: format version {version!r} is newer than this pipetrain reads "
-                          f"({FORMAT_VERSION}); upgrade pipetrain")
+        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} is newer than this pipetrain "
+                                f"reads ({FORMAT_VERSION}); upgrade pipetrain")
     if isinstance(version, int) and version < FORMAT_VERSION:
-        raise ConfigError(f"checkpoint {path}: format version {version!r} has no manifest checksum, which this "
-                          f"pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
-    return check_manifest(manifest, ckpt_dir, check_files=check_files)
+        raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} has no manifest checksum, which "
+                                f"this pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
+    try:
+        return check_manifest(manifest, ckpt_dir, check_files=check_files)
+    except ConfigError as exc:  # every structural failure is damage to this checkpoint
+        raise CorruptCheckpoint(str(exc)) from None
 
 
-def verify_files(ckpt_dir: str, manifest: dict, files=None) -> None:
-    """Check existence, size and SHA-256 of the given (default: all) files against the manifest."""
+def verify_files(ckpt_dir: str, manifest: dict, files=None, *, sha256: bool = True) -> None:
+    """Check existence, size and (sha256) SHA-256 of the given (default: all) files against the manifest;
+    CorruptCheckpoint if one does not match."""
     for name in files if files is not None else manifest["files"]:
         info = manifest["files"][name]
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
-            raise ConfigError(f"checkpoint {ckpt_dir}: file {name} is missing; the checkpoint is incomplete")
+            raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: file {name} is missing; the checkpoint is incomplete")
         if os.path.getsize(path) != info["bytes"]:
-            raise ConfigError(f"checkpoint {path}: {os.path.getsize(path)} bytes, manifest says {info['bytes']} "
-                              "(truncated or overwritten); use another checkpoint")
-        if file_sha256(path) != info["sha256"]:
-            raise ConfigError(f"checkpoint {path}: SHA-256 does not match the manifest (corrupt); "
-                              "use another checkpoint")
+            raise CorruptCheckpoint(f"checkpoint {path}: {os.path.getsize(path)} bytes, manifest says "
+                                    f"{info['bytes']} (truncated or overwritten); use another checkpoint")
+        if sha256 and file_sha256(path) != info["sha256"]:
+            raise CorruptCheckpoint(f"checkpoint {path}: SHA-256 does not match the manifest (corrupt); "
+                                    "use another checkpoint")
 
 
 class TensorReader:
@@ -413,20 +425,32 @@ class TensorReader:
 
     def __init__(self, ckpt_dir: str, manifest: dict, device="cpu", verify: bool = True):
         self.dir, self.manifest, self.device, self.verify = ckpt_dir, manifest, device, verify
-        self.verified: set[str] = set()
+        self.opened: set[str] = set()  # files read from (each verified before its first read)
 
     def _open(self, file: str):
         # Each file is verified the first time this rank reads from it, so a rank hashes only the
         # files holding its slices. Opened per read, not cached: a long-lived handle keeps every page
         # it mapped resident, so streaming a large checkpoint would grow towards its whole size.
-        if self.verify and file not in self.verified:
-            verify_files(self.dir, self.manifest, [file])
-            self.verified.add(file)
+        if file not in self.opened:
+            if self.verify:
+                verify_files(self.dir, self.manifest, [file])
+            self.opened.add(file)
         path = os.path.join(self.dir, file)
         try:
             return safe_open(path, framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise ConfigError(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
+            raise CorruptCheckpoint(f"checkpoint {path}: cannot be read ({exc}); the file is corrupt") from None
+
+    def _pieces(self, info: dict) -> list[dict]:
+        """One piece per distinct box. State replicated over pipeline stages (the step count) is saved
+        by each; take the copy in a file this rank already reads, so it never hashes another rank's
+        whole file for one scalar."""
+        by_box: dict[tuple, dict] = {}
+        for piece in info["pieces"]:
+            box = (tuple(piece["offsets"]), tuple(piece["shape"]))
+            if box not in by_box or (piece["file"] in self.opened and by_box[box]["file"] not in self.opened):
+                by_box[box] = piece
+        return list(by_box.values())
 
     def read(self, name: str, offsets, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.manifest["tensors"].get(name)
@@ -434,12 +458,8 @@ class TensorReader:
             raise ConfigError(f"checkpoint {self.dir}: tensor {name} is not in the manifest; the checkpoint does "
                               "not match this model or optimizer")
         out = torch.empty(list(shape), dtype=getattr(torch, info["dtype"]), device="cpu")  # read on the host
-        covered, seen = 0, set()
-        for piece in info["pieces"]:
-            box = (tuple(piece["offsets"]), tuple(piece["shape"]))
-            if box in seen:  # replicated state (e.g. the step count) saved by several pipeline stages
-                continue
-            seen.add(box)
+        covered = 0
+        for piece in self._pieces(info):
             lo = [max(a, b) for a, b in zip(offsets, piece["offsets"])]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, piece["offsets"], piece["shape"])]
             if any(h <= l for l, h in zip(lo, hi)) and len(shape) > 0:
@@ -452,13 +472,13 @@ class TensorReader:
             except ConfigError:
                 raise
             except Exception as exc:  # safetensors' own error types: a truncated or mangled file
-                raise ConfigError(f"checkpoint {os.path.join(self.dir, piece['file'])}: tensor {name} cannot be "
-                                  f"read ({exc}); the file is truncated or corrupt") from None
+                raise CorruptCheckpoint(f"checkpoint {os.path.join(self.dir, piece['file'])}: tensor {name} cannot "
+                                        f"be read ({exc}); the file is truncated or corrupt") from None
             out[dst] = part
             covered += part.numel()
         if covered != out.numel():
-            raise ConfigError(f"checkpoint {self.dir}: tensor {name} box {list(offsets)}+{list(shape)} is only "
-                              f"partly saved ({covered} of {out.numel()} elements); the checkpoint is incomplete")
+            raise CorruptCheckpoint(f"checkpoint {self.dir}: tensor {name} box {list(offsets)}+{list(shape)} is only "
+                                    f"partly saved ({covered} of {out.numel()} elements); the checkpoint is incomplete")
         return out.to(self.device, dtype=dtype or out.dtype)
 
 
@@ -484,17 +504,22 @@ def check_resume_dir(path: str) -> None:
                           "--resume auto")
 
 
-def find_resumable(output_dir: str, rank: int = 0) -> str | None:
-    """Newest checkpoint in output_dir/checkpoints that is complete and intact (newest first; `latest`
-    first when it names one). Reports and skips broken ones. None when there is none."""
+def find_resumable(output_dir: str, rank: int = 0, *, older_than: str | None = None) -> str | None:
+    """Newest checkpoint in output_dir/checkpoints (older than the folder older_than names, when given)
+    whose manifest is sealed and well formed and whose files' headers and sizes match it; reports and
+    skips the others. None when there is none. Nothing is hashed here: a checkpoint may be far larger
+    than one rank can hash within a collective's timeout, so each rank hashes the files it reads when
+    it loads them (pipetrain.checkpoint.resume agrees on the outcome)."""
     root = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(root):
         return None
     names = sorted((n for n in os.listdir(root) if n.startswith("step-")), reverse=True)
+    if older_than is not None:
+        names = [n for n in names if n < os.path.basename(os.path.normpath(older_than))]
     for name in names:
         path = os.path.join(root, name)
         try:
-            verify_files(path, read_manifest(path))
+            verify_files(path, read_manifest(path), sha256=False)
             return path
         except ConfigError as exc:
             if rank == 0:
