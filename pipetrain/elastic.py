@@ -27,7 +27,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from pipetrain.checkpoint import check_resume_dir, read_manifest
+from pipetrain.checkpoint import check_resume_dir, checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.parallel.layout import layout_problems, mesh_problems, resolve_dp
 from pipetrain.plan.auto import resolve_at_launch
@@ -62,10 +62,7 @@ def saved_layout(output_dir: str, resume: str | None) -> SavedLayout | None:
         check_resume_dir(resume)
         candidates = [resume]
     else:
-        root = os.path.join(output_dir, "checkpoints")
-        names = sorted((n for n in os.listdir(root) if n.startswith("step-")), reverse=True) \
-            if os.path.isdir(root) else []
-        candidates = [os.path.join(root, n) for n in names]
+        candidates = checkpoint_dirs(os.path.join(output_dir, "checkpoints"))[::-1]
     for path in candidates:
         try:
             return _layout_of(path, read_manifest(path, check_files=False))

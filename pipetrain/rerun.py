@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from pipetrain.checkpoint import read_manifest
+from pipetrain.checkpoint import checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
 
 # Keys a rerun may change: train.steps extends (or ends) the run; run.* does not touch the trajectory.
@@ -36,12 +36,8 @@ class SavedRun:
 def newest_saved_run(output_dir: str) -> SavedRun | None:
     """The newest checkpoint with a readable manifest (files are verified when the resume loads them);
     None when checkpoints/ holds no step folder. ConfigError when step folders exist but none reads."""
-    root = os.path.join(output_dir, "checkpoints")
-    names = sorted((n for n in os.listdir(root) if n.startswith("step-") and os.path.isdir(os.path.join(root, n))),
-                   reverse=True) if os.path.isdir(root) else []
     problem = None
-    for name in names:
-        path = os.path.join(root, name)
+    for path in checkpoint_dirs(os.path.join(output_dir, "checkpoints"))[::-1]:
         try:
             manifest = read_manifest(path, check_files=False)
             return SavedRun(path, int(manifest["step"]), manifest["recipe"])

@@ -291,9 +291,8 @@ class Checkpointer:
         }
 
     def _rotate(self) -> None:
-        done = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
-        for name in done[:-self.recipe.checkpoint.keep]:
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        for path in checkpoint_dirs(self.root)[:-self.recipe.checkpoint.keep]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def base_reference(init_from: str | None, seed: int) -> dict:
@@ -379,9 +378,36 @@ def _gather(obj, dims, group=None) -> list:
 
 # ---- reading ------------------------------------------------------------------------------------
 
+def checkpoint_dirs(root: str) -> list[str]:
+    """Paths of the checkpoints under root (a run's checkpoints/ folder), oldest first: real step-*
+    folders only. A link named step-* is no checkpoint of this run, so rotation never counts (or deletes
+    through) one and a resume never picks one; root itself may be a link (to a scratch disk)."""
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if n.startswith("step-") and not os.path.islink(os.path.join(root, n))
+            and os.path.isdir(os.path.join(root, n))]
+
+
+def refuse_links(ckpt_dir: str) -> None:
+    """CorruptCheckpoint when the step folder is a link or holds one: a checkpoint is its own files, and a
+    link could make a load, an inspect or an export read a file from anywhere."""
+    step = os.path.normpath(ckpt_dir)
+    if os.path.islink(step) and os.path.basename(step).startswith("step-"):
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir} is a symbolic link; a checkpoint folder holds its own "
+                                "files: copy it instead of linking it")
+    if os.path.isdir(step):
+        for entry in os.scandir(step):
+            if entry.is_symlink():
+                raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {entry.name} is a symbolic link; a checkpoint "
+                                        "holds only its own files: copy the file instead of linking it")
+
+
 def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
     """The checkpoint's manifest, verified (pipetrain.checkpoint.manifest.check_manifest): its checksum,
-    its structure and, with check_files, the headers of the files it names. CorruptCheckpoint if not."""
+    its structure and, with check_files, the headers of the files it names. CorruptCheckpoint if not (a
+    link at or below the step folder included)."""
+    refuse_links(ckpt_dir)
     path = os.path.join(ckpt_dir, "manifest.json")
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: manifest.json is missing (an incomplete save?); "
@@ -510,14 +536,10 @@ def find_resumable(output_dir: str, rank: int = 0, *, older_than: str | None = N
     skips the others. None when there is none. Nothing is hashed here: a checkpoint may be far larger
     than one rank can hash within a collective's timeout, so each rank hashes the files it reads when
     it loads them (pipetrain.checkpoint.resume agrees on the outcome)."""
-    root = os.path.join(output_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    names = sorted((n for n in os.listdir(root) if n.startswith("step-")), reverse=True)
+    paths = checkpoint_dirs(os.path.join(output_dir, "checkpoints"))[::-1]
     if older_than is not None:
-        names = [n for n in names if n < os.path.basename(os.path.normpath(older_than))]
-    for name in names:
-        path = os.path.join(root, name)
+        paths = [p for p in paths if os.path.basename(p) < os.path.basename(os.path.normpath(older_than))]
+    for path in paths:
         try:
             verify_files(path, read_manifest(path), sha256=False)
             return path
