@@ -105,3 +105,20 @@ def lighthouse(heartbeat_s: float = 5.0):
     finally:
         proc.kill()
         proc.wait()
+
+
+def worker_pid(out_dir: str, rank: int) -> int | None:
+    """PID of the train.py worker of global rank `rank` that torchrun started for the run writing to out_dir
+    (its command line names out_dir, so no other run on the machine matches; torchrun's agent is skipped)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if f"run.output_dir={out_dir}".encode() not in cmdline or b"torch.distributed.run" in cmdline:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None

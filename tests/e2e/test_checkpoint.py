@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from pipetrain.checkpoint import find_resumable, iter_full_tensors, read_manifest, verify_files
 from pipetrain.checkpoint.tools import consolidate, inspect, main as ckpt_main
 from pipetrain.config import ConfigError
-from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, step_losses
+from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, step_losses, worker_pid
 from tests.harness import TP_FP32
 
 CKPT = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=2", "run.eval_every=0", "parallel.microbatches=2"]
@@ -188,22 +188,6 @@ def _start(out, overrides, token_cache, nproc=1):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def _worker_pid(rank: int) -> int | None:
-    """PID of the train.py process torchrun started as global rank `rank` (read from its environment)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if b"train.py" not in cmdline or b"torch.distributed.run" in cmdline:  # not a worker (or the agent)
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return int(pid)
-        except OSError:  # gone, or not ours to read
-            continue
-    return None
-
-
 @pytest.mark.parametrize("how", [[], ["checkpoint.async=true"]], ids=["sync", "async"])
 def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache, how):
     proc = _start(tmp_path, ["train.steps=200", "checkpoint.every=1", "checkpoint.keep=3"] + how, token_cache)
@@ -250,7 +234,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, toke
     deadline = time.time() + 300
     while time.time() < deadline and len(read_metrics(str(tmp_path))) < 2:
         time.sleep(0.2)
-    pid = _worker_pid(1)
+    pid = worker_pid(str(tmp_path), 1)
     assert pid is not None, "rank 1's process not found"
     os.kill(pid, signal.SIGTERM)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetrain.checkpoint import read_manifest
-from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train
+from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, worker_pid
 
 RELAXED = ["parallel.dp_sync=local_sgd", "parallel.sync_every=2", "train.steps=6", "run.eval_every=0",
            "checkpoint.every=3", "faults.slow_ranks=[1]", "faults.slow_factor=2"]
@@ -68,23 +68,6 @@ def test_local_sgd_run_logs_replica_metrics_and_resumes_exactly(tmp_path, token_
     assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
 
 
-def _rank_pid(out_dir: str, rank: int) -> int | None:
-    """PID of this run's train.py worker of global rank `rank` (its command line names out_dir, so no other
-    run on the machine matches)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if f"run.output_dir={out_dir}".encode() not in cmdline or b"torch.distributed.run" in cmdline:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return int(pid)
-        except OSError:  # gone, or not ours to read
-            continue
-    return None
-
-
 def _catches_sigterm(pid: int) -> bool:
     """Whether the process has a SIGTERM handler (the stop guard, installed just before the training loop)."""
     with open(f"/proc/{pid}/status") as f:
@@ -105,7 +88,7 @@ def test_sigterm_under_local_sgd_with_sync_every_50_saves_at_the_next_step(tmp_p
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     pid = None
     for _ in proc.stdout:  # rank 0 prints a line per step; signal rank 1 once its stop guard is installed
-        pid = pid or _rank_pid(str(tmp_path), 1)
+        pid = pid or worker_pid(str(tmp_path), 1)
         if pid is not None and _catches_sigterm(pid):
             break
     assert pid is not None, "rank 1's process not found"
