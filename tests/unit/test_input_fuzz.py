@@ -17,6 +17,7 @@ import sys
 import pytest
 import yaml
 
+from pipetrain import cli
 from pipetrain.config import ConfigError, load_recipe
 from pipetrain.hf import load_hf_weights, model_config_from_hf
 from pipetrain.models import build
@@ -134,6 +135,25 @@ def test_recipe_fuzz_ends_in_success_or_one_config_error_line(tmp_path, audit):
             assert outcome == "ok", f"case {i}: the valid recipe was refused"
         outcomes[outcome] += 1
     assert outcomes["ok"] >= 40 and outcomes["error"] >= 100, outcomes
+
+
+def test_recipe_fuzz_through_the_command_line_exits_0_or_2_with_one_line(tmp_path, capsys):
+    """A handful of the same cases through train.py's entry point (--dry-run: nothing is trained)."""
+    with open(TINY) as f:
+        base = yaml.safe_load(f)
+    base["data"].update(path=str(tmp_path / "corpus"), tokenizer=str(tmp_path / "tokenizer"))
+    rng = random.Random(7)
+    codes = []
+    for i in range(12):
+        case = _mutate_recipe(rng, base) if i else copy.deepcopy(base)
+        path = tmp_path / f"r{i}.yaml"
+        path.write_text(case if isinstance(case, str) else yaml.safe_dump(case))
+        code = cli.main(["--recipe", str(path), "--dry-run", "--nproc", "2"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code in (0, 2), (i, code, err)
+        assert (code == 0 and not err) or (code == 2 and len(err) == 1 and err[0].startswith("error: ")), (i, err)
+        codes.append(code)
+    assert codes[0] == 0 and codes.count(2) >= 6, codes
 
 
 # ---- Hugging Face model folders ----
