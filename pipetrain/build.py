@@ -176,7 +176,7 @@ def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) 
         os.remove(log)  # a fresh run starts a fresh log, as metrics.jsonl
     elif resume is not None and ckpt_dir is None:
         _truncate_metrics(log, 0)  # --resume auto found nothing: the run starts over
-    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))  # appends to the log: cut back below
+    server = Server(recipe, dims, lambda k: lr_at(k, recipe.train))
     if ckpt_dir is not None:  # the workers' agreement in build_trainer, from the server's side
         load_agreed(ckpt_dir, lambda path: _load_server(server, path, recipe, log), dims, auto=resume == "auto",
                     output_dir=recipe.run.output_dir)
@@ -189,9 +189,10 @@ def _load_server(server: Server, ckpt_dir: str, recipe: Recipe, log: str) -> Non
     checkpoint.check_compatible(manifest, recipe, ckpt_dir)
     reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
     server.load(reader.read, manifest)
-    # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl (the server's
-    # log is opened for appending, so cutting it now is safe; a fallback to an older checkpoint cuts further)
+    # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl (a fallback to an
+    # older checkpoint cuts further); the cut rewrites the file, so the server reopens it
     _truncate_metrics(log, manifest["step"])
+    server.open_log()
 
 
 def _build_tokenizer(recipe: Recipe):

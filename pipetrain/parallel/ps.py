@@ -353,7 +353,15 @@ class Server:
         self.checkpointer = None
         self.faults = Faults(recipe.faults, dims.rank)  # faults.kill_rank may name a server: killed at its push
         os.makedirs(recipe.run.output_dir, exist_ok=True)
-        self._log = open(server_log(recipe.run.output_dir, self.index), "a")
+        self._log = None
+        self.open_log()
+
+    def open_log(self) -> None:
+        """(Re)open this server's log for appending; after a resume cuts the log back (a rewrite, so a new
+        file) the server must write to the new one."""
+        if self._log is not None:
+            self._log.close()
+        self._log = open(server_log(self.recipe.run.output_dir, self.index), "a")
 
     # -- state for checkpoints (pipetrain.checkpoint.Checkpointer uses these names) ----------------
     def _entries(self):

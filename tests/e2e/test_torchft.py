@@ -129,7 +129,7 @@ def _bad(tmp_path, overrides, env):
     return lines[0]
 
 
-def test_bad_torchft_input_exits_2_with_one_line(tmp_path):
+def test_bad_torchft_input_exits_2_with_one_line(tmp_path, token_cache):
     # an importable stand-in that fails like a missing package, so this runs whether or not torchft is installed
     hidden = tmp_path / "hidden"
     (hidden / "torchft").mkdir(parents=True)
@@ -144,9 +144,13 @@ def test_bad_torchft_input_exits_2_with_one_line(tmp_path):
         cases.append((ft + ["parallel.dp=2"], {"TORCHFT_LIGHTHOUSE": "http://localhost:1"},
                       ["REPLICA_GROUP_ID is not set"]))
         cases.append((ft + ["parallel.dp=2"], dict(env, REPLICA_GROUP_ID="2"), ["REPLICA_GROUP_ID: must be"]))
-        cases.append((ft + ["parallel.dp=2", "parallel.ft_connect_timeout_s=2"],  # nothing listens at port 9
-                      dict(env, TORCHFT_LIGHTHOUSE="http://127.0.0.1:9"),
+        cases.append((ft + ["parallel.dp=2", "parallel.ft_connect_timeout_s=2", f"data.cache_dir={token_cache}"],
+                      dict(env, TORCHFT_LIGHTHOUSE="http://127.0.0.1:9"),  # nothing listens at port 9
                       ["no torchft lighthouse answered at 'http://127.0.0.1:9'", "ft_connect_timeout_s=2"]))
+    # the lighthouse case gets as far as the data: prepare it first, so its stderr is the error line alone
+    sets = [a for s in list(SMALL) + [f"data.cache_dir={token_cache}"] for a in ("--set", s)]
+    subprocess.run([sys.executable, "-m", "pipetrain.data", "prepare", "--recipe", TINY] + sets, cwd=ROOT,
+                   check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     with ThreadPoolExecutor(max_workers=2) as pool:
         lines = list(pool.map(lambda i: _bad(tmp_path / f"case{i}", cases[i][0], cases[i][1]), range(len(cases))))
     for (_, _, expected), line in zip(cases, lines):
