@@ -20,12 +20,12 @@ from pipetrain.checkpoint import TensorReader, read_manifest
 from pipetrain.config import CheckpointConfig, FaultsConfig, ModelConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.models.init import init_tensor
-from pipetrain.optim import lr_at
-from pipetrain.parallel import ps as ps_module
-from pipetrain.parallel.adamw import decays, set_lr
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.inner_optim import build_inner
-from pipetrain.parallel.ps import required_version, row_range
+from pipetrain.optim.build import lr_at
+from pipetrain.parallel.ps import core as ps_module
+from pipetrain.optim.adamw import decays, set_lr
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.optim.inner import build_inner
+from pipetrain.parallel.ps.core import required_version, row_range
 from tests.dist.common import replica_recipe
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 
