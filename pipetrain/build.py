@@ -9,8 +9,8 @@ The order is DESIGN.md's run path:
            -> pipeline stage                 parallel/pipeline/stage.py
            -> weights: seed | Hugging Face | checkpoint   models/init.py, hf.py, checkpoint.py
            -> recompute                      parallel/pipeline/recompute.py
-           -> optimizer (ZeRO over dp)       optim.py, parallel/data/zero.py
-           -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules.py
+           -> optimizer (ZeRO over dp)       optim/build.py, parallel/data/zero.py
+           -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules/
            -> metrics logger, checkpointer   metrics.py, checkpoint.py
            -> Trainer                        trainer.py
 

@@ -52,7 +52,7 @@ Checkpoints: every pusher sends each server a SAVE marker behind its pushes of t
 has every pusher's marker, the server has applied every push up to that step, and it joins the same
 sharded checkpoint with its rows of model/embed.weight and of its optimizer state under the same names
 a run without servers writes, so a checkpoint moves between runs with and without servers (the table is
-just a tensor there). Its version and the rows it served ahead of the save go in too (ps_state.py).
+just a tensor there). Its version and the rows it served ahead of the save go in too (ps/state.py).
 """
 from __future__ import annotations
 
@@ -378,7 +378,7 @@ class Server:
 
     def load(self, read: Callable, manifest: dict) -> None:
         """Rows and moments of a checkpoint (written with or without servers), its version and the rows
-        served ahead of it (ps_state.py); read(name, offsets, shape) returns that box of a saved tensor."""
+        served ahead of it (ps/state.py); read(name, offsets, shape) returns that box of a saved tensor."""
         from pipetrain.optim.inner import load_inner_state
         self.step = manifest["step"]
         self.version, self._resumed = read_server_state(manifest, read, self.index, self.mode, self.dims)
