@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipetrain.config import TrainConfig  # noqa: E402
 from pipetrain.parallel.pipeline.weight_grads import (WeightGradEmbedding, WeightGradLinear,  # noqa: E402
-                                             apply_grad_accumulation_fusion)
+                                                      apply_grad_accumulation_fusion)
 
 TOKENS = (2, 128)
 LAYERS = [("q / o (D x D)", 256, 256), ("k, v (D x D/2)", 256, 128), ("gate, up (D -> F)", 256, 704),

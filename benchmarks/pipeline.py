@@ -76,7 +76,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.pipeline.executor import Executor  # noqa: E402
 from pipetrain.parallel.pipeline.stage import build_stage, layer_costs, stage_costs, stage_layout  # noqa: E402
 from pipetrain.parallel.pipeline.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
-                                          stage_of)
+                                                   stage_of)
 from pipetrain.parallel.pipeline.schedules.builders import zbv_orders  # noqa: E402
 from pipetrain.parallel.pipeline.schedules.placement import place  # noqa: E402
 from pipetrain.parallel.pipeline.schedules.replay import replay_computes  # noqa: E402

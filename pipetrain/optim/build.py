@@ -16,9 +16,9 @@ from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
 # build_adamw is re-exported for benchmarks/foundation.py's plain-PyTorch baseline
 from pipetrain.optim.adamw import (ReadBox, StateEntry, build_adamw, is_tied, param_boxes,  # noqa: F401
-                                      param_groups, set_lr)
-from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads, tied_copy_names
+                                   param_groups, set_lr)
 from pipetrain.optim.inner import build_inner, inner_state_bytes, inner_state_items, load_inner_state
+from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads, tied_copy_names
 from pipetrain.parallel.replicas.relaxed import RelaxedOptimizer, needs_relaxed
 from pipetrain.parallel.data.zero import ZeroOptimizer
 

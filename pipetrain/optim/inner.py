@@ -14,7 +14,7 @@ import torch
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import TIED_ALIASES
 from pipetrain.optim.adamw import (ReadBox, StateEntry, adamw_state_bytes, adamw_state_items, build_adamw,
-                                      load_adamw_state)
+                                   load_adamw_state)
 
 SGD_MOMENT = "momentum_buffer"
 

@@ -7,7 +7,7 @@
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
-                last microbatch's backward (parallel/data/zero.py, data_parallel.py launch buckets then), the rest
+                last microbatch's backward (parallel/data/zero.py, data/allreduce.py launch buckets then), the rest
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
                 memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth

@@ -16,8 +16,8 @@ from pipetrain.parallel.mesh import comm
 from pipetrain.parallel.data.allreduce import allreduce_model_grads, grad_buckets
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, apply_tensor_parallel, sync_tp_partial_grads,
-                                       tp_partial_params)
+                                              VocabParallelEmbedding, apply_tensor_parallel, sync_tp_partial_grads,
+                                              tp_partial_params)
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
 
 SEED = 1234

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.parallel.pipeline.weight_grads import (WeightGradLinear, apply_grad_accumulation_fusion, apply_weight_grads,
-                                             deferring, linear)
+                                                      deferring, linear)
 
 
 def _grads(x, weight, bias, dy, mode, autocast=False):

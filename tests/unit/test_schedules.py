@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action,
-                                          build_all_schedules, build_schedule, ideal_bubble, peak_in_flight,
-                                          schedule_problems, simulate, validate_schedule)
+                                                   build_all_schedules, build_schedule, ideal_bubble, peak_in_flight,
+                                                   schedule_problems, simulate, validate_schedule)
 from pipetrain.parallel.pipeline.schedules.replay import replay_computes
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 

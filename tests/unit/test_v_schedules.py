@@ -12,8 +12,8 @@ from pipetrain.config import ModelConfig, ParallelConfig
 from pipetrain.parallel.mesh.layout import pipeline_problems
 from pipetrain.parallel.pipeline.stage import stage_costs
 from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
-                                          placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
-                                          validate_schedule)
+                                                   placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
+                                                   validate_schedule)
 from pipetrain.parallel.pipeline.schedules.builders import ZBV_FIXED_MARGIN, v_makespan, zbv_fixed_order, zbv_orders
 from pipetrain.parallel.pipeline.schedules.placement import place
 

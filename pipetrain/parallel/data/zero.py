@@ -50,7 +50,7 @@ from pipetrain.optim.inner import build_inner, inner_state_bytes, inner_state_it
 from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
-                                      model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
+                                           model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
 
 # Buckets whose reduction may be in flight at once: each holds a (dp * P,) buffer until finished, so
 # this bounds the transient memory of the reduction to about two buckets (the launch that exceeds it

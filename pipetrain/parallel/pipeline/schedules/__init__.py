@@ -14,10 +14,10 @@ torch.distributed. One idea per module:
     timeline.py   the timeline command (python -m pipetrain.parallel.pipeline.schedules), ASCII and PNG
 """
 from pipetrain.parallel.pipeline.schedules.actions import (B, COMM_KINDS, COMPUTE_KINDS, F, RECV_ACT, RECV_GRAD, SCHEDULES,
-                                                  SEMANTICS, SEND_ACT, SEND_GRAD, V_SCHEDULES, W, Action, Compute,
-                                                  placement_of, rank_chunk_of, stage_of)
+                                                           SEMANTICS, SEND_ACT, SEND_GRAD, V_SCHEDULES, W, Action, Compute,
+                                                           placement_of, rank_chunk_of, stage_of)
 from pipetrain.parallel.pipeline.schedules.builders import (build_all_schedules, build_schedule, gpipe,
-                                                   interleaved_one_f_one_b, one_f_one_b, schedule_problems)
+                                                            interleaved_one_f_one_b, one_f_one_b, schedule_problems)
 from pipetrain.parallel.pipeline.schedules.timing import SimResult, ideal_bubble, simulate
 from pipetrain.parallel.pipeline.schedules.validate import find_deadlock, peak_in_flight, validate_schedule
 

@@ -11,7 +11,7 @@ import difflib
 import warnings
 
 from pipetrain.parallel.pipeline.schedules.actions import (B, F, SCHEDULES, V_SCHEDULES, W, Action, Compute, source,
-                                                 stage_of)
+                                                           stage_of)
 from pipetrain.parallel.pipeline.schedules.placement import place
 from pipetrain.parallel.pipeline.schedules.replay import Replay, Task, replay_computes
 

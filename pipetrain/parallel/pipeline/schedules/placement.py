@@ -35,7 +35,7 @@ import bisect
 from typing import Sequence
 
 from pipetrain.parallel.pipeline.schedules.actions import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action, Compute,
-                                                  rank_chunk_of, source, stage_of)
+                                                           rank_chunk_of, source, stage_of)
 from pipetrain.parallel.pipeline.schedules.replay import Replay, Task, replay_computes
 
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from pipetrain.parallel.pipeline.schedules.actions import (B, F, PLACEMENTS, RECV_ACT, RECV_GRAD, SEMANTICS, SEND_ACT, SEND_GRAD,
-                                                  W, Action, expected_peer, message, rank_chunk_of, stage_of)
+                                                           W, Action, expected_peer, message, rank_chunk_of, stage_of)
 
 def _fail(pp_rank: int, index: int, action: Action | None, problem: str) -> ValueError:
     where = f"rank {pp_rank}, action {index}" + (f" {action}" if action is not None else "")
