@@ -27,8 +27,8 @@ from pipetrain import checkpoint
 from pipetrain.config import build_recipe
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, count_params, materialize
-from pipetrain.optim import build_optimizer
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.optim.build import build_optimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
 
 MODELS = {
     "tiny (recipes/tiny.yaml)": dict(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8,

@@ -29,7 +29,7 @@ from common import run_ranks
 from pipetrain.build import build_trainer
 from pipetrain.config import FaultsConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims
 
 CFG = ModelConfig(family="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64)
 GLOBAL_BATCH, MICROBATCHES = 32, 8

@@ -24,7 +24,7 @@ from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import load_recipe  # noqa: E402
 from pipetrain.data import Loader  # noqa: E402
 from pipetrain.models import build, count_params, flops_per_token, materialize  # noqa: E402
-from pipetrain.optim import build_adamw, lr_at, param_groups, set_lr  # noqa: E402
+from pipetrain.optim.build import build_adamw, lr_at, param_groups, set_lr  # noqa: E402
 
 
 def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:

@@ -7,7 +7,7 @@ machine's noise hits both alike:
    1024 x 1024 weight, with
    .grad already holding the earlier microbatches' sum, i.e. every microbatch of a step but the first.
    plain = nn.Linear / nn.Embedding (autograd builds dW, then adds it to .grad); fused = pipetrain's
-   WeightGradLinear / WeightGradEmbedding with fuse set (pipetrain.parallel.weight_grads), here for
+   WeightGradLinear / WeightGradEmbedding with fuse set (pipetrain.parallel.pipeline.weight_grads), here for
    every shape: the table is what the default threshold (train.grad_accumulation_fusion_min_numel) is
    chosen from.
 2. a whole step: forward + backward of 8 microbatches of that model through pipetrain's Executor
@@ -31,8 +31,8 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipetrain.config import TrainConfig  # noqa: E402
-from pipetrain.parallel.weight_grads import (WeightGradEmbedding, WeightGradLinear,  # noqa: E402
-                                             apply_grad_accumulation_fusion)
+from pipetrain.parallel.pipeline.weight_grads import (WeightGradEmbedding, WeightGradLinear,  # noqa: E402
+                                                      apply_grad_accumulation_fusion)
 
 TOKENS = (2, 128)
 LAYERS = [("q / o (D x D)", 256, 256), ("k, v (D x D/2)", 256, 128), ("gate, up (D -> F)", 256, 704),
@@ -90,10 +90,10 @@ def whole_step(rounds: int) -> None:
     from benchmarks.pipeline import CFG, NUM_MB, SEED, _batch
     from pipetrain.config import ParallelConfig
     from pipetrain.models import build, materialize
-    from pipetrain.parallel.dims import ParallelDims
-    from pipetrain.parallel.executor import Executor
-    from pipetrain.parallel.pipeline import build_stage
-    from pipetrain.parallel.schedules import build_schedule
+    from pipetrain.parallel.mesh.dims import ParallelDims
+    from pipetrain.parallel.pipeline.executor import Executor
+    from pipetrain.parallel.pipeline.stage import build_stage
+    from pipetrain.parallel.pipeline.schedules import build_schedule
     from pipetrain.trainer import loss_sum
 
     dims = ParallelDims.from_degrees()

@@ -38,10 +38,10 @@ from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig  # noqa: E402
 from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.models import build, count_params, materialize  # noqa: E402
-from pipetrain.optim import lr_at  # noqa: E402
-from pipetrain.parallel.dims import ParallelDims  # noqa: E402
-from pipetrain.parallel.recompute import apply_recompute  # noqa: E402
-from pipetrain.parallel.zero import ZeroOptimizer  # noqa: E402
+from pipetrain.optim.build import lr_at  # noqa: E402
+from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
+from pipetrain.parallel.pipeline.recompute import apply_recompute  # noqa: E402
+from pipetrain.parallel.data.zero import ZeroOptimizer  # noqa: E402
 from tests.harness import saved_activation_bytes  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,

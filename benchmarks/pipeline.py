@@ -68,19 +68,19 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import pipetrain.parallel.executor as executor_mod  # noqa: E402
+import pipetrain.parallel.pipeline.executor as executor_mod  # noqa: E402
 from pipetrain.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from pipetrain.data import Batch  # noqa: E402
 from pipetrain.models import build, materialize  # noqa: E402
-from pipetrain.parallel.dims import ParallelDims  # noqa: E402
-from pipetrain.parallel.executor import Executor  # noqa: E402
-from pipetrain.parallel.pipeline import build_stage, layer_costs, stage_costs, stage_layout  # noqa: E402
-from pipetrain.parallel.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
-                                          stage_of)
-from pipetrain.parallel.schedules.builders import zbv_orders  # noqa: E402
-from pipetrain.parallel.schedules.placement import place  # noqa: E402
-from pipetrain.parallel.schedules.replay import replay_computes  # noqa: E402
-from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
+from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
+from pipetrain.parallel.pipeline.executor import Executor  # noqa: E402
+from pipetrain.parallel.pipeline.stage import build_stage, layer_costs, stage_costs, stage_layout  # noqa: E402
+from pipetrain.parallel.pipeline.schedules import (B, F, W, build_all_schedules, ideal_bubble, placement_of,  # noqa: E402
+                                                   stage_of)
+from pipetrain.parallel.pipeline.schedules.builders import zbv_orders  # noqa: E402
+from pipetrain.parallel.pipeline.schedules.placement import place  # noqa: E402
+from pipetrain.parallel.pipeline.schedules.replay import replay_computes  # noqa: E402
+from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
 from pipetrain.trainer import loss_sum  # noqa: E402
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -173,7 +173,7 @@ class SavedBytes:
     def count_deferred_weight_work(self) -> None:
         """Also hold the operands pipetrain keeps for its deferred weight gradients (x and dy of each
         linear, from its B until its W): autograd has released them by then, the work list has not."""
-        import pipetrain.parallel.weight_grads as linear_mod
+        import pipetrain.parallel.pipeline.weight_grads as linear_mod
         backward, apply = linear_mod._LinearFn.backward, executor_mod.apply_weight_grads
 
         def held_backward(ctx, dy):

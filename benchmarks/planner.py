@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig, load_recipe  # noqa: E402
 from pipetrain.data import Loader, PackedData  # noqa: E402
-from pipetrain.parallel.dims import ParallelDims  # noqa: E402
+from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
 from pipetrain.plan import format_plan_row, plan_header  # noqa: E402
 from pipetrain.plan.calibrate import calibrate, save_profile  # noqa: E402
 from pipetrain.plan.devices import DEVICES, load_profile  # noqa: E402

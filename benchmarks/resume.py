@@ -27,8 +27,8 @@ from pipetrain import build, checkpoint
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import count_params
-from pipetrain.parallel.comm import barrier, sum_over_world_
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.comm import barrier, sum_over_world_
+from pipetrain.parallel.mesh.dims import ParallelDims
 
 MODEL = dict(family="llama", vocab_size=32000, d_model=1024, n_heads=16, n_kv_heads=8, ffn_hidden=2816,
              max_seq_len=64)

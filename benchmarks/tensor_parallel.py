@@ -8,7 +8,7 @@ small llama (D 256, 4 layers, 8 heads / 4 kv heads, V 8192):
   (pipetrain and DTensor, each with and without sp), each step starting at a barrier, timed on rank 0, so the
   shared machine's noise affects them alike;
 - communication per step per rank, counted by a TorchDispatchMode that sees every collective (c10d
-  ops from pipetrain.parallel.comm and the loss, functional collectives from DTensor). A collective's
+  ops from pipetrain.parallel.mesh.comm and the loss, functional collectives from DTensor). A collective's
   "payload" is its largest tensor (the full tensor being reduced or gathered); "wire" is what a ring
   algorithm sends per rank: 2(n-1)/n of the payload for all-reduce, (n-1)/n for all-gather and
   reduce-scatter. The pipetrain payload is compared with the Megatron count:
@@ -43,9 +43,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.config import ModelConfig
 from pipetrain.models import build, materialize
-from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.tensor import apply_tensor_parallel, sync_tp_partial_grads
+from pipetrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor.layers import apply_tensor_parallel, sync_tp_partial_grads
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
                   ffn_hidden=704, max_seq_len=256)

@@ -10,7 +10,7 @@ another op saved (a soft-capping tanh, a user's copy of the logits) would corrup
 
 Vocabulary shards: CrossEntropyFn also takes logits that hold only the columns [vocab_start,
 vocab_start + V_local) of the vocabulary, with a `combine` function that merges the three per-row
-numbers over all shards; pipetrain.parallel.cross_entropy builds the vocab-parallel loss from it
+numbers over all shards; pipetrain.parallel.tensor.cross_entropy builds the vocab-parallel loss from it
 (kernels know nothing of processes).
 
 Shapes: logits (..., V) or a shard (..., V_local) flattened to (N, V_local), targets (...,) -> (N,), loss ().

@@ -2,19 +2,19 @@
 
 The order is DESIGN.md's run path:
 
-    recipe -> mesh (ParallelDims)            parallel/dims.py
+    recipe -> mesh (ParallelDims)            parallel/mesh/dims.py
            -> tokenizer, data, loader        data.py
            -> model on meta                  models/
-           -> tensor parallel                parallel/tensor.py
-           -> pipeline stage                 parallel/pipeline.py
+           -> tensor parallel                parallel/tensor/layers.py
+           -> pipeline stage                 parallel/pipeline/stage.py
            -> weights: seed | Hugging Face | checkpoint   models/init.py, hf.py, checkpoint.py
-           -> recompute                      parallel/recompute.py
-           -> optimizer (ZeRO over dp)       optim.py, parallel/zero.py
-           -> executor and schedule          parallel/executor.py, parallel/schedules.py
+           -> recompute                      parallel/pipeline/recompute.py
+           -> optimizer (ZeRO over dp)       optim/build.py, parallel/data/zero.py
+           -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules/
            -> metrics logger, checkpointer   metrics.py, checkpoint.py
            -> Trainer                        trainer.py
 
-The recipe's layout must have passed pipetrain.parallel.layout.layout_problems (the CLI checks it
+The recipe's layout must have passed pipetrain.parallel.mesh.layout.layout_problems (the CLI checks it
 before starting processes); the layers below only assert it.
 """
 from __future__ import annotations
@@ -36,20 +36,20 @@ from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
-from pipetrain.optim import build_optimizer, lr_at
-from pipetrain.parallel.comm import broadcast_object_from_rank0
-from pipetrain.parallel.dbs import DynamicBatch, count_rules
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.executor import Executor
-from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica
-from pipetrain.parallel.lora import apply_lora
-from pipetrain.parallel.pipeline import build_stage, stage_costs
-from pipetrain.parallel.ps import PSClient, PSEmbedding, Server
-from pipetrain.parallel.ps_state import server_log
-from pipetrain.parallel.recompute import apply_recompute
-from pipetrain.parallel.schedules import build_schedule, gpipe
-from pipetrain.parallel.tensor import apply_tensor_parallel
-from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
+from pipetrain.optim.build import build_optimizer, lr_at
+from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
+from pipetrain.parallel.replicas.dbs import DynamicBatch, count_rules
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.executor import Executor
+from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica
+from pipetrain.parallel.tensor.lora import apply_lora
+from pipetrain.parallel.pipeline.stage import build_stage, stage_costs
+from pipetrain.parallel.ps.core import PSClient, PSEmbedding, Server
+from pipetrain.parallel.ps.state import server_log
+from pipetrain.parallel.pipeline.recompute import apply_recompute
+from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe
+from pipetrain.parallel.tensor.layers import apply_tensor_parallel
+from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import Trainer, loss_sum
 
 OptimizerFactory = Callable[[nn.Module, ParallelDims, Recipe], object]
@@ -83,7 +83,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     checkpoint directory. eval_only: no checkpointer. loader: serve these batches instead of
     recipe.data's (no tokenizer is loaded then). optimizer_factory(model, dims, recipe): instead of
     optim.build_optimizer. Metrics go to run.output_dir, which must exist on global rank 0.
-    replica: this torchrun is one torchft replica group (parallel.fault_tolerance=torchft, pipetrain.parallel.ft):
+    replica: this torchrun is one torchft replica group (parallel.fault_tolerance=torchft, pipetrain.parallel.replicas.failover):
     the mesh is the group's own, the loader reads the group's slice of the global batch and the optimizer
     exchanges gradients with the other groups through torchft.
     """

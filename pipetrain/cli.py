@@ -28,10 +28,10 @@ from pipetrain.dry_run import dry_run
 from pipetrain.elastic import launch_layout
 from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
-from pipetrain.parallel.comm import barrier
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.ft import Replica, replica_from_env
-from pipetrain.parallel.layout import layout_problems
+from pipetrain.parallel.mesh.comm import barrier
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.replicas.failover import Replica, replica_from_env
+from pipetrain.parallel.mesh.layout import layout_problems
 from pipetrain.preflight import preflight
 from pipetrain.rerun import finished_report, rerun_of
 from pipetrain.run_lock import RunLock
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
                           "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")
     world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
-    servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps)
+    servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps.core)
     if servers and servers >= world_size:
         raise ConfigError(f"parallel.ps_servers={servers} leaves no worker in a world of {world_size} processes; "
                           f"launch dp*tp*pp + {servers} processes (torchrun --nproc-per-node)")
@@ -186,7 +186,7 @@ def _serve(args: argparse.Namespace, recipe: Recipe) -> int:
 
 def _replica_layout(recipe: Recipe, world_size: int) -> tuple[Recipe, Replica | None, list[str]]:
     """The layout problems; under parallel.fault_tolerance=torchft this torchrun is one replica group
-    (pipetrain.parallel.ft): its layout is checked as a standalone run of the group and it writes into
+    (pipetrain.parallel.replicas.failover): its layout is checked as a standalone run of the group and it writes into
     run.output_dir/replica-<REPLICA_GROUP_ID>."""
     if recipe.parallel.fault_tolerance != "torchft":
         return recipe, None, layout_problems(recipe, world_size)

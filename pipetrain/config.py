@@ -48,7 +48,7 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
     sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
     init_std: float = 0.02
-    # LoRA (pipetrain/parallel/lora.py): None = off; else the adapter rank r, with base weights frozen
+    # LoRA (pipetrain/parallel/tensor/lora.py): None = off; else the adapter rank r, with base weights frozen
     lora_rank: Optional[int] = None
     lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0             # dropout on the adapter input (training only)
@@ -102,7 +102,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
     auto: bool = False               # fill the parallel keys not given here at launch (pipetrain.plan)
-    # ---- relaxed synchronisation across replicas (pipetrain.parallel.relaxed, docs/relaxed_sync.md) ----
+    # ---- relaxed synchronisation across replicas (pipetrain.parallel.replicas.relaxed, docs/relaxed_sync.md) ----
     dp_shard: Optional[int] = None   # dp = dp_replicate x dp_shard; None = dp with zero >= 1, else 1
     dp_sync: Literal["bsp", "ssp", "dssp", "local_sgd", "diloco"] = "bsp"  # across dp_replicate
     staleness: int = 0               # ssp: s; dssp: the upper bound
@@ -111,12 +111,12 @@ class ParallelConfig:
     sync_warmup_steps: int = 0       # local_sgd / diloco: bsp steps before local steps (post-local SGD)
     outer_lr: float = 0.7            # diloco: outer Nesterov SGD learning rate
     outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
-    dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/dbs.py)
+    dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/replicas/dbs.py)
     dynamic_batch_every: int = 5     # steps per measurement window: the split may move at its end
-    # ---- hybrid parameter server for the input embedding (pipetrain.parallel.ps, docs/parameter_server.md) ----
+    # ---- hybrid parameter server for the input embedding (pipetrain.parallel.ps.core, docs/parameter_server.md) ----
     ps_servers: int = 0              # extra ranks holding the embedding table; world = dp x tp x pp + ps_servers
     ps_sync: Literal["bsp", "ssp", "async"] = "bsp"  # ssp bounds pulled rows' age by parallel.staleness
-    # ---- replica failover (pipetrain.parallel.ft, docs/fault_tolerance.md) ----
+    # ---- replica failover (pipetrain.parallel.replicas.failover, docs/fault_tolerance.md) ----
     fault_tolerance: Literal["none", "torchft"] = "none"  # torchft: each dp_replicate group is a torchft replica
     ft_connect_timeout_s: float = 60.0  # torchft: how long a group waits for the lighthouse before exit 2
 
@@ -135,7 +135,7 @@ class TrainConfig:
     grad_clip: float = 1.0           # 0 disables clipping
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
-    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.parallel.weight_grads)
+    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.parallel.pipeline.weight_grads)
     grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # after warmup (pipetrain.lr_schedule)
     decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
@@ -399,7 +399,7 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
 def validate(r: Recipe) -> list[str]:
     """Cross-field rules that need no world size; returns every problem found (empty when consistent).
     The layout rules (degrees against the world size, the model and the schedule) are
-    pipetrain.parallel.layout.layout_problems."""
+    pipetrain.parallel.mesh.layout.layout_problems."""
     m, p, t, d = r.model, r.parallel, r.train, r.data
     problems = []
 
@@ -514,7 +514,7 @@ def _relaxed_problems(r: Recipe) -> list[str]:
 
 
 def _ps_problems(r: Recipe) -> list[str]:
-    """parallel.ps_servers / ps_sync (pipetrain.parallel.ps): what a parameter server cannot serve."""
+    """parallel.ps_servers / ps_sync (pipetrain.parallel.ps.core): what a parameter server cannot serve."""
     p, m = r.parallel, r.model
     if not (isinstance(p.ps_servers, int) and not isinstance(p.ps_servers, bool) and p.ps_servers >= 0):
         return [f"parallel.ps_servers: must be an integer >= 0, got {p.ps_servers!r}; 0 turns servers off"]
@@ -541,7 +541,7 @@ def _ps_problems(r: Recipe) -> list[str]:
 
 def _fault_tolerance_problems(p: ParallelConfig) -> list[str]:
     """parallel.fault_tolerance=torchft: the combinations that cannot work with torchft's per-step averaging
-    over the live replica groups (the launch environment is checked by pipetrain.parallel.ft)."""
+    over the live replica groups (the launch environment is checked by pipetrain.parallel.replicas.failover)."""
     if p.fault_tolerance != "torchft":
         return []
     why = "parallel.fault_tolerance=torchft"

@@ -12,9 +12,9 @@ import warnings
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.parallel.layout import layout_problems, resolve_dp
-from pipetrain.parallel.schedules import build_all_schedules, placement_of, simulate
-from pipetrain.parallel.schedules.timeline import render_timeline
+from pipetrain.parallel.mesh.layout import layout_problems, resolve_dp
+from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
+from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
 from pipetrain.plan.memory import model_params, rank_memory, rank_stages
 from pipetrain.preflight import check_model_fits

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetrain.checkpoint import check_resume_dir, checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.parallel.layout import layout_problems, mesh_problems, resolve_dp
+from pipetrain.parallel.mesh.layout import layout_problems, mesh_problems, resolve_dp
 from pipetrain.plan.auto import resolve_at_launch
 
 
@@ -123,7 +123,7 @@ def launch_layout(recipe: Recipe, recipe_path: str, overrides, world_size: int, 
                   resume: str | None) -> tuple[Recipe, str | None]:
     """The launch's layout and, on an elastic resume, the line saying what changed: parallel.auto's plan for
     world_size (with dp left free on an elastic resume), else the recipe's, re-derived on an elastic resume.
-    torchft replica groups heal from live peers instead and keep their layout (pipetrain.parallel.ft)."""
+    torchft replica groups heal from live peers instead and keep their layout (pipetrain.parallel.replicas.failover)."""
     saved = saved_layout(recipe.run.output_dir, resume) if recipe.parallel.fault_tolerance != "torchft" else None
     if not recipe.parallel.auto:
         return elastic_recipe(recipe, world_size, saved)

@@ -19,15 +19,15 @@ from pipetrain.data import IGNORE_INDEX, Batch, Loader
 from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
-from pipetrain.optim import lr_at
-from pipetrain.parallel.comm import all_reduce_, max_over_world_async, sum_over_world_
-from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
-from pipetrain.parallel.dbs import DynamicBatch
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.executor import Executor
-from pipetrain.parallel.grads import clip_coefficient
-from pipetrain.parallel.relaxed import sync_mode
-from pipetrain.parallel.schedules import Action
+from pipetrain.optim.build import lr_at
+from pipetrain.parallel.mesh.comm import all_reduce_, max_over_world_async, sum_over_world_
+from pipetrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.replicas.dbs import DynamicBatch
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.executor import Executor
+from pipetrain.parallel.data.grads import clip_coefficient
+from pipetrain.parallel.replicas.relaxed import sync_mode
+from pipetrain.parallel.pipeline.schedules import Action
 
 
 class TrainingDiverged(RuntimeError):
@@ -58,7 +58,7 @@ class Trainer:
         device, for MFU (None: no MFU); checkpointer None: save nothing. dynamic_batch: the replicas'
         microbatch counts (parallel.dynamic_batch; the loader already serves them); schedule_for(k):
         this rank's training schedule for k microbatches. ps: the parameter-server client
-        (pipetrain.parallel.ps.PSClient) when parallel.ps_servers > 0."""
+        (pipetrain.parallel.ps.core.PSClient) when parallel.ps_servers > 0."""
         self.recipe, self.dims, self.model, self.optimizer, self.loader = recipe, dims, model, optimizer, loader
         self.executor, self.actions, self.eval_actions = executor, list(actions), list(eval_actions)
         self.logger, self.checkpointer, self.tokenizer = logger, checkpointer, tokenizer
@@ -122,7 +122,7 @@ class Trainer:
 
     def drain_replicas(self) -> None:
         """Before a checkpoint: ssp / dssp apply their pending updates; local_sgd / diloco prepare the
-        replicas' averages beside each replica's own state, changing nothing (parallel/relaxed.py).
+        replicas' averages beside each replica's own state, changing nothing (parallel/replicas/relaxed.py).
         A no-op for bsp."""
         drain = getattr(self.optimizer, "drain", None)
         if drain is not None:
@@ -141,7 +141,7 @@ class Trainer:
             set_microbatches(self.microbatches())
         t_compute = time.perf_counter()  # after zero_grad: under torchft it waits for the step's quorum
         batch, num_targets = self.loader.next()
-        if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps)
+        if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps.core)
             self.ps.begin_step(self.step + 1, batch.inputs)
             if self.ps.early and self.step + 1 < cfg.steps:  # ssp / async: the next rows overlap this step
                 self.ps.prefetch(self.step + 2, self.loader.peek_inputs())

@@ -34,8 +34,8 @@ from safetensors.torch import save_file
 from pipetrain.checkpoint.manifest import check_manifest, file_metadata, seal
 from pipetrain.config import ConfigError
 from pipetrain.models.init import param_layout
-from pipetrain.parallel.comm import all_gather_object, barrier_all
-from pipetrain.parallel.grads import tied_copy_names
+from pipetrain.parallel.mesh.comm import all_gather_object, barrier_all
+from pipetrain.parallel.data.grads import tied_copy_names
 
 FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",

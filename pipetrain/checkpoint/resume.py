@@ -9,14 +9,14 @@ ranks and no rank hashes a file it does not read.
 
 A file a rank finds damaged while loading must still move every rank: after each attempt the
 processes (parameter servers included) agree on an outcome code by an all-reduce (maximum) of a CPU
-tensor on the gloo checkpoint group (pipetrain.parallel.comm). Any rank's damage sends all of them to
+tensor on the gloo checkpoint group (pipetrain.parallel.mesh.comm). Any rank's damage sends all of them to
 the next older checkpoint that rank 0 finds intact (`--resume auto`), or to one error when none is
 left or the checkpoint was named (`--resume DIR`). Any other refusal (a checkpoint of another model)
 or error stops every rank, instead of leaving the others waiting in the next collective. Falling back
 reloads everything: each load overwrites every parameter, optimizer tensor, the data position and
 the RNG, so nothing of the damaged attempt remains.
 
-May import: checkpoint, config, parallel.comm. Never: trainer, build, cli.
+May import: checkpoint, config, parallel.mesh. Never: trainer, build, cli.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from pipetrain.checkpoint import CorruptCheckpoint, find_resumable
 from pipetrain.config import ConfigError
-from pipetrain.parallel.comm import all_reduce_max_, broadcast_object_from_rank0
+from pipetrain.parallel.mesh.comm import all_reduce_max_, broadcast_object_from_rank0
 
 T = TypeVar("T")
 # Outcome codes of one attempt, agreed by their maximum: a refusal outranks damage, damage outranks success.

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from pipetrain.config import ConfigError, Recipe, parse_override
-from pipetrain.parallel.comm import all_gather_object, process_count
+from pipetrain.parallel.mesh.comm import all_gather_object, process_count
 from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
 from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, search
 from pipetrain.shipped import recipe_file

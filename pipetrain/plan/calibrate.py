@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipetrain.config import ModelConfig, Recipe
-from pipetrain.parallel.comm import all_gather_async, reduce_scatter_async
+from pipetrain.parallel.mesh.comm import all_gather_async, reduce_scatter_async
 from pipetrain.models.decoder import Block
-from pipetrain.parallel.pipeline import layer_costs
+from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.cost import OPTIMIZER_BYTES
 from pipetrain.plan.devices import DEVICES, DeviceProfile
 

@@ -7,7 +7,7 @@
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
-                last microbatch's backward (parallel/zero.py, data_parallel.py launch buckets then), the rest
+                last microbatch's backward (parallel/data/zero.py, data/allreduce.py launch buckets then), the rest
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
                 memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 from pipetrain.config import Recipe
 from pipetrain.models import flops_per_token
-from pipetrain.parallel.layout import resolve_dp
-from pipetrain.parallel.pipeline import layer_costs
+from pipetrain.parallel.mesh.layout import resolve_dp
+from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
 from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_stages, schedule_shape
 

@@ -3,10 +3,10 @@
 Model states (exact for the parameter and AdamW tensors a run allocates, see tests/unit/test_plan_memory.py):
 parameters are fp32 and are the master weights (train.precision=bf16 autocasts compute only), gradients are
 fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers, split tp ways the way
-parallel/tensor.py splits them (column: output rows / tp, row: input columns / tp with the bias replicated,
+parallel/tensor/layers.py splits them (column: output rows / tp, row: input columns / tp with the bias replicated,
 kv: split when tp divides n_kv_heads, else replicated; embedding and head: vocab rows / tp; norms
 replicated). The tied head on a last stage that is not on the first stage's rank is a copy. ZeRO shards
-each parameter's dim 0 in dp row ranges (parallel.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
+each parameter's dim 0 in dp row ranges (parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
 
 Activations: the bytes autograd saves for backward per microbatch, listed tensor by tensor from what the
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
@@ -21,11 +21,11 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
-from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.layout import resolve_dp
-from pipetrain.parallel.pipeline import stage_layout
-from pipetrain.parallel.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
-from pipetrain.parallel.zero import MAX_IN_FLIGHT
+from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
+from pipetrain.parallel.mesh.layout import resolve_dp
+from pipetrain.parallel.pipeline.stage import stage_layout
+from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
+from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq

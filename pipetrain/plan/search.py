@@ -19,8 +19,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from pipetrain.config import ParallelConfig, Recipe
-from pipetrain.parallel.layout import layout_problems
-from pipetrain.parallel.schedules import SCHEDULES
+from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
 from pipetrain.plan.memory import RankMemory, model_params, rank_memory

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pipetrain.config import ParallelConfig
-from pipetrain.parallel import comm
-from pipetrain.parallel.comm import CommDeviceError, check_devices
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh import comm
+from pipetrain.parallel.mesh.comm import CommDeviceError, check_devices
+from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.plan.auto import resolve_at_launch, resolve_auto
 from tests.dist import test_ps
 from tests.dist.common import replica_trainer

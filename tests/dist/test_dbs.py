@@ -1,4 +1,4 @@
-"""Dynamic batch sizing on 4 gloo CPU processes (pipetrain.parallel.dbs).
+"""Dynamic batch sizing on 4 gloo CPU processes (pipetrain.parallel.replicas.dbs).
 
 One world of 4 runs every case once; each test checks one claim: with bsp the loss at every step is the
 single process's while the split moves (4 replicas, one slowed by injected faults; pp 2 inside each of 2
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import FaultsConfig
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
 from tests.harness import EXACT_FP32, rank_results
 

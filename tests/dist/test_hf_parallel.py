@@ -13,9 +13,9 @@ import torch.distributed as dist
 from pipetrain.config import ParallelConfig
 from pipetrain.hf import load_hf_weights, model_config_from_hf
 from pipetrain.models import build, param_layout
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.pipeline import build_stage
-from pipetrain.parallel.tensor import ReplicatedKVLinear, apply_tensor_parallel
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.stage import build_stage
+from pipetrain.parallel.tensor.layers import ReplicatedKVLinear, apply_tensor_parallel
 from tests.harness import B, HF_FP32, T, TP_FP32, hf_configs, run_ranks, save_tiny_hf, tokens
 
 

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.lora import is_adapter
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor.lora import is_adapter
 from tests.harness import TP_FP32, run_ranks
 from tests.unit.common import LLAMA, build_trainer
 

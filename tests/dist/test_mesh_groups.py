@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from pipetrain.parallel.mesh.dims import MESH_DIM_NAMES, ParallelDims
 from tests.harness import run_ranks
 
 

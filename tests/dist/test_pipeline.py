@@ -9,15 +9,15 @@ import torch.distributed as dist
 from pipetrain.config import ModelConfig, ParallelConfig
 from pipetrain.data import Batch
 from pipetrain.models import build, materialize, param_layout
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.executor import Executor
-from pipetrain.parallel.grads import clip_grad_norm, sync_grads
-from pipetrain.parallel.pipeline import build_stage, layer_costs, partition_layers, stage_layout
-from pipetrain.parallel.schedules import build_all_schedules, build_schedule
-from pipetrain.parallel.schedules.builders import zbv_orders
-from pipetrain.parallel.schedules.placement import place
-from pipetrain.parallel.tensor import apply_tensor_parallel
-from pipetrain.parallel.weight_grads import apply_grad_accumulation_fusion
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.executor import Executor
+from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads
+from pipetrain.parallel.pipeline.stage import build_stage, layer_costs, partition_layers, stage_layout
+from pipetrain.parallel.pipeline.schedules import build_all_schedules, build_schedule
+from pipetrain.parallel.pipeline.schedules.builders import zbv_orders
+from pipetrain.parallel.pipeline.schedules.placement import place
+from pipetrain.parallel.tensor.layers import apply_tensor_parallel
+from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import loss_sum
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
 

@@ -1,4 +1,4 @@
-"""Relaxed synchronisation across replicas on 4 gloo CPU processes (pipetrain.parallel.relaxed).
+"""Relaxed synchronisation across replicas on 4 gloo CPU processes (pipetrain.parallel.replicas.relaxed).
 
 One world of 4 runs every case once and saves its measurements; each test checks one claim:
 bsp over dp_replicate 2 x dp_shard 2 (ZeRO 1) gives the single-process run; ssp s=0 is bsp bitwise;
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import FaultsConfig
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 

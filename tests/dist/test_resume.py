@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from pipetrain import checkpoint
 from pipetrain.config import ConfigError
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
 from tests.harness import rank_results
 

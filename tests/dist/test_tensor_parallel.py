@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import cross_entropy
-from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from pipetrain.models import build, materialize, param_layout
-from pipetrain.parallel import comm
-from pipetrain.parallel.data_parallel import allreduce_model_grads, grad_buckets
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.tensor import (ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, apply_tensor_parallel, sync_tp_partial_grads,
-                                       tp_partial_params)
+from pipetrain.parallel.mesh import comm
+from pipetrain.parallel.data.allreduce import allreduce_model_grads, grad_buckets
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear,
+                                              VocabParallelEmbedding, apply_tensor_parallel, sync_tp_partial_grads,
+                                              tp_partial_params)
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
 
 SEED = 1234

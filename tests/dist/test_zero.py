@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from pipetrain.config import TrainConfig
 from pipetrain.models import param_layout
-from pipetrain.optim import Optimizer, lr_at
-from pipetrain.parallel.adamw import MOMENTS
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.zero import ZeroOptimizer
+from pipetrain.optim.build import Optimizer, lr_at
+from pipetrain.optim.adamw import MOMENTS
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.data.zero import ZeroOptimizer
 from tests.e2e.common import run_train, step_losses
 from tests.harness import EXACT_FP32, TP_FP32, run_ranks
 from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from

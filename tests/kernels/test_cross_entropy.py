@@ -1,5 +1,5 @@
 """cross_entropy: Triton kernels (interpreted) and reference against F.cross_entropy, gradcheck, and
-the vocab-parallel loss built on them (pipetrain.parallel.cross_entropy) at tp=2 on both the reference
+the vocab-parallel loss built on them (pipetrain.parallel.tensor.cross_entropy) at tp=2 on both the reference
 and the Triton path."""
 import os
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pipetrain.kernels import cross_entropy
 from pipetrain.kernels.cross_entropy import CrossEntropyFn, cross_entropy_ref
-from pipetrain.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
+from pipetrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
 from tests.harness import run_ranks
 from tests.kernels.common import fresh_seed, tol
 

@@ -10,8 +10,8 @@ import torch
 from pipetrain.build import build_trainer as build_run_trainer
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.zero import ZeroOptimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.data.zero import ZeroOptimizer
 from pipetrain.trainer import Trainer
 
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -1,6 +1,6 @@
 """Imports flow one way (STYLE.md section 1): models/ and kernels/ never touch torch.distributed or
 parallel/ (not even inside a function), kernels/ nothing of pipetrain beyond itself, nothing below the
-trainer imports the trainer or the CLI, and collectives go through parallel/comm.py."""
+trainer imports the trainer or the CLI, and collectives go through parallel/mesh/comm.py."""
 import ast
 import pathlib
 
@@ -41,9 +41,9 @@ ALLOWED = {
     ("cli.py", "destroy_process_group"): "tearing it down at exit, after comm's last collective",
     ("cli.py", "TCPStore"): "the rendezvous store of a torchrun restart, not a collective",
     ("cli.py", "PrefixStore"): "prefixes that store's keys per restart attempt",
-    ("parallel/dims.py", "new_group"): "ParallelDims is the only creator of process groups (STYLE.md)",
-    ("parallel/dims.py", "DeviceMesh"): "ParallelDims builds the device mesh",
-    ("parallel/ft.py", "TCPStore"): "the replica group's store for torchft's manager, not a collective",
+    ("parallel/mesh/dims.py", "new_group"): "ParallelDims is the only creator of process groups (STYLE.md)",
+    ("parallel/mesh/dims.py", "DeviceMesh"): "ParallelDims builds the device mesh",
+    ("parallel/replicas/failover.py", "TCPStore"): "the replica group's store for torchft's manager, not a collective",
     ("plan/calibrate.py", "init_process_group"): "calibration runs its own two-process world",
     ("plan/calibrate.py", "destroy_process_group"): "and tears it down",
     ("plan/calibrate.py", "all_reduce"): "it times the raw collective: comm's checks would be measured too",
@@ -94,12 +94,12 @@ def test_the_collective_scan_finds_every_spelling():
 
 
 def test_only_comm_calls_torch_distributed():
-    """Every collective goes through parallel/comm.py (its device check sees them all): anywhere else in
+    """Every collective goes through parallel/mesh/comm.py (its device check sees them all): anywhere else in
     pipetrain/, a torch.distributed call is a query or on the allow-list, with its reason."""
     used, bad = set(), []
     for path in sorted((ROOT / "pipetrain").rglob("*.py")):
         rel = path.relative_to(ROOT / "pipetrain").as_posix()
-        if rel == "parallel/comm.py":
+        if rel == "parallel/mesh/comm.py":
             continue
         for line, name in distributed_calls(path.read_text()):
             if name in QUERIES:
@@ -108,15 +108,17 @@ def test_only_comm_calls_torch_distributed():
                 used.add((rel, name))
             else:
                 bad.append(f"pipetrain/{rel}:{line} calls torch.distributed.{name}")
-    assert not bad, "route these through pipetrain/parallel/comm.py (or allow-list them, saying why):\n" + \
+    assert not bad, "route these through pipetrain/parallel/mesh/comm.py (or allow-list them, saying why):\n" + \
         "\n".join(bad)
     assert used == set(ALLOWED), f"allow-list entries no file needs any more: {sorted(set(ALLOWED) - used)}"
 
 
 def test_parallel_code_never_imports_the_trainer_or_cli():
-    for path in (ROOT / "pipetrain" / "parallel").glob("*.py"):
+    paths = sorted((ROOT / "pipetrain" / "parallel").rglob("*.py"))
+    assert len(paths) > 20, "the scan must reach into the sub-packages"
+    for path in paths:
         bad = {n for n in _imports(path) if n in ("pipetrain.trainer", "pipetrain.cli", "pipetrain.checkpoint")}
-        assert not bad, f"{path.name} imports {bad}"
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_only_dims_creates_process_groups():
@@ -162,7 +164,7 @@ def _module_graph() -> dict[str, set[str]]:
 
 def test_the_package_has_no_import_cycles():
     graph = _module_graph()
-    assert "pipetrain.build" in graph and "pipetrain.parallel.schedules.replay" in graph, sorted(graph)
+    assert "pipetrain.build" in graph and "pipetrain.parallel.pipeline.schedules.replay" in graph, sorted(graph)
     state: dict[str, int] = {}  # 1 on the current path, 2 finished
 
     def visit(node: str, path: list[str]) -> None:

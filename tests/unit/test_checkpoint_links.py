@@ -10,7 +10,7 @@ import pytest
 from pipetrain.checkpoint import Checkpointer, CorruptCheckpoint, find_resumable, read_manifest
 from pipetrain.checkpoint.tools import main as ckpt_main
 from pipetrain.config import load_recipe
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.e2e.common import TINY
 from tests.unit.short_run import short_run
 

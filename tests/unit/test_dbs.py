@@ -2,8 +2,8 @@
 import numpy as np
 from pipetrain.config import ParallelConfig, Recipe, validate
 from pipetrain.data import Loader, PackedData
-from pipetrain.parallel.dbs import DBS_GAIN, DBS_WINDOWS, DynamicBatch, apportion, count_rules, dbs_problems
-from pipetrain.parallel.layout import layout_problems
+from pipetrain.parallel.replicas.dbs import DBS_GAIN, DBS_WINDOWS, DynamicBatch, apportion, count_rules, dbs_problems
+from pipetrain.parallel.mesh.layout import layout_problems
 
 
 def test_apportion_sums_to_the_total_and_keeps_the_minimum():

@@ -2,7 +2,7 @@
 import pytest
 
 from pipetrain.config import ParallelConfig
-from pipetrain.parallel.dims import ParallelDims, mesh_rank_lists
+from pipetrain.parallel.mesh.dims import ParallelDims, mesh_rank_lists
 
 
 def test_global_rank_is_dp_major_then_pp_then_tp():

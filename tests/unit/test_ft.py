@@ -1,4 +1,4 @@
-"""pipetrain.parallel.ft without processes: where a torchrun sits among the replica groups, what its layout
+"""pipetrain.parallel.replicas.failover without processes: where a torchrun sits among the replica groups, what its layout
 check sees, every launch problem at once, and sync_step's arithmetic against a stand-in for torchft's Manager
 (all groups live, one missing, an uncommitted step, and a trainer logging a redone step once)."""
 import importlib.util
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pipetrain.config import TrainConfig, build_recipe
-from pipetrain.optim import Optimizer
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.ft import FaultTolerantOptimizer, Replica, replica_from_env
+from pipetrain.optim.build import Optimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica, replica_from_env
 from tests.unit.common import LLAMA, build_trainer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,

@@ -13,8 +13,8 @@ from pipetrain.checkpoint import CheckpointSaveError, Checkpointer, read_manifes
 from pipetrain.config import ConfigError, DataConfig, Recipe, RunConfig, TrainConfig, load_recipe
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, materialize
-from pipetrain.optim import build_optimizer
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.optim.build import build_optimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.e2e.common import SMALL, TINY
 from tests.unit.common import LLAMA
 

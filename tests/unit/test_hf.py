@@ -22,8 +22,8 @@ from pipetrain.hf import load_hf_tokenizer, load_hf_weights, model_config_from_h
 from pipetrain.hf.export import export_model, export_state, main as export_main, parse_size
 from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
-from pipetrain.optim import build_optimizer
-from pipetrain.parallel.dims import ParallelDims
+from pipetrain.optim.build import build_optimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.sft import encode_record
 from tests.harness import HF_FP32, hf_configs, save_tiny_hf, tokens
 

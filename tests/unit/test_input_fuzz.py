@@ -21,7 +21,7 @@ from pipetrain import cli
 from pipetrain.config import ConfigError, load_recipe
 from pipetrain.hf import load_hf_weights, model_config_from_hf
 from pipetrain.models import build
-from pipetrain.parallel.layout import layout_problems
+from pipetrain.parallel.mesh.layout import layout_problems
 from pipetrain.preflight import check_model_fits
 from tests.harness import hf_configs, save_tiny_hf
 

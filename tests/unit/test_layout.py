@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, build_recipe
-from pipetrain.parallel.layout import layout_problems, pipeline_problems, tensor_parallel_problems
-from pipetrain.parallel.pipeline import stage_layout
+from pipetrain.parallel.mesh.layout import layout_problems, pipeline_problems, tensor_parallel_problems
+from pipetrain.parallel.pipeline.stage import stage_layout
 
 BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,

@@ -1,4 +1,4 @@
-"""Weight gradients of pipetrain.parallel.weight_grads: the fused / deferred linear and embedding.
+"""Weight gradients of pipetrain.parallel.pipeline.weight_grads: the fused / deferred linear and embedding.
 
 Deferred (split backward): the same numbers as plain autograd for one microbatch, bit for bit; hooks
 fire once per W, never in the input pass. Fused (gradient accumulation fusion): added into .grad in
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.parallel.weight_grads import (WeightGradLinear, apply_grad_accumulation_fusion, apply_weight_grads,
-                                             deferring, linear)
+from pipetrain.parallel.pipeline.weight_grads import (WeightGradLinear, apply_grad_accumulation_fusion, apply_weight_grads,
+                                                      deferring, linear)
 
 
 def _grads(x, weight, bias, dy, mode, autocast=False):

@@ -5,7 +5,7 @@ import pytest
 
 from pipetrain.config import ConfigError, TrainConfig, build_recipe
 from pipetrain.lr_schedule import lr_at
-from pipetrain.optim import lr_at as optim_lr_at
+from pipetrain.optim.build import lr_at as optim_lr_at
 
 BASE = dict(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
 

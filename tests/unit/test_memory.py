@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from pipetrain.config import ParallelConfig
 from pipetrain.models import build, materialize
-from pipetrain.optim import Optimizer
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.pipeline import build_stage
-from pipetrain.parallel.recompute import apply_recompute
-from pipetrain.parallel.zero import MAX_IN_FLIGHT, ParamShard, ZeroOptimizer, dp_row_ranges
+from pipetrain.optim.build import Optimizer
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.stage import build_stage
+from pipetrain.parallel.pipeline.recompute import apply_recompute
+from pipetrain.parallel.data.zero import MAX_IN_FLIGHT, ParamShard, ZeroOptimizer, dp_row_ranges
 from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from
 
 
@@ -218,7 +218,7 @@ def test_recompute_layers_limits_full_recompute_to_the_first_blocks(monkeypatch)
 
 
 def test_tied_head_copy_on_the_last_stage_does_not_decay_like_the_embedding():
-    from pipetrain.optim import param_groups
+    from pipetrain.optim.build import param_groups
     last = ParallelDims(pp=2, rank=1)
     model, _, _ = build_stage(build(GPT2), last, ParallelConfig(pp=2), 16)
     decay, no_decay = param_groups(model, 0.1)

@@ -9,7 +9,7 @@ import torch
 
 import pipetrain.plan.calibrate as calibrate_mod
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
-from pipetrain.parallel.pipeline import layer_costs
+from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.calibrate import LARGE, SMALL, calibrate, save_profile
 from pipetrain.plan.cost import step_time
 from pipetrain.plan.devices import DEVICES, load_profile

@@ -20,10 +20,10 @@ import torch
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.models import build, materialize
-from pipetrain.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.pipeline import build_stage
-from pipetrain.parallel.recompute import apply_recompute
+from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.stage import build_stage
+from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory, rank_stages,
                                    weight_grad_operand_bytes)
 from tests.harness import run_ranks, saved_activation_bytes

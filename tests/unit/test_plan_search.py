@@ -10,8 +10,8 @@ import os
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, load_recipe
-from pipetrain.parallel.layout import layout_problems
-from pipetrain.parallel.schedules import SCHEDULES
+from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main
 from pipetrain.plan.auto import fixed_parallel_keys, resolve_auto
 from pipetrain.plan.devices import DEVICES, load_profile

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.config import ParallelConfig, Recipe, RunConfig, validate
-from pipetrain.parallel import ps
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.layout import layout_problems
-from pipetrain.parallel.ps import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes,
-                                   push_bytes, required_version, row_range)
+from pipetrain.parallel.ps import core as ps
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.ps.core import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes,
+                                        push_bytes, required_version, row_range)
 from tests.unit.common import GPT2, LLAMA
 
 

@@ -11,10 +11,10 @@ import torch
 from pipetrain.config import ConfigError, FaultsConfig, ParallelConfig, TrainConfig, build_recipe
 from pipetrain.faults import Faults
 from pipetrain.models import build, materialize
-from pipetrain.optim import Optimizer
-from pipetrain.parallel import relaxed
-from pipetrain.parallel.dims import ParallelDims
-from pipetrain.parallel.layout import layout_problems, resolve_dp_shard
+from pipetrain.optim.build import Optimizer
+from pipetrain.parallel.replicas import relaxed
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.layout import layout_problems, resolve_dp_shard
 from pipetrain.stopping import resume_point
 from tests.unit.common import LLAMA, read_from
 

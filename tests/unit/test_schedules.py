@@ -10,11 +10,11 @@ import warnings
 
 import pytest
 
-from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action,
-                                          build_all_schedules, build_schedule, ideal_bubble, peak_in_flight,
-                                          schedule_problems, simulate, validate_schedule)
-from pipetrain.parallel.schedules.replay import replay_computes
-from pipetrain.parallel.schedules.timeline import render_timeline
+from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action,
+                                                   build_all_schedules, build_schedule, ideal_bubble, peak_in_flight,
+                                                   schedule_problems, simulate, validate_schedule)
+from pipetrain.parallel.pipeline.schedules.replay import replay_computes
+from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 
 PP_SIZES = range(1, 9)
 MICROBATCHES = range(1, 17)
@@ -367,7 +367,7 @@ def test_timeline_has_one_row_per_rank_with_labels_and_idle_share():
 # CLI.
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipetrain.parallel.schedules", *args],
+    return subprocess.run([sys.executable, "-m", "pipetrain.parallel.pipeline.schedules", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig
-from pipetrain.parallel.layout import pipeline_problems
-from pipetrain.parallel.pipeline import stage_costs
-from pipetrain.parallel.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
-                                          placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
-                                          validate_schedule)
-from pipetrain.parallel.schedules.builders import ZBV_FIXED_MARGIN, v_makespan, zbv_fixed_order, zbv_orders
-from pipetrain.parallel.schedules.placement import place
+from pipetrain.parallel.mesh.layout import pipeline_problems
+from pipetrain.parallel.pipeline.stage import stage_costs
+from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
+                                                   placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,
+                                                   validate_schedule)
+from pipetrain.parallel.pipeline.schedules.builders import ZBV_FIXED_MARGIN, v_makespan, zbv_fixed_order, zbv_orders
+from pipetrain.parallel.pipeline.schedules.placement import place
 
 EXACT = 1e-9
 
@@ -133,7 +133,7 @@ def test_v_schedules_split_their_backward_and_every_w_follows_its_b():
 
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 def test_cli_draws_v_schedules(name):
-    out = subprocess.run([sys.executable, "-m", "pipetrain.parallel.schedules", "--schedule", name, "--pp", "4",
+    out = subprocess.run([sys.executable, "-m", "pipetrain.parallel.pipeline.schedules", "--schedule", name, "--pp", "4",
                           "--microbatches", "8"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("rank ") >= 4 and "F0c1" in out.stdout and "deadlock-free" in out.stdout

@@ -1,0 +1,141 @@
+"""Gradient synchronisation and global-norm clipping across every parallel dimension.
+
+After backward each rank holds gradients that are, per parameter kind:
+- tp-partial (replicated over tp but each tp rank computed only part): summed over tp;
+- a tied embedding split across the first and last pipeline stage: summed over the embed group;
+- per dp replica: summed over dp (the loss is already normalised by the global token count).
+The first two are model-parallel syncs (sync_model_parallel_grads); the dp reduction is done here
+for parallel.zero = 0 and by pipetrain.parallel.data.zero (bucketed reduce-scatter) for zero >= 1.
+
+The global norm counts every parameter once: tp shards are summed over tp, tp-replicated tensors are
+counted on their own, pipeline stages are summed over pp, and the last stage's copy of a tied
+embedding is left out (the first stage counts it). Under ZeRO each dp rank holds only its rows of
+every gradient, so the partial sums are also summed over dp (global_grad_norm(..., dp_sharded=True)).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from pipetrain.models.init import param_layout
+from pipetrain.parallel.mesh.comm import all_reduce_
+from pipetrain.parallel.data.allreduce import allreduce_grads
+from pipetrain.parallel.tensor.layers import sync_tp_partial_grads, tp_partial_params
+
+
+def tied_copy_names(model: nn.Module) -> set[str]:
+    """Names of parameters that duplicate one held by another pipeline stage (the tied head copy)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.tied and getattr(model, "embed", None) is None and getattr(model, "head", None) is not None:
+        return {"head.weight"}
+    return set()
+
+
+def is_tp_replicated(global_shape: tuple[int, ...], local_shape: tuple[int, ...]) -> bool:
+    """A parameter whose local tensor is the whole global tensor is replicated over tp (its norm is
+    counted on one tp rank's worth); anything else is a tp shard (summed over tp)."""
+    return tuple(global_shape) == tuple(local_shape)
+
+
+def model_parallel_synced_params(model: nn.Module, dims) -> list[nn.Parameter]:
+    """Parameters whose gradients sync_model_parallel_grads changes: tp-partial ones (tp > 1) and the
+    tied embedding split across pipeline stages (pp > 1). A dp reduction of these must come after it."""
+    out = []
+    if dims.tp > 1:
+        out += [p for _, p in tp_partial_params(model)]
+    tied = _tied_param(model) if dims.pp > 1 else None
+    if tied is not None and all(tied is not p for p in out):
+        out.append(tied)
+    return out
+
+
+def sync_model_parallel_grads(model: nn.Module, dims) -> None:
+    """Sum tp-partial gradients over tp and the split tied embedding's over the embed group."""
+    if dims.tp > 1:
+        sync_tp_partial_grads(model, dims)
+    if dims.pp > 1 and getattr(dims, "embed_group", None) is not None:
+        tied = _tied_param(model)
+        if tied is not None and tied.grad is not None:
+            all_reduce_(tied.grad, dims.embed_group)
+
+
+def sync_grads(model: nn.Module, dims, dp_group="dp") -> None:
+    """Make every gradient the full single-process gradient of its (shard of the) parameter; dp_group
+    ("dp": dims.dp_group) is the data-parallel group summed over (a relaxed run's dp_shard group)."""
+    sync_model_parallel_grads(model, dims)
+    group = dims.dp_group if dp_group == "dp" else dp_group
+    if group is not None:
+        allreduce_grads([p for p in model.parameters() if p.grad is not None], group)
+
+
+def _tied_param(model: nn.Module) -> nn.Parameter | None:
+    """The tied embedding on a stage that holds only one end of it (embed without head or vice versa)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not cfg.tied:
+        return None
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    if embed is not None and head is None:
+        return embed.weight
+    if embed is None and head is not None:
+        return head.weight
+    return None
+
+
+def grad_sq_norms(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squares over tp-sharded grads, over tp-replicated grads) for this rank's parameters."""
+    params = dict(model.named_parameters())
+    skip = tied_copy_names(model)
+    device = next(iter(params.values())).device
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for name, (shape, _) in param_layout(model).items():
+        p = params[name]
+        if name in skip or p.grad is None:
+            continue
+        sq = p.grad.detach().float().square().sum()
+        if is_tp_replicated(shape, p.shape):
+            replicated += sq
+        else:
+            sharded += sq
+    return sharded, replicated
+
+
+def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
+                     shard_group="dp", extra_sq: float = 0.0) -> float:
+    """The global L2 norm from this rank's sums of squares over tp-sharded and tp-replicated grads.
+
+    dp_sharded: each dp rank holds different rows (ZeRO), so both sums are first summed over dp;
+    without it every dp rank holds the same full gradients and dp is not summed (no double count).
+    shard_group: the group the rows are split over ("dp": dims.dp_group; ZeRO passes its dp_shard group).
+    extra_sq: squares of gradients held elsewhere, counted once per (dp, pp) coordinate: the parameter
+    servers' table (pipetrain.parallel.ps.core), which the first stage's tp rank 0 of every dp rank passes."""
+    group = dims.dp_group if shard_group == "dp" else shard_group
+    if dp_sharded and group is not None:
+        both = all_reduce_(torch.stack([sharded, replicated]), group)
+        sharded, replicated = both[0], both[1]
+    if extra_sq:
+        sharded = sharded + extra_sq
+    if dims.tp > 1:
+        sharded = all_reduce_(sharded.clone(), dims.tp_group)
+    total = sharded + replicated
+    if dims.pp > 1:
+        all_reduce_(total, dims.pp_group)
+    return float(total.sqrt())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """The factor gradients are scaled by, or None when no clipping applies (max_norm 0 disables)."""
+    if max_norm > 0 and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return None
+
+
+def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0) -> float:
+    """Global gradient L2 norm over all ranks; scales gradients in place when it exceeds max_norm > 0."""
+    sharded, replicated = grad_sq_norms(model)
+    norm = global_grad_norm(sharded, replicated, dims, extra_sq=extra_sq)
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, coef)
+    return norm
