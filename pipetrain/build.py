@@ -3,15 +3,15 @@
 The order is DESIGN.md's run path:
 
     recipe -> mesh (ParallelDims)            parallel/mesh/dims.py
-           -> tokenizer, data, loader        data.py
+           -> tokenizer, data, loader        data/
            -> model on meta                  models/
            -> tensor parallel                parallel/tensor/layers.py
            -> pipeline stage                 parallel/pipeline/stage.py
-           -> weights: seed | Hugging Face | checkpoint   models/init.py, hf.py, checkpoint.py
+           -> weights: seed | Hugging Face | checkpoint   models/init.py, hf/, checkpoint/
            -> recompute                      parallel/pipeline/recompute.py
            -> optimizer (ZeRO over dp)       optim/build.py, parallel/data/zero.py
            -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules/
-           -> metrics logger, checkpointer   metrics.py, checkpoint.py
+           -> metrics logger, checkpointer   metrics.py, checkpoint/
            -> Trainer                        trainer.py
 
 The recipe's layout must have passed pipetrain.parallel.mesh.layout.layout_problems (the CLI checks it
