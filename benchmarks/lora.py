@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipetrain.config import ModelConfig  # noqa: E402
 from pipetrain.models import build  # noqa: E402
 from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
-from pipetrain.parallel.tensor.lora import apply_lora, count_trainable  # noqa: E402
+from pipetrain.models.lora import count_trainable  # noqa: E402
+from pipetrain.parallel.tensor.lora import apply_lora  # noqa: E402
 from tests.unit.common import build_trainer  # noqa: E402
 
 SMOLLM2_135M = ModelConfig(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,

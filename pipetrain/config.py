@@ -48,7 +48,7 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
     sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
     init_std: float = 0.02
-    # LoRA (pipetrain/parallel/tensor/lora.py): None = off; else the adapter rank r, with base weights frozen
+    # LoRA (pipetrain/models/lora.py, tp layout in pipetrain/parallel/tensor/lora.py): None = off; else the adapter rank r, with base weights frozen
     lora_rank: Optional[int] = None
     lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0             # dropout on the adapter input (training only)

@@ -15,7 +15,7 @@ from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_fr
 from pipetrain.hf.export import lora_checkpoint_model
 from pipetrain.models import build
 from pipetrain.models.init import param_layout
-from pipetrain.parallel.tensor.lora import merge_lora
+from pipetrain.models.lora import merge_lora
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

@@ -48,7 +48,8 @@ from pipetrain.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_s
 from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
 from pipetrain.models import build, materialize, param_layout
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.tensor.lora import apply_lora, is_adapter, merge_lora
+from pipetrain.models.lora import is_adapter, merge_lora
+from pipetrain.parallel.tensor.lora import apply_lora
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9  # transformers' own default for save_pretrained ("2GB", decimal)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -11,7 +11,7 @@ import os
 import torch
 
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.tensor.lora import is_adapter
+from pipetrain.models.lora import is_adapter
 from tests.harness import TP_FP32, run_ranks
 from tests.unit.common import LLAMA, build_trainer
 

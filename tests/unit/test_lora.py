@@ -12,7 +12,8 @@ from pipetrain import checkpoint
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe, validate
 from pipetrain.models import build, materialize
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.tensor.lora import apply_lora, count_trainable, is_adapter, merge_lora
+from pipetrain.models.lora import count_trainable, is_adapter, merge_lora
+from pipetrain.parallel.tensor.lora import apply_lora
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
 LORA = dataclasses.replace(LLAMA, lora_rank=4, lora_alpha=8.0)
