@@ -113,12 +113,62 @@ def test_only_comm_calls_torch_distributed():
     assert used == set(ALLOWED), f"allow-list entries no file needs any more: {sorted(set(ALLOWED) - used)}"
 
 
-def test_parallel_code_never_imports_the_trainer_or_cli():
-    paths = sorted((ROOT / "pipetrain" / "parallel").rglob("*.py"))
-    assert len(paths) > 20, "the scan must reach into the sub-packages"
-    for path in paths:
-        bad = {n for n in _imports(path) if n in ("pipetrain.trainer", "pipetrain.cli", "pipetrain.checkpoint")}
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+# package -> the pipetrain packages its modules may import (besides itself): the layers of
+# docs/architecture.md. kernels know nothing of pipetrain; models know the schema and the kernels, never
+# a layout; parallel/ builds on those and the optimizer pieces, never on what assembles or drives a run
+# (build, trainer, cli, checkpoint, data, plan, hf).
+LAYERS = {
+    "kernels": set(),
+    "models": {"config", "kernels"},
+    "parallel": {"config", "faults", "kernels", "models", "optim"},
+}
+
+
+def _pipetrain_imports(path: pathlib.Path) -> set[str]:
+    """The top-level pipetrain package (or module) of every pipetrain import in path, absolute or relative."""
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            continue  # relative imports stay inside their own package (kernels/ is the only user)
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "pipetrain" and len(parts) > 1:
+                tops.add(parts[1])
+            elif parts[0] == "pipetrain" and isinstance(node, ast.ImportFrom):
+                tops.update(a.name for a in node.names)  # from pipetrain import x
+    return tops
+
+
+def layer_violations(root: pathlib.Path) -> list[str]:
+    bad = []
+    for layer, allowed in LAYERS.items():
+        folder = root / "kernels" if layer == "kernels" else root / "pipetrain" / layer
+        paths = sorted(folder.rglob("*.py"))
+        assert paths, f"no modules found under {folder}"
+        for path in paths:
+            extra = _pipetrain_imports(path) - allowed - {layer}
+            if extra:
+                bad.append(f"{path.relative_to(root)} imports pipetrain.{sorted(extra)}")
+    return bad
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    assert len(list((ROOT / "pipetrain" / "parallel").rglob("*.py"))) > 20, "the scan must reach sub-packages"
+    bad = layer_violations(ROOT)
+    assert not bad, "imports against the layers (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_layer_scan_sees_every_spelling(tmp_path):
+    for source in ("import pipetrain.build", "from pipetrain.trainer import Trainer", "from pipetrain import cli",
+                   "def f():\n    from pipetrain.checkpoint import load"):
+        (tmp_path / "pipetrain" / "parallel" / "x").mkdir(parents=True, exist_ok=True)
+        for layer in ("models", "kernels"):
+            (tmp_path / ("kernels" if layer == "kernels" else f"pipetrain/{layer}")).mkdir(parents=True, exist_ok=True)
+            (tmp_path / ("kernels" if layer == "kernels" else f"pipetrain/{layer}") / "ok.py").write_text("")
+        (tmp_path / "pipetrain" / "parallel" / "x" / "m.py").write_text(source)
+        assert len(layer_violations(tmp_path)) == 1, source
 
 
 def test_only_dims_creates_process_groups():
