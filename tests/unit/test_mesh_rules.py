@@ -1,4 +1,5 @@
-"""layout_problems: every reason a recipe's dp x tp x pp layout cannot run on a world size, at once."""
+"""pipetrain.parallel.mesh.rules: every rule on parallel keys, in one place. parallel_problems (no world size)
+and layout_problems (every reason a dp x tp x pp layout cannot run on a world size) report all at once."""
 import ast
 import dataclasses
 import pathlib
@@ -7,7 +8,7 @@ import re
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, build_recipe
-from pipetrain.parallel.mesh.rules import layout_problems, pipeline_problems, tensor_parallel_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems, pipeline_problems, tensor_parallel_problems
 from pipetrain.parallel.pipeline.stage import stage_layout
 
 BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
@@ -87,6 +88,22 @@ def test_lower_layers_assert_what_layout_problems_reports():
     assert "sums to 5, not model.n_layers=4" in " ".join(layout_problems(_recipe(pp=2, stage_layers=[2, 3]), 2))
     with pytest.raises(AssertionError, match="layout_problems rejects this"):
         stage_layout(LLAMA, pcfg, 16)
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (dict(tp=0), "parallel.tp=0 must be >= 1"),
+    (dict(virtual_stages=0), "parallel.virtual_stages=0 must be >= 1"),
+    (dict(dp=0), "parallel.dp=0 must be >= 1"),
+    (dict(zero=3), "parallel.zero=3 is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)"),
+    (dict(ft_connect_timeout_s=0.0), "parallel.ft_connect_timeout_s=0.0 must be a positive number of seconds "
+                                     "(torchft's default is 60)"),
+    (dict(staleness_min=-1), "parallel.staleness_min: must be >= 0, got -1; use 0 or more"),
+    (dict(sync_warmup_steps=-1), "parallel.sync_warmup_steps: must be >= 0, got -1"),
+])
+def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
+    """The rules that moved out of config.validate report the same text (one problem each here)."""
+    assert parallel_problems(Recipe(parallel=ParallelConfig(**parallel))) == [message]
+    assert parallel_problems(Recipe()) == []
 
 
 # -- one place for the rules on parallel keys -------------------------------------------------------------
