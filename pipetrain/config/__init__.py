@@ -19,10 +19,10 @@ problem at once.
 from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, parse_override
 from pipetrain.config.schema import (CheckpointConfig, ConfigError, DataConfig, FaultsConfig, ModelConfig,
                                      ParallelConfig, Recipe, RunConfig, TrainConfig, clip, lora_projections)
-from pipetrain.config.validation import Rules, validate
+from pipetrain.config.validation import validate
 
 __all__ = [
     "Recipe", "ModelConfig", "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "RunConfig",
     "FaultsConfig", "ConfigError", "clip", "lora_projections",
-    "load_recipe", "build_recipe", "dump_recipe", "parse_override", "validate", "Rules",
+    "load_recipe", "build_recipe", "dump_recipe", "parse_override", "validate",
 ]
