@@ -14,7 +14,7 @@ The order is DESIGN.md's run path:
            -> metrics logger, checkpointer   metrics.py, checkpoint/
            -> Trainer                        trainer.py
 
-The recipe's layout must have passed pipetrain.parallel.mesh.layout.layout_problems (the CLI checks it
+The recipe's layout must have passed pipetrain.parallel.mesh.rules.layout_problems (the CLI checks it
 before starting processes); the layers below only assert it.
 """
 from __future__ import annotations
@@ -38,8 +38,9 @@ from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer, lr_at
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
-from pipetrain.parallel.replicas.dbs import DynamicBatch, count_rules
+from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.rules import count_rules, parallel_problems
 from pipetrain.parallel.pipeline.executor import Executor
 from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.tensor.lora import apply_lora
@@ -67,7 +68,7 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
     data = recipe.data if recipe.data.tokenizer else dataclasses.replace(recipe.data,
                                                                           tokenizer=recipe.model.init_from)
     recipe = dataclasses.replace(recipe, model=model, data=data)
-    problems = validate(recipe)
+    problems = validate(recipe, parallel_problems)
     if problems:
         raise ConfigError("; ".join(problems))
     return recipe

@@ -31,7 +31,7 @@ from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.mesh.comm import barrier
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.replicas.failover import Replica, replica_from_env
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.preflight import preflight
 from pipetrain.rerun import finished_report, rerun_of
 from pipetrain.run_lock import RunLock
@@ -110,7 +110,7 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = resolve_init_from(load_recipe(args.recipe, args.set))
+    recipe = resolve_init_from(load_recipe(args.recipe, args.set, rules=parallel_problems))
     if args.nproc is not None and (not args.dry_run or args.nproc < 1):
         raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
                           "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.parallel.mesh.layout import layout_problems, resolve_dp
+from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio

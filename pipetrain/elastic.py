@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetrain.checkpoint import check_resume_dir, checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.parallel.mesh.layout import layout_problems, mesh_problems, resolve_dp
+from pipetrain.parallel.mesh.rules import layout_problems, mesh_problems, resolve_dp
 from pipetrain.plan.auto import resolve_at_launch
 
 

@@ -23,7 +23,7 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
-from pipetrain.parallel.mesh.layout import resolve_dp
+from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.plan.memory import model_params
 
 GB = 1e9

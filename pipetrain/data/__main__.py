@@ -7,6 +7,7 @@ import sys
 
 from pipetrain.config import ConfigError, load_recipe
 from pipetrain.data import load_tokenizer, prepare_sources
+from pipetrain.parallel.mesh.rules import parallel_problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--num-proc", type=int, default=None, help="tokenising processes (default data.num_proc)")
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.set)
+        recipe = load_recipe(args.recipe, args.set, rules=parallel_problems)
         data = recipe.data
         if not data.tokenizer:  # as a run does: model.init_from's directory is the default tokenizer
             data = dataclasses.replace(data, tokenizer=recipe.model.init_from or "")

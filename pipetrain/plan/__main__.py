@@ -13,6 +13,7 @@ import json
 import sys
 
 from pipetrain.config import ConfigError, load_recipe
+from pipetrain.parallel.mesh.rules import parallel_problems
 from pipetrain.plan import format_plan_row, plan_header
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.plan.calibrate import calibrate, save_profile
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.nodes < 1:
         raise ConfigError(f"--nproc/--nodes: must be >= 1, got {args.nproc}/{args.nodes}; pass positive counts")
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = load_recipe(args.recipe, args.set, rules=parallel_problems)
     if args.calibrate:
         profile = calibrate(recipe=recipe)
         save_profile(profile, args.out)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from pipetrain.config import Recipe
 from pipetrain.models import flops_per_token
-from pipetrain.parallel.mesh.layout import resolve_dp
+from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
 from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_stages, schedule_shape

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.mesh.layout import resolve_dp
+from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import stage_layout
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT

@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pipetrain.config import ParallelConfig, Recipe
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile

@@ -11,7 +11,8 @@ import os
 import pytest
 
 from pipetrain import cli
-from pipetrain.config import MAX_RECIPE_DEPTH, ConfigError, ModelConfig, load_recipe
+from pipetrain.config import ConfigError, ModelConfig, load_recipe
+from pipetrain.config.loading import MAX_RECIPE_DEPTH
 from pipetrain.models import build, count_params
 from pipetrain.models import decoder as decoder_module
 from pipetrain.plan.__main__ import main as plan_main

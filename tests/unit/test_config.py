@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from pipetrain.config import ConfigError, build_recipe, load_recipe, parse_override
+from pipetrain.parallel.mesh.rules import parallel_problems
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.rerun import recipe_differences
 
@@ -58,6 +59,23 @@ def test_validation_reports_every_problem_at_once():
     assert "train.grad_accumulation_fusion_min_numel=-1 must be >= 0 (0 fuses every weight)" in msg
 
 
+def test_load_recipe_reports_the_parallel_rules_it_is_handed_with_its_own(tmp_path):
+    """config may not import parallel: the CLI hands load_recipe the parallel rules, and one ConfigError
+    lists their problems after config's own."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_with(train={"warmup_steps": -1}, parallel={"tp": 0, "zero": 3})))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(path), ["parallel.ps_sync=async"], rules=parallel_problems)
+    assert str(info.value) == ("train.warmup_steps=-1 must be >= 0; "
+                               "parallel.tp=0 must be >= 1; "
+                               "parallel.zero=3 is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented); "
+                               "parallel.ps_sync=async needs parameter servers; set parallel.ps_servers >= 1 or "
+                               "drop parallel.ps_sync")
+    with pytest.raises(ConfigError) as info:  # without them, only the keys config owns are checked
+        load_recipe(str(path), ["parallel.ps_sync=async"])
+    assert str(info.value) == "train.warmup_steps=-1 must be >= 0"
+
+
 def test_overrides_apply_and_parse_yaml_scalars(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(_with()))
@@ -108,7 +126,7 @@ def test_missing_recipe_file_and_bad_yaml(tmp_path):
 
 def test_zero3_is_not_offered():
     with pytest.raises(ConfigError, match="ZeRO-3 is not implemented"):
-        build_recipe(_with(parallel={"zero": 3}))
+        build_recipe(_with(parallel={"zero": 3}), rules=parallel_problems)
 
 
 def test_every_shipped_recipe_parses():

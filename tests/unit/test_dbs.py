@@ -1,9 +1,9 @@
 """Dynamic batch sizing without processes: apportionment, damping, count rules, the loader's slices."""
 import numpy as np
-from pipetrain.config import ParallelConfig, Recipe, validate
+from pipetrain.config import ParallelConfig, Recipe
 from pipetrain.data import Loader, PackedData
-from pipetrain.parallel.replicas.dbs import DBS_GAIN, DBS_WINDOWS, DynamicBatch, apportion, count_rules, dbs_problems
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.replicas.dbs import DBS_GAIN, DBS_WINDOWS, DynamicBatch, apportion
+from pipetrain.parallel.mesh.rules import count_rules, dbs_problems, layout_problems, parallel_problems
 
 
 def test_apportion_sums_to_the_total_and_keeps_the_minimum():
@@ -85,7 +85,7 @@ def test_dbs_problems_name_the_key_and_the_fix():
     assert dbs_problems("1f1b", 2, 1, 2, 2) == []
     recipe = Recipe(parallel=ParallelConfig(dynamic_batch=True, zero=1))  # ZeRO over all of dp: one replica
     assert any("parallel.dynamic_batch: needs dp_replicate" in p for p in layout_problems(recipe, 2))
-    problems = validate(Recipe(parallel=ParallelConfig(dynamic_batch=True, dynamic_batch_every=0)))
+    problems = parallel_problems(Recipe(parallel=ParallelConfig(dynamic_batch=True, dynamic_batch_every=0)))
     assert any(p.startswith("parallel.dynamic_batch_every: must be >= 1") for p in problems), problems
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.elastic import SavedLayout, elastic_recipe, is_elastic, launch_layout, saved_layout
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems
 from pipetrain.plan.auto import resolve_at_launch
 from tests.unit.short_run import short_run
 

@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from pipetrain.config import TrainConfig, build_recipe
+from pipetrain.config import ParallelConfig, Recipe, TrainConfig, build_recipe
 from pipetrain.optim.build import Optimizer
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.rules import parallel_problems
 from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica, replica_from_env
 from tests.unit.common import LLAMA, build_trainer
 
@@ -157,10 +158,8 @@ def test_a_redone_step_is_logged_once_with_its_failed_attempts(tmp_path):
 
 
 def test_recipe_combinations_torchft_refuses_name_the_key():
-    from pipetrain.config import ParallelConfig, Recipe, validate
-
     def problems(**parallel):
-        return " | ".join(validate(Recipe(parallel=ParallelConfig(fault_tolerance="torchft", **parallel))))
+        return " | ".join(parallel_problems(Recipe(parallel=ParallelConfig(fault_tolerance="torchft", **parallel))))
 
     assert "parallel.dp: must be given under parallel.fault_tolerance=torchft" in problems()
     assert "parallel.dp_sync=local_sgd: does not combine" in problems(dp=2, dp_sync="local_sgd", dp_shard=1)

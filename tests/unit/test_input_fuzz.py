@@ -21,7 +21,7 @@ from pipetrain import cli
 from pipetrain.config import ConfigError, load_recipe
 from pipetrain.hf import load_hf_weights, model_config_from_hf
 from pipetrain.models import build
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.preflight import check_model_fits
 from tests.harness import hf_configs, save_tiny_hf
 
@@ -115,7 +115,7 @@ def _mutate_recipe(rng: random.Random, base: dict) -> dict | str:
 def _recipe_case(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, rules=parallel_problems)  # as the CLI loads it
     for world in (1, 2, 4):
         if not layout_problems(recipe, world):
             check_model_fits(recipe, world)

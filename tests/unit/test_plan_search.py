@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, load_recipe
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main
 from pipetrain.plan.auto import fixed_parallel_keys, resolve_auto

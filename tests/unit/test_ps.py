@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.config import ParallelConfig, Recipe, RunConfig, validate
+from pipetrain.config import ParallelConfig, Recipe, RunConfig
 from pipetrain.parallel.ps import core as ps
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.mesh.layout import layout_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.parallel.ps.core import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes,
                                         push_bytes, required_version, row_range)
 from tests.unit.common import GPT2, LLAMA
@@ -49,7 +49,7 @@ def test_row_ranges_versions_and_bytes():
 
 
 def _problems(model=LLAMA, **parallel):
-    return validate(Recipe(model=model, parallel=ParallelConfig(**parallel)))
+    return parallel_problems(Recipe(model=model, parallel=ParallelConfig(**parallel)))
 
 
 def test_recipe_checks_name_the_key_and_the_fix():

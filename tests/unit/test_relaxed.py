@@ -14,7 +14,7 @@ from pipetrain.models import build, materialize
 from pipetrain.optim.build import Optimizer
 from pipetrain.parallel.replicas import relaxed
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.mesh.layout import layout_problems, resolve_dp_shard
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems, resolve_dp_shard
 from pipetrain.stopping import resume_point
 from tests.unit.common import LLAMA, read_from
 
@@ -23,7 +23,7 @@ BASE = {"data": {"path": "x.txt", "tokenizer": "tok"}}
 
 def _recipe(**sections):
     raw = {**BASE, **sections}
-    return build_recipe(raw)
+    return build_recipe(raw, rules=parallel_problems)
 
 
 @pytest.mark.parametrize("parallel, key", [

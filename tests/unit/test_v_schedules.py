@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig
-from pipetrain.parallel.mesh.layout import pipeline_problems
+from pipetrain.parallel.mesh.rules import pipeline_problems
 from pipetrain.parallel.pipeline.stage import stage_costs
 from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, SEND_ACT, Action, build_all_schedules,
                                                    placement_of, rank_chunk_of, schedule_problems, simulate, stage_of,

@@ -1,7 +1,7 @@
-"""The device mesh and everything that talks across it.
+"""The device mesh, everything that talks across it, and the rules a layout must satisfy.
 
 Owns: ParallelDims (dims.py, the only creator of process groups and the device mesh), comm.py (every
-collective and point-to-point call goes through it), layout.py (every rule a layout must satisfy,
-written once). May import: config, torch.distributed, parallel.replicas.dbs and
-parallel.pipeline.schedules (pure rules, for layout checks). Never: trainer, build, cli, checkpoint.
+collective and point-to-point call goes through it), rules.py (every rule on the parallel keys, with and
+without a world size, written once). May import: config, torch.distributed, parallel.pipeline.schedules
+(a schedule's own pure rules, which rules.py calls). Never: trainer, build, cli, checkpoint.
 """

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain.config import ParallelConfig
 from pipetrain.parallel.mesh.comm import set_workers_group
-from pipetrain.parallel.mesh.layout import resolve_dp_shard
+from pipetrain.parallel.mesh.rules import resolve_dp_shard
 
 # Mesh dims, slowest-varying first; ranks are row-major over them.
 MESH_DIM_NAMES = ("dp", "pp", "tp")

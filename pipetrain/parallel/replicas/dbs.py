@@ -24,7 +24,8 @@ Damping, so transient noise does not make the split chase its tail (benchmarks/d
   under ssp the split moved at nearly every window and cost 11% (benchmarks/dbs.py); a persistent
   straggler passes both tests at once, at the cost of one window's delay.
 The new split is proportional to speed (1 / time per slot), in largest-remainder integers, every replica
-keeping at least the schedule's minimum, counts a multiple of pp for interleaved-1f1b.
+keeping at least the schedule's minimum, counts a multiple of pp for interleaved-1f1b
+(pipetrain.parallel.mesh.rules.count_rules).
 """
 from __future__ import annotations
 
@@ -62,27 +63,6 @@ def apportion(weights: Sequence[float], total: int, minimum: int = 1) -> list[in
     for i in sorted(free, key=lambda i: (-(quota[i] - counts[i]), i))[:left]:
         counts[i] += 1
     return counts
-
-
-def count_rules(schedule: str, pp: int, virtual_stages: int) -> tuple[int, int]:
-    """(granule, minimum) of a rank's microbatch count under this schedule: counts are multiples of the
-    granule and at least the minimum (pipetrain.parallel.pipeline.schedules.schedule_problems' rules)."""
-    granule = pp if virtual_stages > 1 and schedule == "interleaved-1f1b" and pp > 1 else 1
-    minimum = 2 * pp if schedule == "dualpipev" else granule
-    return granule, minimum
-
-
-def dbs_problems(schedule: str, pp: int, virtual_stages: int, microbatches: int, dp_replicate: int) -> list[str]:
-    """Why parallel.dynamic_batch cannot run on this layout (empty when it can)."""
-    if dp_replicate < 2:
-        return [f"parallel.dynamic_batch: needs dp_replicate = dp/dp_shard >= 2 replicas to move samples "
-                f"between, got {dp_replicate}; lower parallel.dp_shard, launch more ranks or drop dynamic_batch"]
-    granule, minimum = count_rules(schedule, pp, virtual_stages)
-    if microbatches <= minimum:
-        return [f"parallel.dynamic_batch: parallel.microbatches={microbatches} leaves no microbatch to move "
-                f"(every replica keeps at least {minimum} under schedule {schedule}); raise "
-                f"parallel.microbatches to {minimum + granule} or more (train.global_batch with it)"]
-    return []
 
 
 class DynamicBatch:

@@ -45,6 +45,7 @@ from torch.distributed import ReduceOp, TCPStore
 from pipetrain.config import ConfigError, ParallelConfig, Recipe
 from pipetrain.faults import restart_count
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
+from pipetrain.parallel.mesh.rules import torchft_layout
 from pipetrain.parallel.replicas.wrapped import WrappedOptimizer
 
 REPLICA_ENV = "REPLICA_GROUP_ID"      # which replica group this torchrun is (0 .. groups - 1)
@@ -96,30 +97,15 @@ def replica_from_env(recipe: Recipe, world_size: int, env=os.environ) -> tuple[R
     missing = torchft_missing()
     if missing:
         return None, [missing]
-    p, t = recipe.parallel, recipe.train
     problems = []
     if not env.get(LIGHTHOUSE_ENV):
         problems.append(f"parallel.fault_tolerance=torchft: {LIGHTHOUSE_ENV} is not set; start "
                         "`torchft_lighthouse --min_replicas 1` and export "
                         f"{LIGHTHOUSE_ENV}=http://HOST:29510 for every replica group")
-    tp_pp = p.tp * p.pp
-    if world_size % tp_pp:
-        problems.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp_pp}; launch a "
-                        f"multiple of {tp_pp} processes per replica group")
+    dp, shard, layout = torchft_layout(recipe, world_size)
+    problems += layout
+    if not shard:
         return None, problems
-    shard = world_size // tp_pp
-    dp = p.dp if p.dp is not None else shard
-    if p.dp_shard is not None and p.dp_shard != shard:
-        problems.append(f"parallel.dp_shard: must equal the dp ranks of one replica group under "
-                        f"fault_tolerance=torchft (world size {world_size} / tp*pp {tp_pp} = {shard}), got "
-                        f"{p.dp_shard}; drop parallel.dp_shard")
-    if dp % shard:
-        problems.append(f"parallel.dp={dp}: must be a multiple of the dp ranks of one replica group ({shard} = "
-                        f"world size {world_size} / tp*pp {tp_pp}) under fault_tolerance=torchft; set "
-                        f"parallel.dp to replica groups x {shard}")
-    elif t.global_batch % (dp * p.microbatches):
-        problems.append(f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
-                        f"{dp}*{p.microbatches}={dp * p.microbatches}")
     groups = max(1, dp // shard)
     raw = env.get(REPLICA_ENV)
     if raw is None:

@@ -42,7 +42,7 @@ from pipetrain.config import ModelConfig
 from pipetrain.parallel.mesh.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data.allreduce import allreduce_grads
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.mesh.layout import tensor_parallel_problems
+from pipetrain.parallel.mesh.rules import tensor_parallel_problems
 from pipetrain.parallel.pipeline.weight_grads import WeightGradModule, embedding, linear
 
 # Module name (with any "layers.<i>." prefix removed) -> how it is parallelised.

@@ -18,7 +18,7 @@ from pipetrain.parallel.pipeline.schedules.replay import Replay, Task, replay_co
 
 def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
     """Every reason schedule `name` cannot be built for these sizes (empty when it can), in the recipe's
-    terms (parallel.schedule, pp, microbatches, virtual_stages): pipetrain.parallel.mesh.layout reports them
+    terms (parallel.schedule, pp, microbatches, virtual_stages): pipetrain.parallel.mesh.rules reports them
     to the user before a run, the timeline command before drawing, and the builders assert them."""
     p, m, v = pp_size, num_microbatches, virtual_stages
     problems = [f"parallel.{what} must be >= 1, got {value}"

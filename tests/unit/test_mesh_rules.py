@@ -1,10 +1,14 @@
-"""layout_problems: every reason a recipe's dp x tp x pp layout cannot run on a world size, at once."""
+"""pipetrain.parallel.mesh.rules: every rule on parallel keys, in one place. parallel_problems (no world size)
+and layout_problems (every reason a dp x tp x pp layout cannot run on a world size) report all at once."""
+import ast
 import dataclasses
+import pathlib
+import re
 
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, build_recipe
-from pipetrain.parallel.mesh.layout import layout_problems, pipeline_problems, tensor_parallel_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems, pipeline_problems, tensor_parallel_problems
 from pipetrain.parallel.pipeline.stage import stage_layout
 
 BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
@@ -84,3 +88,54 @@ def test_lower_layers_assert_what_layout_problems_reports():
     assert "sums to 5, not model.n_layers=4" in " ".join(layout_problems(_recipe(pp=2, stage_layers=[2, 3]), 2))
     with pytest.raises(AssertionError, match="layout_problems rejects this"):
         stage_layout(LLAMA, pcfg, 16)
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (dict(tp=0), "parallel.tp=0 must be >= 1"),
+    (dict(virtual_stages=0), "parallel.virtual_stages=0 must be >= 1"),
+    (dict(dp=0), "parallel.dp=0 must be >= 1"),
+    (dict(zero=3), "parallel.zero=3 is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)"),
+    (dict(ft_connect_timeout_s=0.0), "parallel.ft_connect_timeout_s=0.0 must be a positive number of seconds "
+                                     "(torchft's default is 60)"),
+    (dict(staleness_min=-1), "parallel.staleness_min: must be >= 0, got -1; use 0 or more"),
+    (dict(sync_warmup_steps=-1), "parallel.sync_warmup_steps: must be >= 0, got -1"),
+])
+def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
+    """The rules that moved out of config.validate report the same text (one problem each here)."""
+    assert parallel_problems(Recipe(parallel=ParallelConfig(**parallel))) == [message]
+    assert parallel_problems(Recipe()) == []
+
+
+# -- one place for the rules on parallel keys -------------------------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MESH = ROOT / "pipetrain" / "parallel" / "mesh"
+# a parallel key named in a message ("parallel.dp_sync=...", "set parallel.tp=2"), not a module path
+# ("pipetrain.parallel.mesh" has a dot before it)
+PARALLEL_KEY = re.compile(r"(?<![\w.])parallel\.[a-z_]+")
+# *_problems functions outside parallel/mesh/ allowed to name parallel keys, and why
+OWN_RULES = {("parallel/pipeline/schedules/builders.py", "schedule_problems"):
+             "a schedule's own rules; the builders assert them and the layout check calls them"}
+
+
+def _messages(node: ast.AST) -> list[str]:
+    """The string constants under node (f-string parts included), docstrings left out."""
+    docs = {id(n.body[0].value) for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Module))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(node)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_rules_on_parallel_keys_live_in_parallel_mesh_only():
+    """No function outside parallel/mesh/ named *_problems (or config's validate) reports on a parallel key:
+    config.validate takes the parallel rules as a callable, and the old homes of these rules are gone."""
+    found = []
+    for path in sorted((ROOT / "pipetrain").rglob("*.py")):
+        if path.is_relative_to(MESH):
+            continue
+        rel = path.relative_to(ROOT / "pipetrain").as_posix()
+        for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            is_rule = isinstance(fn, ast.FunctionDef) and (fn.name.endswith("_problems") or
+                                                           (rel.startswith("config") and fn.name == "validate"))
+            if is_rule and (rel, fn.name) not in OWN_RULES and any(PARALLEL_KEY.search(s) for s in _messages(fn)):
+                found.append(f"{rel}:{fn.name}")
+    assert not found, f"rules on parallel keys outside pipetrain/parallel/mesh/: {found}"

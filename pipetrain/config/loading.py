@@ -1,0 +1,210 @@
+"""Reading a recipe: YAML (bounded, so an alias bomb is refused), `--set a.b=c` overrides, paths resolved
+against the recipe file, types checked against the schema, then validation; and writing one back.
+
+build_recipe and load_recipe raise one ConfigError listing every problem at once: unknown keys (naming the
+closest valid one) and wrong types first, then every problem config.validate finds, including those of
+the `rules` callable it is given (the parallel keys' rules, pipetrain.parallel.mesh.rules.parallel_problems,
+which config may not import: config sits below parallel).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+from pipetrain.config.schema import KEY_ALIASES, SECTIONS, ConfigError, Recipe, clip
+from pipetrain.config.validation import Rules, validate
+from pipetrain.shipped import anchor_shipped_paths, recipe_file, shipped_names
+
+# Paths in a YAML file are relative to that file; paths from --set are relative to the cwd.
+_PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+              ("model", "init_from"), ("run", "output_dir")}
+
+
+def _closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
+    """Coerce ints to floats where a float is expected; record a problem for any other mismatch."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(where, value, inner[0], problems)
+    if origin is Literal:
+        if value not in args:
+            problems.append(f"{where}={clip(repr(value))} is not one of {', '.join(map(str, args))}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # PyYAML reads "2e-3" (no dot) as a string: accept any text that is a float literal.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is list:
+        if not isinstance(value, list):
+            problems.append(f"{where}={clip(repr(value))} must be a list")
+        return value
+    expected = {int: int, float: float, str: str, bool: bool}.get(hint)
+    if expected is not None:
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if not ok:
+            problems.append(f"{where}={clip(repr(value))} must be {expected.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _resolve_path(value: Optional[str], base: str) -> Optional[str]:
+    """Make a relative path absolute against base; a hub name ("gpt2", "user/corpus") with no such
+    local path stays as written."""
+    if not value:
+        return value
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return expanded
+    candidate = os.path.normpath(os.path.join(base, expanded))
+    looks_local = expanded.startswith(".") or os.path.exists(candidate)
+    return candidate if looks_local or expanded.count("/") > 1 else value
+
+
+def _resolve_paths(section: str, key: str, value: Any, base: str) -> Any:
+    """A path key's value, or data.sources' path entries, resolved against base (the recipe file's folder,
+    or the current directory for --set)."""
+    if (section, key) in _PATH_KEYS and isinstance(value, str):
+        return _resolve_path(value, base)
+    if (section, key) == ("data", "sources") and isinstance(value, list):  # each source path as data.path
+        return [{**s, "path": _resolve_path(s["path"], base)} if isinstance(s, dict) and isinstance(s.get("path"), str)
+                else s for s in value]
+    return value
+
+
+# What a recipe may expand to: a YAML alias names a node again, so a small file can describe a
+# structure of billions of nodes ("billion laughs"); these bound it before any Python object is built.
+MAX_RECIPE_BYTES = 1 << 20      # 1 MiB of YAML text
+MAX_RECIPE_NODES = 100_000      # scalars, lists and mappings after aliases are expanded
+MAX_RECIPE_DEPTH = 32           # nesting of lists and mappings
+
+
+def bounded_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load of text, refused (ConfigError) past MAX_RECIPE_BYTES / NODES / DEPTH."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{where}: {len(text)} characters of YAML, over the {MAX_RECIPE_BYTES} limit; "
+                          "a recipe is a short file of settings")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        count, stack = 0, [(node, 1)]
+        while stack:  # walks aliases as often as they are used: what construction would expand
+            item, depth = stack.pop()
+            count += 1
+            if count > MAX_RECIPE_NODES or depth > MAX_RECIPE_DEPTH:
+                raise ConfigError(f"{where}: the YAML expands past {MAX_RECIPE_NODES} nodes or "
+                                  f"{MAX_RECIPE_DEPTH} levels (aliases count each time they are used); "
+                                  "write the values out plainly")
+            if isinstance(item, yaml.SequenceNode):
+                stack.extend((child, depth + 1) for child in item.value)
+            elif isinstance(item, yaml.MappingNode):
+                stack.extend((child, depth + 1) for pair in item.value for child in pair)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'parallel.tp=2' -> ('parallel', 'tp', 2); the value is parsed as a YAML scalar."""
+    if "=" not in text:
+        raise ConfigError(f"--set {clip(repr(text))}: expected KEY=VALUE such as parallel.tp=2")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set {clip(repr(text))}: key must be SECTION.NAME such as train.steps")
+    try:
+        value = bounded_yaml(raw, f"--set {clip(key)}") if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {clip(repr(text))}: value is not a YAML scalar ({exc.problem})") from None
+    return parts[0], parts[1], value
+
+
+def build_recipe(raw: dict, overrides: list[str] = (), base_dir: str | None = None,
+                 rules: Rules | None = None) -> Recipe:
+    """Build and validate a Recipe from a nested dict plus overrides; raise one ConfigError for all problems.
+    rules: the parallel keys' rules for config.validate (pass pipetrain.parallel.mesh.rules.parallel_problems
+    wherever the recipe will run; without them only the keys config owns are checked)."""
+    problems: list[str] = []
+    base_dir = base_dir or os.getcwd()
+    if not isinstance(raw, dict):
+        raise ConfigError("recipe: top level must be a mapping of sections (model, parallel, train, ...)")
+    values: dict[str, dict] = {name: {} for name in SECTIONS}
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            problems.append(f"unknown section '{section}'{_closest(section, SECTIONS)}")
+            continue
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"section '{section}' must be a mapping of keys")
+            continue
+        for key, value in body.items():
+            values[section][key] = _resolve_paths(section, key, value, base_dir)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            problems.append(f"--set {text}: unknown section '{section}'{_closest(section, SECTIONS)}")
+            continue
+        values[section][key] = _resolve_paths(section, key, value, os.getcwd())
+
+    sections = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values[section].items():
+            field = KEY_ALIASES.get((section, key), key)
+            if field not in hints:
+                problems.append(f"unknown key '{section}.{key}'{_closest(key, hints)}")
+                continue
+            kwargs[field] = _check_type(f"{section}.{key}", value, hints[field], problems)
+        if problems:
+            continue
+        sections[section] = cls(**kwargs)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    recipe = Recipe(**sections)
+    problems = validate(recipe, rules)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return recipe
+
+
+def load_recipe(path: str, overrides: list[str] = (), rules: Rules | None = None) -> Recipe:
+    """Read a YAML recipe file (or the shipped recipe of that name, pipetrain.shipped), apply overrides, validate
+    (with rules as build_recipe)."""
+    file = recipe_file(path)
+    if file is None:
+        raise ConfigError(f"--recipe: not found as a file or a shipped recipe name, got {path!r}; pass a recipe "
+                          f"file's path or a shipped name ({', '.join(shipped_names())})")
+    with open(file) as f:
+        try:
+            raw = bounded_yaml(f.read(MAX_RECIPE_BYTES + 1), f"recipe {path}") or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if file != path:  # found by name: shipped data stays in the package, output goes under the current directory
+        return build_recipe(anchor_shipped_paths(raw, _PATH_KEYS), overrides, base_dir=os.getcwd(), rules=rules)
+    return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)), rules=rules)
+
+
+def dump_recipe(r: Recipe, path: str) -> None:
+    """Write r as YAML, recipe keys as a recipe spells them (checkpoint.async), readable by load_recipe."""
+    with open(path, "w") as f:
+        yaml.safe_dump(r.to_dict(), f, sort_keys=False)

@@ -1,0 +1,211 @@
+"""The recipe's schema: one frozen dataclass per YAML section, ConfigError, and the helpers every
+section's users share (clip for error lines, the LoRA projection names).
+
+A recipe is data only. A new key is one field here, with its default and a comment saying what it does;
+pipetrain.config.loading reads it from YAML and --set by its type hint, pipetrain.config.validation (or,
+for parallel keys, pipetrain.parallel.mesh.rules) checks its value.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
+
+
+MESSAGE_VALUE_CHARS = 200  # an offending value is quoted in an error line up to this many characters
+
+
+def clip(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """text cut to limit characters (with the count left off), so a huge value never floods an error line."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    family: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None      # None = n_heads (no grouped-query attention)
+    ffn_hidden: Optional[int] = None      # None = 4*d_model (gpt2) or SwiGLU's 8/3*d_model rounded to 64
+    max_seq_len: int = 1024
+    tie_embeddings: Optional[bool] = None  # None = family default (gpt2 ties, others do not)
+    init_from: Optional[str] = None       # local Hugging Face model directory
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
+    sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
+    init_std: float = 0.02
+    # LoRA (pipetrain/models/lora.py, tp layout in pipetrain/parallel/tensor/lora.py): None = off; else the adapter rank r, with base weights frozen
+    lora_rank: Optional[int] = None
+    lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # dropout on the adapter input (training only)
+    lora_targets: list = field(default_factory=list)  # of LORA_PROJECTIONS; [] = every one the family has
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.family == "gpt2":
+            return 4 * self.d_model
+        return 64 * ((8 * self.d_model // 3 + 63) // 64)
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.family == "qwen2" if self.qkv_bias is None else self.qkv_bias
+
+
+# The projections LoRA can adapt, by our module leaf name (attn.wq ... mlp.down); gpt2 has no gate.
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
+
+
+def lora_projections(family: str) -> tuple[str, ...]:
+    return tuple(n for n in LORA_PROJECTIONS if not (family == "gpt2" and n == "gate"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp: Optional[int] = None         # data-parallel replicas; None = world_size / (tp * pp)
+    tp: int = 1                      # tensor-parallel ranks; divides n_heads, ffn and vocab
+    pp: int = 1                      # pipeline stages; <= model.n_layers
+    microbatches: int = 1            # per optimizer step and dp rank; >= pp for 1f1b
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
+    virtual_stages: int = 1          # model chunks per pp rank (interleaved-1f1b)
+    stage_layers: Optional[list] = None  # explicit layers per stage; None = balanced by cost
+    zero: int = 0                    # 0 | 1 (shard optimizer state) | 2 (also gradients)
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: Optional[int] = None  # full recompute only for the first N layers of a stage
+    sequence_parallel: bool = False
+    split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
+    auto: bool = False               # fill the parallel keys not given here at launch (pipetrain.plan)
+    # ---- relaxed synchronisation across replicas (pipetrain.parallel.replicas.relaxed, docs/relaxed_sync.md) ----
+    dp_shard: Optional[int] = None   # dp = dp_replicate x dp_shard; None = dp with zero >= 1, else 1
+    dp_sync: Literal["bsp", "ssp", "dssp", "local_sgd", "diloco"] = "bsp"  # across dp_replicate
+    staleness: int = 0               # ssp: s; dssp: the upper bound
+    staleness_min: int = 0           # dssp: the lower bound
+    sync_every: int = 1              # local_sgd / diloco: H inner steps between synchronisations
+    sync_warmup_steps: int = 0       # local_sgd / diloco: bsp steps before local steps (post-local SGD)
+    outer_lr: float = 0.7            # diloco: outer Nesterov SGD learning rate
+    outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
+    dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/replicas/dbs.py)
+    dynamic_batch_every: int = 5     # steps per measurement window: the split may move at its end
+    # ---- hybrid parameter server for the input embedding (pipetrain.parallel.ps.core, docs/parameter_server.md) ----
+    ps_servers: int = 0              # extra ranks holding the embedding table; world = dp x tp x pp + ps_servers
+    ps_sync: Literal["bsp", "ssp", "async"] = "bsp"  # ssp bounds pulled rows' age by parallel.staleness
+    # ---- replica failover (pipetrain.parallel.replicas.failover, docs/fault_tolerance.md) ----
+    fault_tolerance: Literal["none", "torchft"] = "none"  # torchft: each dp_replicate group is a torchft replica
+    ft_connect_timeout_s: float = 60.0  # torchft: how long a group waits for the lighthouse before exit 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8            # sequences per optimizer step, over all dp ranks
+    seq_len: int = 256
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0           # 0 disables clipping
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.parallel.pipeline.weight_grads)
+    grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # after warmup (pipetrain.lr_schedule)
+    decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum train.momentum, weight decay train.weight_decay
+    momentum: float = 0.0            # sgd only
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str = ""                   # local text/jsonl/parquet file or folder, or a datasets name
+    tokenizer: str = ""              # local tokenizer directory or name
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    seed: int = 1234
+    cache_dir: Optional[str] = None  # tokenised-data cache; None = ~/.cache/pipetrain
+    sources: Optional[list] = None   # blend: [{path, weight}], each path raw data or a prepared dir; None = data.path
+    document_mask: bool = False      # block-causal attention per document and positions restarting at each
+    num_proc: int = 1                # processes tokenising in `prepare`
+    verify: bool = True              # check prepared files' sha256 against their manifest at start
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0                   # steps; 0 = only at the end
+    keep: int = 3                    # newest K checkpoints kept
+    verify: bool = True              # verify per-file checksums on load
+    async_: bool = False             # YAML key `async`: snapshot to host, write in the background
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    log_every: int = 1
+    eval_every: int = 0              # 0 = only at the end
+    eval_batches: int = 4
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = from the GPU table
+    sample_tokens: int = 200         # tokens generated at the end of a run (0 = none)
+    progress: bool = True
+    trackers: list = field(default_factory=list)  # any of tensorboard, wandb (optional extras); [] = none
+    # seconds from SIGTERM to a saved exit; past it the run exits 143 without saving. Default 20: below
+    # the 30 s that Slurm (KillWait) and Kubernetes (terminationGracePeriodSeconds) wait before SIGKILL,
+    # leaving 10 s for the save to finish and the process to exit on its own terms
+    stop_timeout_s: float = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """Injected stragglers (and, later, kills) for drills and tests; off by default (pipetrain.faults)."""
+    slow_ranks: list = field(default_factory=list)  # global ranks whose steps may be slow
+    slow_factor: float = 1.0         # a slow step takes this many times its compute
+    slow_prob: float = 1.0           # per step, seeded by (seed, step, rank): 1 persistent, < 1 transient
+    seed: int = 0
+    kill_rank: Optional[int] = None  # this global rank SIGKILLs itself as step kill_at_step begins (first attempt)
+    kill_at_step: Optional[int] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for (section, key), field in KEY_ALIASES.items():
+            out[section][key] = out[section].pop(field)
+        return out
+
+
+SECTIONS = {
+    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+    "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig, "faults": FaultsConfig,
+}
+# Recipe keys that are Python keywords, and their dataclass fields.
+KEY_ALIASES = {("checkpoint", "async"): "async_"}

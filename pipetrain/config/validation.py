@@ -1,0 +1,106 @@
+"""Validation without a world size: the cross-field rules of the keys config owns (model, train, data,
+checkpoint, run, faults).
+
+The rules on parallel keys live with the mesh (pipetrain.parallel.mesh.rules: one place for every layout
+rule, written once). config sits below parallel and may not import it, so validate takes those rules as a
+callable and reports their problems with its own, in one list: load_recipe's callers still get every
+problem at once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from pipetrain.config.schema import SECTIONS, Recipe, clip, lora_projections
+
+Rules = Callable[[Recipe], list[str]]  # more rules on a recipe: every problem found (empty when consistent)
+
+
+def validate(r: Recipe, rules: Rules | None = None) -> list[str]:
+    """Every problem with r's keys that needs no world size, followed by rules(r)'s (empty when consistent).
+    rules: pipetrain.parallel.mesh.rules.parallel_problems wherever the recipe is to run (the CLI, build);
+    the layout rules that need the world size are that module's layout_problems."""
+    return _own_problems(r) + (rules(r) if rules is not None else [])
+
+
+def _own_problems(r: Recipe) -> list[str]:
+    m, t, d, f = r.model, r.train, r.data, r.faults
+    problems = []
+
+    def need(cond: bool, msg: str):
+        if not cond:
+            problems.append(msg)
+
+    for sec, name in [(m, "vocab_size"), (m, "d_model"), (m, "n_layers"), (m, "n_heads"), (m, "max_seq_len"),
+                      (t, "global_batch"), (t, "seq_len")]:
+        need(getattr(sec, name) >= 1, f"{_sec(sec)}.{name}={getattr(sec, name)} must be >= 1")
+    if problems:
+        return problems
+    if not m.init_from:  # with init_from the HF config defines these; checked again once it is read
+        need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+        need(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")
+        need(m.family == "gpt2" or m.head_dim % 2 == 0,
+             f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
+        need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
+    need(t.lr >= 0, f"train.lr={t.lr} must be >= 0 (0 keeps the weights frozen)")
+    need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    need(t.grad_accumulation_fusion_min_numel >= 0, f"train.grad_accumulation_fusion_min_numel="
+         f"{t.grad_accumulation_fusion_min_numel} must be >= 0 (0 fuses every weight)")
+    need(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    need(bool(d.path) or bool(d.sources),
+         "data.path is empty; set it to a text/jsonl/parquet file or folder, a prepared directory, or data.sources")
+    need(not (d.path and d.sources), "data.path and data.sources are both set; list every path under data.sources")
+    for i, src in enumerate(d.sources or []):
+        ok = isinstance(src, dict) and set(src) <= {"path", "weight"} and isinstance(src.get("path"), str)
+        need(ok and bool(src["path"]), f"data.sources[{i}]={clip(repr(src))} must be a mapping {{path: ..., weight: ...}}")
+        w = src.get("weight", 1.0) if ok else 1.0
+        need(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf"),
+             f"data.sources[{i}].weight={clip(repr(w))} must be a positive finite number; give every source a "
+             "weight > 0")
+    need(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
+    need(bool(d.tokenizer) or bool(m.init_from),
+         "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")
+    need(r.checkpoint.every >= 0, f"checkpoint.every={r.checkpoint.every} must be >= 0")
+    need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
+    need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
+    need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
+    need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in [0, 1]; it is the "
+         "share of train.steps that train.lr_schedule=wsd spends decaying to train.min_lr")
+    for name in r.run.trackers:
+        need(name in ("tensorboard", "wandb"), f"run.trackers: unknown tracker, got {clip(repr(name))}; "
+             "use a list of tensorboard and/or wandb, e.g. [tensorboard]")
+    if m.lora_rank is None:
+        need(not m.lora_targets, f"model.lora_targets={m.lora_targets} is set but model.lora_rank is not; "
+             "set model.lora_rank (e.g. 8) to train LoRA adapters, or remove model.lora_targets")
+    else:
+        need(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1; use e.g. 8, or remove it "
+             "for full fine-tuning")
+        need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0 (the scale is alpha / rank)")
+        need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
+        known = lora_projections(m.family)
+        for name in m.lora_targets:
+            need(name in known, f"model.lora_targets: {m.family} has no projection {clip(repr(name))}, got "
+                 f"{m.lora_targets}; use names from {list(known)}")
+    # the optimizer and fault injection (slow ranks inside the world: a layout rule, parallel.mesh.rules)
+    need(0 <= t.momentum < 1, f"train.momentum: must be in [0, 1), got {t.momentum}; use 0 or 0.9")
+    need(t.optimizer == "sgd" or t.momentum == 0, f"train.momentum: applies to train.optimizer=sgd only, got "
+         f"{t.momentum} with {t.optimizer}; set train.optimizer=sgd or drop train.momentum")
+    need(all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f.slow_ranks),
+         f"faults.slow_ranks: must list global ranks (integers >= 0), got {f.slow_ranks}")
+    need(f.slow_factor >= 1, f"faults.slow_factor: must be >= 1 (a slow step takes f times its compute), "
+         f"got {f.slow_factor}")
+    need(0 <= f.slow_prob <= 1, f"faults.slow_prob: must be in [0, 1], got {f.slow_prob}; 1 is persistent")
+    if f.kill_rank is not None:
+        need(f.kill_rank >= 0, f"faults.kill_rank: must be >= 0, got {f.kill_rank}")
+    if f.kill_at_step is not None:
+        need(f.kill_at_step >= 1, f"faults.kill_at_step: must be >= 1, got {f.kill_at_step}")
+    need((f.kill_rank is None) == (f.kill_at_step is None), "faults.kill_rank and faults.kill_at_step go "
+         f"together (got kill_rank={f.kill_rank}, kill_at_step={f.kill_at_step}); set both or neither")
+    return problems
+
+
+def _sec(obj) -> str:
+    return {v: k for k, v in SECTIONS.items()}[type(obj)]
