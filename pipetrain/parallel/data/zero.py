@@ -258,7 +258,7 @@ class ZeroOptimizer:
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for a bucket's reduction and point this rank's gradient shards at the result."""
         bucket.work.wait()
-        P, me = bucket.part, self.dp_rank
+        me = self.dp_rank
         if self.stage == 1:
             copy_back_(bucket.flat, *self._placed(bucket, lambda i: self.params[i].grad, range(self.dp_size)))
             for i in bucket.members:
