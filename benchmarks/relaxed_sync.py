@@ -30,7 +30,7 @@ from pipetrain.build import build_trainer
 from pipetrain.config import FaultsConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.replicas.relaxed import ring_bytes
+from pipetrain.parallel.replicas.wrapped import ring_bytes
 
 CFG = ModelConfig(family="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64)
 MODES = {

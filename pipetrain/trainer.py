@@ -26,7 +26,7 @@ from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.executor import Executor
 from pipetrain.parallel.data.grads import clip_coefficient
-from pipetrain.parallel.replicas.relaxed import sync_mode
+from pipetrain.parallel.replicas.wrapped import sync_mode
 from pipetrain.parallel.pipeline.schedules import Action
 
 
@@ -122,7 +122,7 @@ class Trainer:
 
     def drain_replicas(self) -> None:
         """Before a checkpoint: ssp / dssp apply their pending updates; local_sgd / diloco prepare the
-        replicas' averages beside each replica's own state, changing nothing (parallel/replicas/relaxed.py).
+        replicas' averages beside each replica's own state, changing nothing (parallel/replicas/).
         A no-op for bsp."""
         drain = getattr(self.optimizer, "drain", None)
         if drain is not None:

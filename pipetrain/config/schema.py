@@ -96,7 +96,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     split_backward: bool = False     # pp > 1: zero-bubble split, input grads sent first, W fills the waits
     auto: bool = False               # fill the parallel keys not given here at launch (pipetrain.plan)
-    # ---- relaxed synchronisation across replicas (pipetrain.parallel.replicas.relaxed, docs/relaxed_sync.md) ----
+    # ---- relaxed synchronisation across replicas (pipetrain.parallel.replicas.stale / .periodic, docs/relaxed_sync.md) ----
     dp_shard: Optional[int] = None   # dp = dp_replicate x dp_shard; None = dp with zero >= 1, else 1
     dp_sync: Literal["bsp", "ssp", "dssp", "local_sgd", "diloco"] = "bsp"  # across dp_replicate
     staleness: int = 0               # ssp: s; dssp: the upper bound

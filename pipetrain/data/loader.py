@@ -252,6 +252,31 @@ class BlendedData:
                 "sources": [p.num_train_windows for p in self.parts], "weights": self.weights}
 
 
+def batch_slice(global_batch: int, dp_size: int, dp_rank: int, num_ranks: int = 1,
+                split: Optional[dict] = None) -> tuple[int, int]:
+    """(first sample inside the global batch, number of samples) of dp ranks dp_rank .. dp_rank + num_ranks - 1
+    together: dp ranks read contiguous runs in rank order, so any consecutive ranks (a torchft replica group)
+    read one run. Statically each rank reads global_batch / dp_size samples; under a dynamic batch split
+    (Loader.use_counts: {"dp_shard", "microbatch", "counts"}) replica r's dp_shard ranks read counts[r]
+    microbatches each, after replicas 0 .. r-1."""
+    if dp_rank < 0 or num_ranks < 1 or dp_rank + num_ranks > dp_size:
+        raise ValueError(f"batch_slice: dp ranks {dp_rank} .. {dp_rank + num_ranks - 1} are not inside dp_size="
+                         f"{dp_size}; ask for ranks in [0, {dp_size})")
+    if split is None:
+        if global_batch % dp_size:
+            raise ValueError(f"batch_slice: train.global_batch={global_batch} is not divisible by dp={dp_size}; "
+                             "make the global batch a multiple of dp")
+        local = global_batch // dp_size
+        return dp_rank * local, num_ranks * local
+    shard, mb, counts = split["dp_shard"], split["microbatch"], split["counts"]
+
+    def start(rank: int) -> int:  # rank == dp_size: the end of the global batch
+        replica, s = divmod(rank, shard)
+        return (sum(counts[:replica]) * shard + (s * counts[replica] if s else 0)) * mb
+    first = start(dp_rank)
+    return first, start(dp_rank + num_ranks) - first
+
+
 class Loader:
     """Serves each step's batch for one dp rank; its whole state is the number of samples consumed (and,
     under parallel.dynamic_batch, the replicas' microbatch counts)."""
@@ -272,17 +297,15 @@ class Loader:
         assert sum(counts) * dp_shard * microbatch == self.global_batch, (counts, dp_shard, microbatch)
         self.split = {"dp_shard": dp_shard, "microbatch": microbatch, "counts": list(counts)}
 
-    def _slice(self) -> tuple[int, int]:
-        """(first sample of this dp rank inside the global batch, its number of samples)."""
-        if self.split is None:
-            return self.dp_rank * self.local_batch, self.local_batch
-        shard, mb, counts = self.split["dp_shard"], self.split["microbatch"], self.split["counts"]
-        replica, s = divmod(self.dp_rank, shard)
-        return (sum(counts[:replica]) * shard + s * counts[replica]) * mb, counts[replica] * mb
+    def rank_slice(self, dp_rank: Optional[int] = None, num_ranks: int = 1) -> tuple[int, int]:
+        """(first sample inside the global batch, number of samples) of this dp rank, or of num_ranks dp
+        ranks from dp_rank (batch_slice)."""
+        first_rank = self.dp_rank if dp_rank is None else dp_rank
+        return batch_slice(self.global_batch, self.dp_size, first_rank, num_ranks, self.split)
 
     def next(self) -> tuple[Batch, int]:
         """(this dp rank's slice of the next global batch, target tokens in the whole global batch)."""
-        offset, count = self._slice()
+        offset, count = self.rank_slice()
         peeked = getattr(self, "_peeked", None)
         if peeked is not None and peeked[0] == (self.samples, offset, count):
             batch = peeked[1]
@@ -295,7 +318,7 @@ class Loader:
 
     def peek_inputs(self) -> torch.Tensor:
         """This dp rank's input ids of the next step, without consuming it (the batch is kept for next())."""
-        offset, count = self._slice()
+        offset, count = self.rank_slice()
         key = (self.samples, offset, count)
         if getattr(self, "_peeked", None) is None or self._peeked[0] != key:
             self._peeked = (key, self.data.train_batch(self.samples + offset, count))
@@ -306,9 +329,9 @@ class Loader:
         if self.data.num_val_windows == 0:
             return []
         out = []
+        offset, count = batch_slice(self.global_batch, self.dp_size, self.dp_rank)  # no dynamic split here
         for b in range(num_batches):
-            first = b * self.global_batch + self.dp_rank * self.local_batch
-            out.append(self.data.val_batch(first, self.local_batch))
+            out.append(self.data.val_batch(b * self.global_batch + offset, count))
         return out
 
     def state_dict(self) -> dict:

@@ -65,12 +65,12 @@ def param_boxes(model: nn.Module) -> list[tuple[str, nn.Parameter, tuple[int, ..
     return out
 
 
-def adamw_state_items(inner: torch.optim.Optimizer, entries: Sequence[StateEntry],
+def adamw_state_items(adamw: torch.optim.Optimizer, entries: Sequence[StateEntry],
                       step: int) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     """The AdamW moments of entries (zeros before the first step, which creates them) and "step"."""
     items = []
     for name, p, global_shape, offsets in entries:
-        state = inner.state.get(p, {})
+        state = adamw.state.get(p, {})
         for moment in MOMENTS:
             tensor = state.get(moment)
             items.append((f"{moment}/{name}", torch.zeros_like(p) if tensor is None else tensor,
@@ -79,13 +79,13 @@ def adamw_state_items(inner: torch.optim.Optimizer, entries: Sequence[StateEntry
     return items
 
 
-def load_adamw_state(inner: torch.optim.Optimizer, entries: Sequence[StateEntry], read: ReadBox,
+def load_adamw_state(adamw: torch.optim.Optimizer, entries: Sequence[StateEntry], read: ReadBox,
                      tied: bool) -> int:
-    """Fill inner's state from read(); returns the step. Entries missing from a checkpoint raise in read().
+    """Fill adamw's state from read(); returns the step. Entries missing from a checkpoint raise in read().
 
     Goes through load_state_dict so torch places "step" where its AdamW variant expects it."""
     step = int(read("step", (), (), ()))
-    index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    index = {id(p): i for i, p in enumerate(p for g in adamw.param_groups for p in g["params"])}
     state = {}
     for name, p, global_shape, offsets in entries:
         source = TIED_ALIASES.get(name, name) if tied else name
@@ -95,14 +95,14 @@ def load_adamw_state(inner: torch.optim.Optimizer, entries: Sequence[StateEntry]
                 raise ValueError(f"optimizer state {m}/{source}: read a box of shape {tuple(t.shape)} at "
                                  f"{offsets}, expected {tuple(p.shape)}")
         state[index[id(p)]] = {"step": torch.tensor(float(step), dtype=torch.float32, device="cpu"), **moments}
-    sd = inner.state_dict()
+    sd = adamw.state_dict()
     sd["state"] = state
-    inner.load_state_dict(sd)
+    adamw.load_state_dict(sd)
     return step
 
 
-def adamw_state_bytes(inner: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for st in inner.state.values() for m, t in st.items() if m in MOMENTS)
+def adamw_state_bytes(adamw: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in adamw.state.values() for m, t in st.items() if m in MOMENTS)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -17,9 +17,12 @@ from pipetrain.config import TrainConfig
 # build_adamw is re-exported for benchmarks/foundation.py's plain-PyTorch baseline
 from pipetrain.optim.adamw import (ReadBox, StateEntry, build_adamw, is_tied, param_boxes,  # noqa: F401
                                    param_groups, set_lr)
-from pipetrain.optim.inner import build_inner, inner_state_bytes, inner_state_items, load_inner_state
+from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
+                                       torch_opt_state_items)
 from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads, tied_copy_names
-from pipetrain.parallel.replicas.relaxed import RelaxedOptimizer, needs_relaxed
+from pipetrain.parallel.replicas.periodic import PeriodicSyncOptimizer
+from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
+from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer, needs_replica_sync, sync_mode
 from pipetrain.parallel.data.zero import ZeroOptimizer
 
 
@@ -32,10 +35,10 @@ class Optimizer:
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, dp_group="dp"):
         """dp_group: the group gradients are summed over ("dp": dims.dp_group; a relaxed run passes its
-        dp_shard group, and pipetrain.parallel.replicas.relaxed reduces across replicas)."""
+        dp_shard group, and a pipetrain.parallel.replicas wrapper reduces across replicas)."""
         self.model, self.dims, self.cfg = model, dims, cfg
         self.dp_group = dims.dp_group if dp_group == "dp" else dp_group
-        self.inner = build_inner(param_groups(model, cfg.weight_decay), cfg)
+        self.torch_opt = build_torch_opt(param_groups(model, cfg.weight_decay), cfg)
         self.steps_taken = 0
 
     def zero_grad(self) -> None:
@@ -48,8 +51,8 @@ class Optimizer:
         return clip_grad_norm(self.model, self.dims, max_norm, extra_sq=getattr(self, "extra_grad_sq", 0.0))
 
     def step(self, lr: float) -> None:
-        set_lr(self.inner, lr)
-        self.inner.step()
+        set_lr(self.torch_opt, lr)
+        self.torch_opt.step()
         self.steps_taken += 1
 
     def _entries(self) -> list[StateEntry]:
@@ -58,27 +61,34 @@ class Optimizer:
     def state_items(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """(name, local tensor, global shape, offsets) of every optimizer tensor this rank owns."""
         skip = tied_copy_names(self.model)
-        return inner_state_items(self.inner, [e for e in self._entries() if e[0] not in skip], self.steps_taken)
+        return torch_opt_state_items(self.torch_opt, [e for e in self._entries() if e[0] not in skip], self.steps_taken)
 
     def load_state_items(self, read: ReadBox) -> None:
         """Load every moment this rank needs (the tied head copy from its embedding's entries)."""
-        self.steps_taken = load_inner_state(self.inner, self._entries(), read, is_tied(self.model))
+        self.steps_taken = load_torch_opt_state(self.torch_opt, self._entries(), read, is_tied(self.model))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (the AdamW moments; 0 before the first step)."""
-        return inner_state_bytes(self.inner)
+        return torch_opt_state_bytes(self.torch_opt)
+
+
+# parallel.dp_sync (as sync_mode resolves it) -> the wrapper that exchanges across replicas
+REPLICA_SYNC = {"bsp": ReplicaOptimizer, "ssp": StaleSyncOptimizer, "dssp": StaleSyncOptimizer,
+                "local_sgd": PeriodicSyncOptimizer, "diloco": PeriodicSyncOptimizer}
 
 
 def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, parallel=None, start_step: int = 0):
     """The optimizer for parallel.zero: replicated (0) or ZeRO-sharded across dp_shard (1, 2), train.optimizer
-    inside; wrapped in pipetrain.parallel.replicas.relaxed.RelaxedOptimizer when parallel.dp_sync is relaxed or the
-    replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
-    relaxed = parallel is not None and needs_relaxed(parallel, dims, zero)
+    inside; wrapped in REPLICA_SYNC's wrapper for parallel.dp_sync (pipetrain.parallel.replicas) when the mode is
+    relaxed or the replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
+    across = parallel is not None and needs_replica_sync(parallel, dims, zero)
     if zero == 0 or dims.dp_shard == 1:
-        inner = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if relaxed else "dp")
+        replica_opt = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if across else "dp")
     else:
-        inner = ZeroOptimizer(model, dims, cfg, stage=zero)
-    return RelaxedOptimizer(inner, dims, parallel, cfg, start_step) if relaxed else inner
+        replica_opt = ZeroOptimizer(model, dims, cfg, stage=zero)
+    if not across:
+        return replica_opt
+    return REPLICA_SYNC[sync_mode(parallel)](replica_opt, dims, parallel, cfg, start_step)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -24,7 +24,7 @@ from pipetrain.optim.build import lr_at
 from pipetrain.parallel.ps import core as ps_module
 from pipetrain.optim.adamw import decays, set_lr
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.optim.inner import build_inner
+from pipetrain.optim.torch_opt import build_torch_opt
 from pipetrain.parallel.ps.core import required_version, row_range
 from tests.dist.common import replica_recipe
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
@@ -295,13 +295,13 @@ def _replay_async(applies, pushed, recipe) -> tuple[torch.Tensor, torch.optim.Op
     m, pushers = recipe.model, 2
     weight = torch.nn.Parameter(init_tensor(m, "embed.weight", (m.vocab_size, m.d_model), recipe.train.seed))
     wd = recipe.train.weight_decay if decays("embed.weight", weight) else 0.0
-    inner = build_inner([{"params": [weight], "weight_decay": wd}], recipe.train)
+    torch_opt = build_torch_opt([{"params": [weight], "weight_decay": wd}], recipe.train)
     for e in applies:
         ids, rows = pushed[(e["worker"], e["step"])]
         weight.grad = torch.zeros_like(weight).index_add_(0, ids, rows) * pushers
-        set_lr(inner, lr_at(e["step"], recipe.train) / pushers)
-        inner.step()
-    return weight.detach(), inner
+        set_lr(torch_opt, lr_at(e["step"], recipe.train) / pushers)
+        torch_opt.step()
+    return weight.detach(), torch_opt
 
 
 @pytest.mark.slow
@@ -336,10 +336,10 @@ def test_async_applies_every_push_once_and_a_resumed_run_counts_on_from_the_save
         pushed.update({(w, t): v for t, v in first[w]["pushed"].items() if t <= k})
         pushed.update({(w, t): v for t, v in resumed[w]["pushed"].items()})
     recipe = _recipe(out, types.SimpleNamespace(tp=1, pp=1), steps, keys)
-    weight, inner = _replay_async(applies, pushed, recipe)
+    weight, torch_opt = _replay_async(applies, pushed, recipe)
     final = full_tensors(_ckpt(out, steps))
     assert torch.equal(final["model/embed.weight"], weight)
-    state = inner.state[inner.param_groups[0]["params"][0]]
+    state = torch_opt.state[torch_opt.param_groups[0]["params"][0]]
     for moment in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(final[f"optim/{moment}/embed.weight"], state[moment]), moment
 

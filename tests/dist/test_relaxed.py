@@ -1,4 +1,4 @@
-"""Relaxed synchronisation across replicas on 4 gloo CPU processes (pipetrain.parallel.replicas.relaxed).
+"""Relaxed synchronisation across replicas on 4 gloo CPU processes (pipetrain.parallel.replicas.stale, .periodic).
 
 One world of 4 runs every case once and saves its measurements; each test checks one claim:
 bsp over dp_replicate 2 x dp_shard 2 (ZeRO 1) gives the single-process run; ssp s=0 is bsp bitwise;

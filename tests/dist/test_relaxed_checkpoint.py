@@ -66,7 +66,7 @@ def _worker(rank, world_size, out):
                 if t.step % every == 0:
                     t.checkpointer.save(t)
                 if t.step == 4:  # between syncs: what another layout must average
-                    r["at4"], r["moments4"] = _flat(t), _moments(t.optimizer.inner.state_items())
+                    r["at4"], r["moments4"] = _flat(t), _moments(t.optimizer.wrapped.state_items())
             r[f"every{every}"] = _flat(t)
         for step, every in ((3, H), (4, 2)):  # resumed on a sync clock and between two
             t = replica_trainer(_dir(out, f"{mode}-resume{step}", rank), two, steps=STEPS,

@@ -56,7 +56,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _moments(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
     """Every moment the optimizer steps, the tied head copy included (state_items leaves it out)."""
-    return {f"{m}/{opt.shards[i].name}": opt.inner.state[view][m] for i, view in opt.views.items() for m in MOMENTS}
+    return {f"{m}/{opt.shards[i].name}": opt.torch_opt.state[view][m] for i, view in opt.views.items() for m in MOMENTS}
 
 
 def _layout_worker(name, dims, out) -> dict:

@@ -9,6 +9,7 @@ import torch
 from pipetrain.config import ConfigError, DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
 from pipetrain.data.corpus import source_files
+from pipetrain.data.loader import batch_slice
 from pipetrain.data.order import CHUNK, BlendPattern, WindowOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +52,41 @@ def test_global_batch_is_layout_independent():
         parts = [loader.next() for loader in ranks]
         assert torch.equal(whole.inputs, torch.cat([p.inputs for p, _ in parts]))
         assert all(n == n_whole == 8 * 16 for _, n in parts)
+
+
+@pytest.mark.parametrize("split", [None, {"dp_shard": 2, "microbatch": 3, "counts": [3, 1, 0, 4]}])
+def test_batch_slices_tile_the_global_batch_and_consecutive_ranks_read_one_run(split):
+    """Every dp rank's slice, in rank order, tiles the global batch with no gap or overlap (uneven dynamic
+    counts, a replica with no microbatch), and any run of consecutive ranks reads the union of theirs."""
+    gb, dp = 48, 8
+    slices = [batch_slice(gb, dp, r, split=split) for r in range(dp)]
+    assert [first for first, _ in slices] == [sum(n for _, n in slices[:r]) for r in range(dp)]
+    assert sum(n for _, n in slices) == gb
+    if split is not None:  # replica r's two ranks read counts[r] microbatches of 3 each
+        assert [n for _, n in slices] == [9, 9, 3, 3, 0, 0, 12, 12]
+    for first_rank in range(dp):
+        for num in range(1, dp - first_rank + 1):
+            first, count = batch_slice(gb, dp, first_rank, num, split)
+            assert (first, count) == (slices[first_rank][0], sum(n for _, n in slices[first_rank:first_rank + num]))
+    assert batch_slice(gb, 1, 0) == (0, gb)  # one rank reads everything
+
+
+def test_batch_slice_refuses_ranks_outside_dp_and_a_batch_dp_does_not_divide():
+    with pytest.raises(ValueError, match="not inside dp_size=4"):
+        batch_slice(8, 4, 3, num_ranks=2)
+    with pytest.raises(ValueError, match="not inside dp_size=4"):
+        batch_slice(8, 4, -1)
+    with pytest.raises(ValueError, match="global_batch=10 is not divisible by dp=4"):
+        batch_slice(10, 4, 0)
+
+
+def test_the_loader_reads_its_rank_slice():
+    data = PackedData(*_stream(), 16, 0.1, seed=1)
+    loader = Loader(data, 12, 2, 3)
+    loader.samples = 12
+    batch, _ = loader.next()
+    assert loader.rank_slice() == (8, 4) and loader.rank_slice(1, 2) == (4, 8)
+    assert torch.equal(batch.inputs, data.train_batch(12 + 8, 4).inputs)
 
 
 def test_state_dict_resumes_at_the_exact_next_sample():

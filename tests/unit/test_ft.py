@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipetrain.config import ParallelConfig, Recipe, TrainConfig, build_recipe
+from pipetrain.data import Loader
 from pipetrain.optim.build import Optimizer
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import parallel_problems
@@ -82,7 +83,8 @@ def _wrapped(manager):
     recipe = _recipe(dp=2)
     opt = FaultTolerantOptimizer(Optimizer(model, ParallelDims(), TrainConfig(lr=0.1)), ParallelDims(), recipe,
                                  Replica(0, 2, 1))
-    loader = types.SimpleNamespace(samples=16, global_batch=8, local_batch=4, data=_Data())  # step 2 served
+    loader = Loader(_Data(), global_batch=8, dp_rank=0, dp_size=2)  # each group's slice is 4 samples
+    loader.samples = 16  # step 2 served
     opt.trainer = types.SimpleNamespace(model=model, loader=loader, step=1, tokens_seen=0)
     opt.manager = manager
     model.weight.grad = torch.ones_like(model.weight)

@@ -12,7 +12,7 @@ from pipetrain.config import ConfigError, FaultsConfig, ParallelConfig, TrainCon
 from pipetrain.faults import Faults
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import Optimizer
-from pipetrain.parallel.replicas import relaxed
+from pipetrain.parallel.replicas import stale, wrapped
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems, resolve_dp_shard
 from pipetrain.stopping import resume_point
@@ -157,7 +157,7 @@ class _Inner:
 
 
 def _relaxed(monkeypatch, mode="dssp", staleness=3, staleness_min=1, steps_taken=0):
-    """A RelaxedOptimizer of replica 0 of 2 whose exchanges are _Works: the peer replica reaches clock c
+    """A StaleSyncOptimizer of replica 0 of 2 whose exchanges are _Works: the peer replica reaches clock c
     at time c (1 s per step) and publishes that beside its gradient; the other rank of this replica
     decides replica_counts[clock] (max-agreed)."""
     works, replica_counts, clock, now = {}, {}, [], []
@@ -172,13 +172,13 @@ def _relaxed(monkeypatch, mode="dssp", staleness=3, staleness_min=1, steps_taken
 
     def all_reduce_max_(t, group):
         t.fill_(max(float(t), replica_counts.get(clock[-1], 0)))
-    monkeypatch.setattr(relaxed, "all_reduce_async", all_reduce_async)
-    monkeypatch.setattr(relaxed, "all_reduce_max_", all_reduce_max_)
-    monkeypatch.setattr(relaxed, "group_device", lambda group: torch.device("cpu"))  # the groups are names here
+    monkeypatch.setattr(stale, "all_reduce_async", all_reduce_async)
+    monkeypatch.setattr(stale, "all_reduce_max_", all_reduce_max_)
+    monkeypatch.setattr(stale, "group_device", lambda group: torch.device("cpu"))  # the groups are names here
     dims = SimpleNamespace(dp_replicate=2, dp_replicate_group="replicate", dp_replicate_rank=0, dp_shard_rank=0,
                            replica_group="replica", device=torch.device("cpu"))
     pcfg = ParallelConfig(dp_sync=mode, staleness=staleness, staleness_min=staleness_min)
-    opt = relaxed.RelaxedOptimizer(_Inner(steps_taken), dims, pcfg, TrainConfig())
+    opt = stale.StaleSyncOptimizer(_Inner(steps_taken), dims, pcfg, TrainConfig())
 
     def step(c: int, t: float) -> dict:
         clock.append(c)
@@ -203,7 +203,7 @@ def test_dssp_applies_complete_and_soon_complete_updates_within_the_bounds(monke
     assert step(5, 2.1)["applied"] == [3]  # soon: the replica agrees on the max
     assert step(6, 3.1)["applied"] == []   # clock 4: 0.9 s away
     assert step(7, 3.7)["applied"] == [4] and works[4].blocked  # the upper bound: clock 7 - 3 waits whatever
-    assert opt.inner.lrs == [0.01, 0.02, 0.03, 0.04]  # each update with its own clock's learning rate
+    assert opt.wrapped.lrs == [0.01, 0.02, 0.03, 0.04]  # each update with its own clock's learning rate
     assert opt._predicted_wait(5) == pytest.approx(5 - (4 + 3.7 - 4))  # from clock 4's publication
 
 
@@ -217,9 +217,9 @@ def test_clock_lag_counts_from_the_resumed_step(monkeypatch):
 def test_ssp_with_staleness_0_takes_bsps_path():
     for mode in ("ssp", "dssp"):
         pcfg = ParallelConfig(dp_sync=mode, staleness=0)
-        assert relaxed.sync_mode(pcfg) == "bsp"
-        assert not relaxed.needs_relaxed(pcfg, SimpleNamespace(dp_replicate=2, dp_shard=1), zero=0)
-    assert relaxed.sync_mode(ParallelConfig(dp_sync="ssp", staleness=1)) == "ssp"
+        assert wrapped.sync_mode(pcfg) == "bsp"
+        assert not wrapped.needs_replica_sync(pcfg, SimpleNamespace(dp_replicate=2, dp_shard=1), zero=0)
+    assert wrapped.sync_mode(ParallelConfig(dp_sync="ssp", staleness=1)) == "ssp"
 
 
 def test_a_stop_without_a_save_names_what_there_is_to_resume_from(tmp_path):

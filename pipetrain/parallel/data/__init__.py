@@ -1,7 +1,8 @@
 """Data parallelism inside a replica: gradient sync and ZeRO.
 
 Owns: allreduce.py (bucketed gradient all-reduce over dp), grads.py (sync of dp, tp-partial and tied
-gradients, the global norm and clipping), zero.py (ZeRO-1/2 sharded AdamW over dp_shard).
-May import: models, config, optim.adamw, optim.inner, parallel.mesh, parallel.tensor.
+gradients, the global norm and clipping), zero.py (ZeRO-1/2 sharded AdamW over dp_shard), flat.py (the
+flatten -> collective -> copy back helper every multi-tensor exchange uses, here and in parallel.replicas).
+May import: models, config, optim.adamw, optim.torch_opt, parallel.mesh, parallel.tensor.
 Never: trainer, build, cli, checkpoint.
 """

@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from pipetrain.parallel.data.flat import reduce_flat_
 from pipetrain.parallel.mesh.comm import ProcessGroup, all_reduce_, group_size
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default: large enough to amortise latency
@@ -54,13 +55,7 @@ def allreduce_grads(params: Iterable[torch.Tensor], pg: ProcessGroup,
     if group_size(pg) == 1 or not params:
         return
     for bucket in grad_buckets(params, bucket_bytes):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # (N,)
-        all_reduce_(flat, pg)
-        offset = 0
-        for p in bucket:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        reduce_flat_([p.grad for p in bucket], lambda flat: all_reduce_(flat, pg))  # flat (N,)
 
 
 def allreduce_model_grads(model: nn.Module, dp_group: ProcessGroup,

@@ -46,9 +46,11 @@ import torch.nn as nn
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import param_layout
 from pipetrain.optim.adamw import MOMENTS, ReadBox, decays, is_tied, set_lr
-from pipetrain.optim.inner import build_inner, inner_state_bytes, inner_state_items, load_inner_state
+from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
+                                       torch_opt_state_items)
 from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
+from pipetrain.parallel.data.flat import copy_back_, flatten
 from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
                                            model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
 
@@ -148,7 +150,7 @@ class ZeroOptimizer:
             if shard.numel(self.dp_rank):
                 self.views[i] = nn.Parameter(self._rows(p.detach(), i))
                 groups[0 if decays(name, p, is_tied(model)) else 1]["params"].append(self.views[i])
-        self.inner = build_inner(groups, cfg)
+        self.torch_opt = build_torch_opt(groups, cfg)
         self.steps_taken = 0
         self._microbatches: Optional[int] = None  # this step's, from set_microbatches (None: never told, 1)
         self._per_microbatch: Optional[list[int]] = None  # accumulations per parameter per microbatch, step 1
@@ -186,6 +188,19 @@ class ZeroOptimizer:
                 buckets.append(self._new_bucket(current, is_late))
         return buckets
 
+    def _placed(self, bucket: _Bucket, tensor_of, ranks, rank_major: bool = True):
+        """(pieces, offsets) for pipetrain.parallel.data.flat: ranks' rows of tensor_of(i) for every member
+        (None where tensor_of gives None), at their place in the bucket's rank-major (dp * P,) buffer, or
+        (rank_major False, one rank) in that rank's (P,) part."""
+        pieces, offsets = [], []
+        for r in ranks:
+            base = r * bucket.part if rank_major else 0
+            for j, i in enumerate(bucket.members):
+                t = tensor_of(i)
+                pieces.append(None if t is None else self._rows(t, i, r))
+                offsets.append(base + bucket.starts[r][j])
+        return pieces, offsets
+
     def _new_bucket(self, members: list[int], late: bool) -> _Bucket:
         starts, sizes = [], []
         for r in range(self.dp_size):
@@ -222,18 +237,10 @@ class ZeroOptimizer:
         """Copy the members' gradients rank-major into a flat buffer and start its dp reduction."""
         P = bucket.part
         dtype, device = self.params[bucket.members[0]].dtype, self.params[bucket.members[0]].device
-        flat = torch.empty(self.dp_size * P, dtype=dtype, device=device)  # (dp * P,)
-        for r in range(self.dp_size):
-            used = 0
-            for j, i in enumerate(bucket.members):
-                n, start = self.shards[i].numel(r), r * P + bucket.starts[r][j]
-                grad = self.params[i].grad
-                if grad is None:  # no gradient on any dp rank (same graph): reduce zeros, step skips it
-                    flat[start:start + n].zero_()
-                else:
-                    flat[start:start + n].copy_(self._rows(grad, i, r).reshape(-1))
-                used += n
-            flat[r * P + used:(r + 1) * P].zero_()  # padding: reduced like the rest, never read
+        # a member with no gradient on any dp rank (same graph) reduces zeros and the step skips it;
+        # padding is reduced like the rest and never read
+        pieces, offsets = self._placed(bucket, lambda i: self.params[i].grad, range(self.dp_size))
+        flat = flatten(pieces, device, offsets=offsets, size=self.dp_size * P, dtype=dtype)  # (dp * P,)
         bucket.flat = flat
         self._in_flight.append(bucket)
         if self.stage == 1:
@@ -251,16 +258,12 @@ class ZeroOptimizer:
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for a bucket's reduction and point this rank's gradient shards at the result."""
         bucket.work.wait()
-        P, me = bucket.part, self.dp_rank
+        me = self.dp_rank
         if self.stage == 1:
-            for j, i in enumerate(bucket.members):
+            copy_back_(bucket.flat, *self._placed(bucket, lambda i: self.params[i].grad, range(self.dp_size)))
+            for i in bucket.members:
                 grad = self.params[i].grad
-                if grad is None:
-                    continue
-                for r in range(self.dp_size):
-                    start = r * P + bucket.starts[r][j]
-                    self._rows(grad, i, r).view(-1).copy_(bucket.flat[start:start + self.shards[i].numel(r)])
-                if i in self.views:
+                if grad is not None and i in self.views:
                     self._grad_shards[i] = self._rows(grad, i)
         else:
             mine = bucket.out  # (P,)
@@ -347,11 +350,11 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self, lr: float) -> None:
         """AdamW on this rank's rows (torch.optim.AdamW's own math), then all-gather the updated rows."""
-        set_lr(self.inner, lr)
+        set_lr(self.torch_opt, lr)
         for i, view in self.views.items():
             view.data = self._rows(self.params[i].detach(), i)  # re-point: parameters may have been reloaded
             view.grad = self._grad_shards.get(i)
-        self.inner.step()
+        self.torch_opt.step()
         for view in self.views.values():
             view.grad = None
         self.steps_taken += 1
@@ -364,11 +367,8 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             p0 = self.params[bucket.members[0]]
             flat = torch.empty(self.dp_size * bucket.part, dtype=p0.dtype, device=p0.device)  # (dp * P,)
-            mine = torch.zeros(bucket.part, dtype=p0.dtype, device=p0.device)  # (P,)
-            for j, i in enumerate(bucket.members):
-                start = bucket.starts[self.dp_rank][j]
-                mine[start:start + self.shards[i].numel(self.dp_rank)].copy_(
-                    self._rows(self.params[i].detach(), i).reshape(-1))
+            pieces, offsets = self._placed(bucket, lambda i: self.params[i].detach(), [self.dp_rank], rank_major=False)
+            mine = flatten(pieces, p0.device, offsets=offsets, size=bucket.part, dtype=p0.dtype)  # (P,)
             in_flight.append((bucket, flat, all_gather_async(flat, mine, self.dp_group)))
             if len(in_flight) > 1:  # keep at most two buckets' buffers alive
                 self._scatter_rows(*in_flight.pop(0))
@@ -377,12 +377,8 @@ class ZeroOptimizer:
 
     def _scatter_rows(self, bucket: _Bucket, flat: torch.Tensor, work) -> None:
         work.wait()
-        for r in range(self.dp_size):
-            if r == self.dp_rank:
-                continue
-            for j, i in enumerate(bucket.members):
-                start = r * bucket.part + bucket.starts[r][j]
-                self._rows(self.params[i].detach(), i, r).view(-1).copy_(flat[start:start + self.shards[i].numel(r)])
+        others = [r for r in range(self.dp_size) if r != self.dp_rank]
+        copy_back_(flat, *self._placed(bucket, lambda i: self.params[i].detach(), others))
 
     # ---- checkpoints and accounting ----
     def _entries(self, include_tied_copy: bool):
@@ -400,16 +396,16 @@ class ZeroOptimizer:
         "exp_avg/<name>" and "exp_avg_sq/<name>" for its non-empty row shards, and the scalar "step".
         The tied head copy on the last stage is left out (the first stage's embed.weight entries
         hold the same values)."""
-        return inner_state_items(self.inner, self._entries(include_tied_copy=False), self.steps_taken)
+        return torch_opt_state_items(self.torch_opt, self._entries(include_tied_copy=False), self.steps_taken)
 
     def load_state_items(self, read: ReadBox) -> None:
         """Load this rank's row shards of every moment; the tied head copy reads embed.weight's."""
-        self.steps_taken = load_inner_state(self.inner, self._entries(include_tied_copy=True), read,
-                                            is_tied(self.model))
+        self.steps_taken = load_torch_opt_state(self.torch_opt, self._entries(include_tied_copy=True), read,
+                                                is_tied(self.model))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its rows of the AdamW moments)."""
-        return inner_state_bytes(self.inner)
+        return torch_opt_state_bytes(self.torch_opt)
 
     def expected_state_bytes(self) -> int:
         """The ZeRO formula for this rank: 2 moments x element size x its rows of every parameter

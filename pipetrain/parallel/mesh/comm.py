@@ -329,32 +329,22 @@ class _ReduceFromTP(torch.autograd.Function):
         return dy, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """forward: all-gather (B, T/tp, D) -> (B, T, D) along T; backward: reduce-scatter along T (the
-    gathered tensor feeds column-parallel layers, so each rank holds a partial gradient of all of T)."""
+class _AlongSequence(torch.autograd.Function):
+    """One collective along T in forward, its conjugate in backward (forward_op, backward_op: all_gather and
+    reduce_scatter, either way round):
+    - all-gather (B, T/tp, D) -> (B, T, D); backward reduce-scatter (the gathered tensor feeds
+      column-parallel layers, so each rank holds a partial gradient of all of T);
+    - reduce-scatter (B, T, D) partial sums -> (B, T/tp, D); backward all-gather (the gradient of this
+      rank's slice of a sum is that slice of the replicated gradient)."""
 
     @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return all_gather(x, 1, pg)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return reduce_scatter(dy, 1, ctx.pg), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """forward: reduce-scatter (B, T, D) partial sums -> (B, T/tp, D) along T; backward: all-gather
-    along T (the gradient of this rank's slice of a sum is that slice of the replicated gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return reduce_scatter(x, 1, pg)
+    def forward(ctx, x, pg, forward_op, backward_op):
+        ctx.pg, ctx.backward_op = pg, backward_op
+        return forward_op(x, 1, pg)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather(dy, 1, ctx.pg), None
+        return ctx.backward_op(dy, 1, ctx.pg), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
@@ -369,12 +359,12 @@ def reduce_from_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
 
 def gather_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
     """forward: all-gather along T, (B, T/tp, D) -> (B, T, D); backward: reduce-scatter along T."""
-    return x if group_size(tp_group) == 1 else _GatherSequence.apply(x, tp_group)
+    return x if group_size(tp_group) == 1 else _AlongSequence.apply(x, tp_group, all_gather, reduce_scatter)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
     """forward: reduce-scatter along T, (B, T, D) -> (B, T/tp, D); backward: all-gather along T."""
-    return x if group_size(tp_group) == 1 else _ReduceScatterSequence.apply(x, tp_group)
+    return x if group_size(tp_group) == 1 else _AlongSequence.apply(x, tp_group, reduce_scatter, all_gather)
 
 
 # -- trainer-level reductions

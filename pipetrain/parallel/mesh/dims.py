@@ -23,7 +23,7 @@ as "a group of one: no communication", never as the default world group. Without
 
 The dp axis splits further into dp_replicate x dp_shard (HSDP-style, dp_shard fastest: the shards of
 one replica are neighbours), dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank. ZeRO shards over
-dp_shard (bulk-synchronous); relaxed synchronisation (pipetrain.parallel.replicas.relaxed) acts across
+dp_shard (bulk-synchronous); the replica wrappers (pipetrain.parallel.replicas) act across
 dp_replicate, between ranks with the same (dp_shard, pp, tp) coordinate. These groups, and the replica
 group (every rank of one replica: its loss under a relaxed mode), are created with dist.new_group after
 the mesh, like the embed groups. With dp_shard == dp (the default) dp_shard_group is dp_group and there

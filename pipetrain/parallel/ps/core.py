@@ -325,7 +325,7 @@ class Server:
     def __init__(self, recipe, dims, lr_at: Callable[[int], float]):
         from pipetrain.models.init import init_tensor
         from pipetrain.optim.adamw import decays
-        from pipetrain.optim.inner import build_inner
+        from pipetrain.optim.torch_opt import build_torch_opt
         p, m = recipe.parallel, recipe.model
         self.recipe, self.dims, self.lr_at = recipe, dims, lr_at
         self.index = dims.rank - dims.world_size
@@ -338,7 +338,7 @@ class Server:
         self.weight = nn.Parameter(full[self.lo:self.hi].clone())  # (rows, d) fp32, host memory
         del full
         wd = recipe.train.weight_decay if decays("embed.weight", self.weight) else 0.0
-        self.inner = build_inner([{"params": [self.weight], "weight_decay": wd}], recipe.train)
+        self.torch_opt = build_torch_opt([{"params": [self.weight], "weight_decay": wd}], recipe.train)
         self.version = 0           # steps (bsp, ssp) or pushes (async) applied
         self.step = 0              # the trainer step of the last save / apply: checkpoints
         self.tokens_seen = 0
@@ -368,9 +368,9 @@ class Server:
         return [("embed.weight", self.weight, (self.vocab, self.d), (self.lo, 0))]
 
     def checkpoint_items(self) -> list:
-        from pipetrain.optim.inner import inner_state_items
+        from pipetrain.optim.torch_opt import torch_opt_state_items
         items = [("model/embed.weight", self.weight.detach(), (self.vocab, self.d), [self.lo, 0])]
-        for name, tensor, shape, offsets in inner_state_items(self.inner, self._entries(), self.steps_taken):
+        for name, tensor, shape, offsets in torch_opt_state_items(self.torch_opt, self._entries(), self.steps_taken):
             if name != "step":  # the workers write the optimizer's step
                 items.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
         stale = self._served.stale(self.step, self.version)
@@ -379,7 +379,7 @@ class Server:
     def load(self, read: Callable, manifest: dict) -> None:
         """Rows and moments of a checkpoint (written with or without servers), its version and the rows
         served ahead of it (ps/state.py); read(name, offsets, shape) returns that box of a saved tensor."""
-        from pipetrain.optim.inner import load_inner_state
+        from pipetrain.optim.torch_opt import load_torch_opt_state
         self.step = manifest["step"]
         self.version, self._resumed = read_server_state(manifest, read, self.index, self.mode, self.dims)
         with torch.no_grad():
@@ -387,7 +387,7 @@ class Server:
 
         def read_optim(name, global_shape, offsets, shape):  # AdamW's step count is the version (async: pushes)
             return torch.tensor(self.version, device=PS_DEVICE) if name == "step" else read(f"optim/{name}", offsets, shape).float()
-        self.steps_taken = load_inner_state(self.inner, self._entries(), read_optim, False)
+        self.steps_taken = load_torch_opt_state(self.torch_opt, self._entries(), read_optim, False)
         self._served.last_push = {w: self.step for w in self.pushers}
 
     # -- the loop --------------------------------------------------------------------------------
@@ -514,8 +514,8 @@ class Server:
     def _adamw(self, grad: torch.Tensor, lr: float) -> None:
         from pipetrain.optim.adamw import set_lr
         self.weight.grad = grad
-        set_lr(self.inner, lr)
-        self.inner.step()
+        set_lr(self.torch_opt, lr)
+        self.torch_opt.step()
         self.weight.grad = None
         self.version += 1
         self.steps_taken += 1

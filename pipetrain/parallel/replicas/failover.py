@@ -44,6 +44,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from pipetrain.config import ConfigError, ParallelConfig, Recipe
 from pipetrain.faults import restart_count
+from pipetrain.parallel.data.flat import copy_back_, flatten
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.mesh.rules import torchft_layout
 from pipetrain.parallel.replicas.wrapped import WrappedOptimizer
@@ -139,8 +140,8 @@ class FaultTolerantOptimizer(WrappedOptimizer):
     clip_grad_norm + step. attach(trainer) must be called once the trainer exists (the healing state is
     the trainer's step and loader position as well as the weights and the optimizer state)."""
 
-    def __init__(self, inner, dims, recipe: Recipe, replica: Replica):
-        self.inner, self.dims, self.recipe, self.replica = inner, dims, recipe, replica
+    def __init__(self, wrapped, dims, recipe: Recipe, replica: Replica):
+        self.wrapped, self.dims, self.recipe, self.replica = wrapped, dims, recipe, replica
         self.replica_loss = 0.0  # this group's share of the step's loss (sum over its tokens / global tokens)
         self.trainer = None
         self.manager = None  # torchft's Manager, created at the first step (_join)
@@ -200,7 +201,7 @@ class FaultTolerantOptimizer(WrappedOptimizer):
 
     # ---- the wrapped optimizer's interface (the rest passes through: WrappedOptimizer) ----
     def zero_grad(self) -> None:
-        self.inner.zero_grad()
+        self.wrapped.zero_grad()
         self._quorum()
 
     # ---- one step ----
@@ -232,9 +233,9 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         """Target tokens of this step's whole global batch and of this group's slice of it."""
         loader = self.trainer.loader
         first = loader.samples - loader.global_batch  # loader.next() has served this step's batch
-        size = self.replica.dp_shard * loader.local_batch
-        own_first = first + self.replica.replica_id * size
-        return loader.data.count_targets(first, loader.global_batch), loader.data.count_targets(own_first, size)
+        shard = self.replica.dp_shard  # the group's dp ranks are consecutive: one run of the batch
+        offset, size = loader.rank_slice(self.replica.replica_id * shard, shard)
+        return loader.data.count_targets(first, loader.global_batch), loader.data.count_targets(first + offset, size)
 
     def sync_step(self, clock: int, lr_at: Callable[[int], float], grad_clip: float,
                   check: Callable[[float], None], compute_s: float = 0.0) -> tuple[float, float, dict]:
@@ -245,7 +246,7 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         m = self.manager
         grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
         # torchft's gloo group takes CPU and CUDA tensors alike: each stays where it is used (no default device)
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0, device=self.dims.device)
+        flat = flatten(grads, self.dims.device)
         total, own = self._targets()
         stats = torch.tensor([self.replica_loss, float(own)], dtype=torch.float64, device="cpu")
         t0 = time.perf_counter()
@@ -272,14 +273,11 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         live_targets = float(stats[1])
         if live_targets != total:  # groups are missing: the mean gradient over the samples seen
             flat.mul_(total / live_targets)
-        offset = 0
-        for g in grads:
-            g.view(-1).copy_(flat[offset:offset + g.numel()])
-            offset += g.numel()
+        copy_back_(flat, grads)
         extra["loss"] = float(stats[0]) * total / live_targets
-        norm = self.inner.clip_grad_norm(grad_clip)
+        norm = self.wrapped.clip_grad_norm(grad_clip)
         check(norm)
-        self.inner.step(lr)
+        self.wrapped.step(lr)
         return norm, lr, extra
 
     def _redo(self, clock: int) -> None:
@@ -300,7 +298,7 @@ class FaultTolerantOptimizer(WrappedOptimizer):
         t = self.trainer
         return {"step": t.step, "samples": t.loader.samples,
                 "model": dict(t.model.state_dict()),
-                "optimizer": {name: tensor for name, tensor, _, _ in self.inner.state_items()}}
+                "optimizer": {name: tensor for name, tensor, _, _ in self.wrapped.state_items()}}
 
     def _load_state_dict(self, state: dict) -> None:
         """Become the live peer's copy: weights, optimizer state, step, loader position (called in
@@ -311,7 +309,7 @@ class FaultTolerantOptimizer(WrappedOptimizer):
             for name, tensor in state["model"].items():
                 own[name].copy_(tensor)
         optimizer_state = state["optimizer"]
-        self.inner.load_state_items(lambda name, global_shape, offsets, shape: optimizer_state[name])
+        self.wrapped.load_state_items(lambda name, global_shape, offsets, shape: optimizer_state[name])
         t.step = int(state["step"])
         t.loader.samples = int(state["samples"])
         t.tokens_seen = t.step * self.recipe.train.global_batch * self.recipe.train.seq_len

@@ -70,6 +70,29 @@ def _new_param(shape, like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype), requires_grad=like.requires_grad)
 
 
+def _enter_tp(module: nn.Module, dims: ParallelDims, split: tuple[str, int], sequence_parallel: bool,
+              like: torch.Tensor | None) -> torch.Tensor:
+    """What every tp-sharded module's __init__ does first: check that the dim it splits over tp, (name, size),
+    divides, and keep its tp group and sequence-parallel flag. Returns the tensor its parameters are made like
+    (device, dtype, requires_grad; an empty CPU tensor when like is None)."""
+    name, size = split
+    assert size % dims.tp == 0, f"{name}={size} is not divisible by tp={dims.tp}"
+    module.tp_group, module.sequence_parallel = dims.tp_group, sequence_parallel
+    return torch.empty(0) if like is None else like
+
+
+class _FromLinear:
+    """from_linear for the sharded linears: the same module built from a plain nn.Linear, its shard cut
+    from the linear's weights when they are materialised (kwargs: the class's own options)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dims: ParallelDims, **kwargs):
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, dims=dims,
+                  like=linear.weight, **kwargs)
+        _copy_shards(out, linear)
+        return out
+
+
 @torch.no_grad()
 def _copy_shards(module: nn.Module, source: nn.Module) -> None:
     """When swapping a materialised module, cut each local shard from the full source tensor."""
@@ -83,7 +106,7 @@ def _copy_shards(module: nn.Module, source: nn.Module) -> None:
         p.copy_(full)
 
 
-class ColumnParallelLinear(WeightGradModule, nn.Module):
+class ColumnParallelLinear(_FromLinear, WeightGradModule, nn.Module):
     """y = x W^T + b with W's output rows split over tp: (B, T, D_in) -> (B, T, D_out/tp).
 
     enter_region=True applies f to the input (copy_to_tp, or gather_sequence under sequence
@@ -92,23 +115,14 @@ class ColumnParallelLinear(WeightGradModule, nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dims: ParallelDims,
                  sequence_parallel: bool = False, enter_region: bool = True, like: torch.Tensor | None = None):
         super().__init__()
+        like = _enter_tp(self, dims, ("out_features", out_features), sequence_parallel, like)
         tp_size, tp_rank = dims.tp, dims.tp_rank
-        assert out_features % tp_size == 0, f"out_features={out_features} is not divisible by tp={tp_size}"
-        like = torch.empty(0) if like is None else like
-        self.in_features, self.out_features = in_features, out_features
-        self.tp_group, self.sequence_parallel, self.enter_region = dims.tp_group, sequence_parallel, enter_region
+        self.in_features, self.out_features, self.enter_region = in_features, out_features, enter_region
         self.weight = _new_param((out_features // tp_size, in_features), like)  # (D_out/tp, D_in)
         self.bias = _new_param((out_features // tp_size,), like) if bias else None
         self.param_shards = {"weight": (0, tp_rank, tp_size)}
         if bias:
             self.param_shards["bias"] = (0, tp_rank, tp_size)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, dims: ParallelDims, **kwargs) -> "ColumnParallelLinear":
-        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, dims=dims,
-                  like=linear.weight, **kwargs)
-        _copy_shards(out, linear)
-        return out
 
     def forward(self, x):
         if self.enter_region:
@@ -119,7 +133,7 @@ class ColumnParallelLinear(WeightGradModule, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}/tp, sp={self.sequence_parallel}"
 
 
-class RowParallelLinear(WeightGradModule, nn.Module):
+class RowParallelLinear(_FromLinear, WeightGradModule, nn.Module):
     """y = x W^T + b with W's input columns split over tp: (B, T, D_in/tp) -> (B, T, D_out), the partial
     products summed over tp (reduce-scattered to (B, T/tp, D_out) under sequence parallelism). The bias
     is replicated and added after the reduction; under sequence parallelism its gradient is tp-partial."""
@@ -127,22 +141,13 @@ class RowParallelLinear(WeightGradModule, nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dims: ParallelDims,
                  sequence_parallel: bool = False, like: torch.Tensor | None = None):
         super().__init__()
+        like = _enter_tp(self, dims, ("in_features", in_features), sequence_parallel, like)
         tp_size, tp_rank = dims.tp, dims.tp_rank
-        assert in_features % tp_size == 0, f"in_features={in_features} is not divisible by tp={tp_size}"
-        like = torch.empty(0) if like is None else like
         self.in_features, self.out_features = in_features, out_features
-        self.tp_group, self.sequence_parallel = dims.tp_group, sequence_parallel
         self.weight = _new_param((out_features, in_features // tp_size), like)  # (D_out, D_in/tp)
         self.bias = _new_param((out_features,), like) if bias else None  # (D_out,) replicated
         self.param_shards = {"weight": (1, tp_rank, tp_size)}
         self.tp_partial_grads = ("bias",) if bias and sequence_parallel else ()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, dims: ParallelDims, **kwargs) -> "RowParallelLinear":
-        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, dims=dims,
-                  like=linear.weight, **kwargs)
-        _copy_shards(out, linear)
-        return out
 
     def forward(self, x):  # x (B, T, D_in/tp)
         y = linear(x, self.weight, None, self.fuse, self.deferred)  # (B, T, D_out): this rank's partial sum
@@ -156,7 +161,7 @@ class RowParallelLinear(WeightGradModule, nn.Module):
         return f"in_features={self.in_features}/tp, out_features={self.out_features}, sp={self.sequence_parallel}"
 
 
-class ReplicatedKVLinear(WeightGradModule, nn.Module):
+class ReplicatedKVLinear(_FromLinear, WeightGradModule, nn.Module):
     """wk / wv when n_kv_heads divides tp (fewer kv heads than tp ranks): the full (Hkv*K, D) weight is
     replicated, and each rank computes only the kv head its query heads use, kv_head = tp_rank //
     (tp / Hkv): (B, T, D) -> (B, T, K). Each rank's gradient covers only its head's rows and only its
@@ -175,13 +180,6 @@ class ReplicatedKVLinear(WeightGradModule, nn.Module):
         self.bias = _new_param((out_features,), like) if bias else None
         self.tp_partial_grads = ("weight", "bias") if bias else ("weight",)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, dims: ParallelDims, head_dim: int) -> "ReplicatedKVLinear":
-        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, dims=dims,
-                  head_dim=head_dim, like=linear.weight)
-        _copy_shards(out, linear)
-        return out
-
     def forward(self, x):  # x (B, T, D), already in the tp region
         lo, hi = self.rows
         bias = None if self.bias is None else self.bias[lo:hi]
@@ -199,11 +197,9 @@ class VocabParallelEmbedding(WeightGradModule, nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dims: ParallelDims,
                  sequence_parallel: bool = False, like: torch.Tensor | None = None):
         super().__init__()
+        like = _enter_tp(self, dims, ("num_embeddings", num_embeddings), sequence_parallel, like)
         tp_size, tp_rank = dims.tp, dims.tp_rank
-        assert num_embeddings % tp_size == 0, f"num_embeddings={num_embeddings} is not divisible by tp={tp_size}"
-        like = torch.empty(0) if like is None else like
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_group, self.sequence_parallel = dims.tp_group, sequence_parallel
         self.vocab_start = tp_rank * (num_embeddings // tp_size)
         self.weight = _new_param((num_embeddings // tp_size, embedding_dim), like)  # (V/tp, D)
         self.param_shards = {"weight": (0, tp_rank, tp_size)}
