@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.data import load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf

@@ -41,7 +41,8 @@ from typing import Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint import check_base, iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.load import check_base
+from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_tokenizer,
                           load_hf_weights, read_hf_config)

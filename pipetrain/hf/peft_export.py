@@ -20,7 +20,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.hf import hf_sources
 
