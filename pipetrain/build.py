@@ -35,7 +35,9 @@ from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, Recipe, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
-from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.tokenizer import check_tokenizer_vocab
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer, lr_at

@@ -17,8 +17,10 @@ from safetensors.torch import load_file, save_file
 from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
-from pipetrain.hf import load_hf_tokenizer, load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model, export_state, main as export_main, parse_size
+from pipetrain.hf.tokenizer import load_hf_tokenizer
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer
