@@ -100,7 +100,7 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     same = (layout["dp"], layout["tp"], layout["pp"], layout.get("ps_servers", 0)) == \
         (dims.dp, dims.tp, dims.pp, dims.ps_servers)
     if same:
-        rng_file = reader._open(manifest["rng"][str(dims.rank)])
+        rng_file = reader.open_file(manifest["rng"][str(dims.rank)])
         torch.set_rng_state(rng_file.get_tensor("rng/cpu"))
         if torch.cuda.is_available() and "rng/cuda" in rng_file.keys():
             torch.cuda.set_rng_state(rng_file.get_tensor("rng/cuda"), dims.device)

@@ -118,7 +118,8 @@ class TensorReader:
         self.dir, self.manifest, self.device, self.verify = ckpt_dir, manifest, device, verify
         self.opened: set[str] = set()  # files read from (each verified before its first read)
 
-    def _open(self, file: str):
+    def open_file(self, file: str):
+        """A safe_open handle on one of the checkpoint's files, verified before its first use."""
         # Each file is verified the first time this rank reads from it, so a rank hashes only the
         # files holding its slices. Opened per read, not cached: a long-lived handle keeps every page
         # it mapped resident, so streaming a large checkpoint would grow towards its whole size.
@@ -158,8 +159,8 @@ class TensorReader:
             src = tuple(slice(l - p, h - p) for l, h, p in zip(lo, hi, piece["offsets"]))
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
             try:
-                part = self._open(piece["file"]).get_slice(name)[src] if shape else \
-                    self._open(piece["file"]).get_tensor(name)
+                part = self.open_file(piece["file"]).get_slice(name)[src] if shape else \
+                    self.open_file(piece["file"]).get_tensor(name)
             except ConfigError:
                 raise
             except Exception as exc:  # safetensors' own error types: a truncated or mangled file

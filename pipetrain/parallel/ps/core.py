@@ -362,7 +362,7 @@ class Server:
 
     def checkpoint_state(self, trainable_only: bool) -> tuple[int, list, dict]:
         """(step, items, {}): this server's rows, their optimizer state and ps/state.py's; a server is never
-        rank 0, so it writes no run state into the manifest. trainable_only: the table always trains."""
+        rank 0, so it writes no run state into the manifest. trainable_only is False: LoRA refuses servers."""
         from pipetrain.optim.inner import inner_state_items
         items = [("model/embed.weight", self.weight.detach(), (self.vocab, self.d), [self.lo, 0])]
         for name, tensor, shape, offsets in inner_state_items(self.inner, self._entries(), self.steps_taken):
