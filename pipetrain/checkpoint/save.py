@@ -14,8 +14,8 @@ rank; each relaxed replica's own state from its first dp_shard rank).
 RNG: the model has no dropout, so the only consumer of torch's RNG is end-of-run sampling. Each
 process's CPU (and CUDA) generator state is saved; load.py restores it for the same layout.
 
-May import: config, models, parallel.data.grads, checkpoint.read, checkpoint.writer. Never: trainer,
-build, cli.
+May import: models, parallel.data.grads, checkpoint.manifest, checkpoint.read, checkpoint.writer.
+Never: trainer, build, cli.
 """
 from __future__ import annotations
 
