@@ -23,7 +23,8 @@ import time
 import torch
 from common import run_ranks
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint.load import load as load_checkpoint
+from pipetrain.checkpoint.save import Checkpointer, owned_tensors
 from pipetrain.config import build_recipe
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, count_params, materialize
@@ -39,10 +40,14 @@ MODELS = {
 
 
 class _State:
-    """What Checkpointer.save reads from a Trainer."""
+    """What a Trainer hands Checkpointer.save (pipetrain.checkpoint.save.Saveable), without a Trainer."""
 
-    def __init__(self, model, optimizer, loader):
-        self.model, self.optimizer, self.loader, self.step, self.tokens_seen = model, optimizer, loader, 1, 0
+    def __init__(self, model, optimizer, loader, dims):
+        self.model, self.optimizer, self.loader, self.dims, self.step = model, optimizer, loader, dims, 1
+
+    def checkpoint_state(self, trainable_only: bool):
+        return self.step, owned_tensors(self.model, self.optimizer, self.dims), {"tokens": 0,
+                                                                                  "data": self.loader.state_dict()}
 
 
 def _setup(model_kw, zero, extra=None):
@@ -57,7 +62,7 @@ def _setup(model_kw, zero, extra=None):
     optimizer.reduce_grads()
     optimizer.step(1e-4)  # moments exist
     data = PackedData(torch.arange(10_000).numpy() % 100, torch.ones(10_000, dtype=torch.bool).numpy(), 16, 0.0, 0)
-    return recipe, dims, model, optimizer, _State(model, optimizer, Loader(data, 8, dims.dp_rank, dims.dp))
+    return recipe, dims, model, optimizer, _State(model, optimizer, Loader(data, 8, dims.dp_rank, dims.dp), dims)
 
 
 def _stall(model_kw, reps):
@@ -69,8 +74,8 @@ def _stall(model_kw, reps):
         recipes = {mode: build_recipe({"model": model_kw, "data": {"path": "x", "tokenizer": "y"},
                                        "checkpoint": {"keep": 1, "async": mode == "async"}})
                    for mode in ("sync", "async")}
-        ckpts = {"sync": checkpoint.Checkpointer(sync_dir, recipes["sync"], dims),
-                 "async": checkpoint.Checkpointer(async_dir, recipes["async"], dims)}
+        ckpts = {"sync": Checkpointer(sync_dir, recipes["sync"], dims),
+                 "async": Checkpointer(async_dir, recipes["async"], dims)}
         for _ in range(reps):
             for mode in ("sync", "async"):
                 t0 = time.perf_counter()
@@ -87,7 +92,7 @@ def _bench(rank, world_size, model_kw, zero, reps, out_dir):
     """(params, median save s, median load s, median unverified load s, bytes this rank wrote)."""
     torch.set_num_threads(1 if world_size > 1 else 2)
     recipe, dims, model, optimizer, state = _setup(model_kw, zero)
-    ckpt = checkpoint.Checkpointer(out_dir, recipe, dims)
+    ckpt = Checkpointer(out_dir, recipe, dims)
     saves, loads, loads_noverify = [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -97,7 +102,7 @@ def _bench(rank, world_size, model_kw, zero, reps, out_dir):
             r = build_recipe({"model": model_kw, "parallel": {"zero": zero}, "data": {"path": "x", "tokenizer": "y"},
                               "checkpoint": {"verify": verify}})
             t0 = time.perf_counter()
-            checkpoint.load(path, {"model": model, "optimizer": optimizer, "loader": state.loader}, r, dims)
+            load_checkpoint(path, {"model": model, "optimizer": optimizer, "loader": state.loader}, r, dims)
             times.append(time.perf_counter() - t0)
         state.step += 1
     written = os.path.getsize(os.path.join(path, f"rank-{rank:05d}.safetensors"))

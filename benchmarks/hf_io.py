@@ -30,8 +30,9 @@ import torch
 from common import ROOT  # noqa: F401  (importing common puts the checkout on sys.path)
 from safetensors.torch import save_file
 
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model, export_state
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build, materialize
 
 MB = 1e6

@@ -7,9 +7,9 @@
 parameter) on 2 gloo processes at pp 2 and saves it, so each rank's file holds half of it. --time
 rebuilds the same run on 2 processes and times what build_trainer does for `--resume auto`: rank 0
 chooses a checkpoint (build._resume_dir) and every rank loads it (build's load_agreed where the code
-has it, else checkpoint.load), up to a barrier, so the figure is the slowest rank's. It prints the
+has it, else pipetrain.checkpoint.load.load), up to a barrier, so the figure is the slowest rank's. It prints the
 median of --reps, the median time of the choice alone (rank 1 waits that long in a collective for
-rank 0) and the bytes each rank hashed (pipetrain.checkpoint.file_sha256 wrapped). The timed
+rank 0) and the bytes each rank hashed (pipetrain.checkpoint.read.file_sha256 wrapped). The timed
 code is whatever pipetrain this checkout holds, so the same command measures old and new code.
 """
 from __future__ import annotations
@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from common import run_ranks
 
-from pipetrain import build, checkpoint
+from pipetrain import build
+from pipetrain.checkpoint import read as checkpoint_read
+from pipetrain.checkpoint.load import load as load_checkpoint
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import count_params
@@ -61,13 +63,13 @@ def _time(rank, world_size, out, layers, reps):
     recipe, trainer = _trainer(out, layers, dims)
     parts = {"model": trainer.model, "optimizer": trainer.optimizer, "loader": trainer.loader}
     hashed = [0]
-    real_hash = checkpoint.file_sha256
+    real_hash = checkpoint_read.file_sha256
 
     def counting_sha256(path):
         hashed[0] += os.path.getsize(path)
         return real_hash(path)
 
-    checkpoint.file_sha256 = counting_sha256
+    checkpoint_read.file_sha256 = counting_sha256
     times, chosen = [], []
     for _ in range(reps):
         hashed[0] = 0
@@ -76,10 +78,10 @@ def _time(rank, world_size, out, layers, reps):
         ckpt_dir = build._resume_dir(recipe, dims, "auto")
         chosen.append(time.perf_counter() - t0)  # rank 1: how long it waited in the broadcast for rank 0's choice
         if hasattr(build, "load_agreed"):  # the code under test agrees on per-rank verification
-            build.load_agreed(ckpt_dir, lambda path: checkpoint.load(path, parts, recipe, dims), dims, auto=True,
+            build.load_agreed(ckpt_dir, lambda path: load_checkpoint(path, parts, recipe, dims), dims, auto=True,
                               output_dir=out)
         else:  # 7c3a3ed: rank 0 hashed every file in _resume_dir, then each rank its own while loading
-            checkpoint.load(ckpt_dir, parts, recipe, dims)
+            load_checkpoint(ckpt_dir, parts, recipe, dims)
         barrier(dims.world_size)
         times.append(time.perf_counter() - t0)
     per_rank = torch.zeros(2, world_size, dtype=torch.float64)  # bytes hashed, median choice wait

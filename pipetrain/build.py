@@ -29,11 +29,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint.load import check_compatible, check_resume_dir, find_resumable, load as load_checkpoint
+from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.checkpoint.resume import load_agreed
+from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, Recipe, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
-from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.tokenizer import check_tokenizer_vocab
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer, lr_at
@@ -128,7 +132,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     start = 0
     if ckpt_dir is not None:  # every rank hashes the files it reads; a damaged one moves all ranks together
         parts = {"model": model, "optimizer": optimizer, "loader": loader}
-        ckpt_dir, manifest = load_agreed(ckpt_dir, lambda path: checkpoint.load(path, parts, recipe, dims), dims,
+        ckpt_dir, manifest = load_agreed(ckpt_dir, lambda path: load_checkpoint(path, parts, recipe, dims), dims,
                                          auto=resume == "auto", output_dir=recipe.run.output_dir)
         start = manifest["step"]
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
@@ -143,7 +147,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     actions, eval_actions = _build_schedules(recipe, dims)
     dynamic = _build_dynamic_batch(recipe, dims, loader)
     logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
-    checkpointer = None if eval_only else checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    checkpointer = None if eval_only else Checkpointer(recipe.run.output_dir, recipe, dims)
     ps = PSClient(recipe, dims, ps_embed) if dims.ps_servers else None
     trainer = Trainer(recipe, dims, model, optimizer, loader, executor, actions, eval_actions, logger,
                       checkpointer=checkpointer, start_step=start,
@@ -181,14 +185,14 @@ def build_server(recipe: Recipe, dims: ParallelDims, resume: str | None = None) 
     if ckpt_dir is not None:  # the workers' agreement in build_trainer, from the server's side
         load_agreed(ckpt_dir, lambda path: _load_server(server, path, recipe, log), dims, auto=resume == "auto",
                     output_dir=recipe.run.output_dir)
-    server.checkpointer = checkpoint.Checkpointer(recipe.run.output_dir, recipe, dims)
+    server.checkpointer = Checkpointer(recipe.run.output_dir, recipe, dims)
     return server
 
 
 def _load_server(server: Server, ckpt_dir: str, recipe: Recipe, log: str) -> None:
-    manifest = checkpoint.read_manifest(ckpt_dir)
-    checkpoint.check_compatible(manifest, recipe, ckpt_dir)
-    reader = checkpoint.TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
+    manifest = read_manifest(ckpt_dir)
+    check_compatible(manifest, recipe, ckpt_dir)
+    reader = TensorReader(ckpt_dir, manifest, device="cpu", verify=recipe.checkpoint.verify)
     server.load(reader.read, manifest)
     # a resumed run redoes the steps after its checkpoint: cut them out, as metrics.jsonl (a fallback to an
     # older checkpoint cuts further); the cut rewrites the file, so the server reopens it
@@ -292,12 +296,12 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
     if resume is None:
         return None
     if resume != "auto":
-        checkpoint.check_resume_dir(resume)
+        check_resume_dir(resume)
         return resume
     # rank 0 checks the manifests, headers and sizes (no hashing) and chooses, so every rank starts from the
     # same checkpoint; the hashing happens per rank in load_agreed
     choice = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too
-        checkpoint.find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.full_world_size)
+        find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.full_world_size)
     if choice is None and dims.rank == 0:
         print(f"--resume auto: no complete checkpoint in {recipe.run.output_dir}; starting fresh", flush=True)
     return choice

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.build import build_server, build_trainer, resolve_init_from
-from pipetrain.checkpoint import CheckpointSaveError
+from pipetrain.checkpoint.writer import CheckpointSaveError
 from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
 from pipetrain.elastic import launch_layout

@@ -27,7 +27,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from pipetrain.checkpoint import check_resume_dir, checkpoint_dirs, read_manifest
+from pipetrain.checkpoint.load import check_resume_dir
+from pipetrain.checkpoint.read import checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.parallel.mesh.rules import layout_problems, mesh_problems, resolve_dp
 from pipetrain.plan.auto import resolve_at_launch

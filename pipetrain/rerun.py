@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from pipetrain.checkpoint import checkpoint_dirs, read_manifest
+from pipetrain.checkpoint.read import checkpoint_dirs, read_manifest
 from pipetrain.config import ConfigError, Recipe
 
 # Keys a rerun may change: train.steps extends (or ends) the run; run.* does not touch the trajectory.

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from pipetrain.config import ConfigError
+from pipetrain.procs import pid_alive
 
 LOCK_NAME = ".pipetrain.lock"
 
@@ -33,7 +34,7 @@ class RunLock:
             raise ConfigError(f"run.output_dir={os.path.dirname(self.path)} is in use by another run "
                               f"({_describe(holder)}, lock {self.path}); wait for it to finish or choose another run.output_dir") from None
         if holder:
-            alive = holder.get("host") == socket.gethostname() and _pid_alive(holder.get("pid"))
+            alive = holder.get("host") == socket.gethostname() and pid_alive(holder.get("pid"))
             print(f"warning: {self.path}: taking over a stale lock of {_describe(holder)}"
                   f"{' (that pid now belongs to another process)' if alive else ' (no longer running)'}",
                   file=sys.stderr)
@@ -61,15 +62,3 @@ def _read_holder(fd: int) -> dict | None:
 
 def _describe(holder: dict | None) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}" if holder else "holder unknown"
-
-
-def _pid_alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from pipetrain.checkpoint.save import Item, owned_tensors
 from pipetrain.config import Recipe
 from pipetrain.data import IGNORE_INDEX, Batch, Loader
 from pipetrain.faults import Faults
@@ -128,6 +129,15 @@ class Trainer:
         if drain is not None:
             cfg = self.recipe.train
             drain(self.step, lambda k: lr_at(k, cfg), cfg.grad_clip)
+
+    def checkpoint_state(self, trainable_only: bool) -> tuple[int, list[Item], dict]:
+        """What this rank saves (pipetrain.checkpoint.save.Saveable), at the step boundary: the parameter
+        servers are told to join the save, relaxed replicas are drained first."""
+        if self.ps is not None:
+            self.ps.announce_save(self.step)
+        self.drain_replicas()
+        items = owned_tensors(self.model, self.optimizer, self.dims, trainable_only)
+        return self.step, items, {"tokens": self.tokens_seen, "data": self.loader.state_dict()}
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()

@@ -19,6 +19,7 @@ import struct
 
 from pipetrain.config import ConfigError
 
+FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
 CHECKSUM_KEY = "manifest_sha256"
 FILE_METADATA_KEY = "pipetrain_pieces"  # safetensors __metadata__ entry: {name: {"offsets", "global_shape"}}
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",

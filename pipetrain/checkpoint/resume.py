@@ -2,9 +2,9 @@
 
 A checkpoint of 100 GB cannot be hashed by one rank while every other rank waits in a collective: the
 wait passes the process group's timeout. So the checks are split by cost. Rank 0 checks what is cheap
-for the whole checkpoint (pipetrain.checkpoint.find_resumable: the sealed manifest, its structure,
+for the whole checkpoint (pipetrain.checkpoint.load.find_resumable: the sealed manifest, its structure,
 every file's safetensors header and size) and broadcasts its choice; then each rank hashes only the
-files it reads, the first time it reads from each (TensorReader), so the hashing is spread over the
+files it reads, the first time it reads from each (checkpoint.read.TensorReader), so the hashing is spread over the
 ranks and no rank hashes a file it does not read.
 
 A file a rank finds damaged while loading must still move every rank: after each attempt the
@@ -26,7 +26,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from pipetrain.checkpoint import CorruptCheckpoint, find_resumable
+from pipetrain.checkpoint.load import find_resumable
+from pipetrain.checkpoint.read import CorruptCheckpoint
 from pipetrain.config import ConfigError
 from pipetrain.parallel.mesh.comm import all_reduce_max_, broadcast_object_from_rank0
 

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from pipetrain.checkpoint import TensorReader, model_tensors, read_manifest
+from pipetrain.checkpoint.read import TensorReader, model_tensors, read_manifest
 from pipetrain.config import ConfigError
 from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size, prepare_out_dir
 

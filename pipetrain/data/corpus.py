@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from pipetrain.config import ConfigError, clip
+from pipetrain.procs import pid_alive
 from pipetrain.sft import encode_record
 
 FORMAT_VERSION = 1
@@ -243,16 +244,6 @@ def _temp_prefix(out_dir: str) -> str:
     return f"{out_dir}.tmp-{socket.gethostname()}-"
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def remove_dead_temps(out_dir: str) -> list[str]:
     """Delete the temp directories of out_dir left by this host's killed prepares; the deleted paths.
     A temp directory whose pid is alive may be in use and is kept (a reused pid only keeps garbage, never
@@ -262,7 +253,7 @@ def remove_dead_temps(out_dir: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         pid = name[len(prefix):] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _is_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             removed.append(os.path.join(parent, name))
     return removed

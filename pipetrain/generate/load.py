@@ -8,11 +8,13 @@ import os
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.data import load_tokenizer
-from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import lora_checkpoint_model
+from pipetrain.hf.tokenizer import check_tokenizer_vocab
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build
 from pipetrain.models.init import param_layout
 from pipetrain.models.lora import merge_lora

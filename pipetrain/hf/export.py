@@ -12,7 +12,7 @@ A complete model folder: the tokenizer files (its chat template included: tokeni
 chat_template or chat_template.jinja), generation_config.json (copied from model.init_from when it
 has one, else written with the tokenizer's bos / eos / pad ids, pad falling back to eos), and the
 weights in the source dtype by default (model.init_from's config.json dtype; fp32 for a model
-trained from scratch), or --dtype. The name mapping is the inverse of pipetrain.hf.hf_sources (GPT-2's
+trained from scratch), or --dtype. The name mapping is the inverse of pipetrain.hf.weights.hf_sources (GPT-2's
 q/k/v are fused into c_attn and Linear weights transposed into Conv1D's (in, out) layout).
 
 Streaming: every output tensor's name, shape and dtype follow from the ModelConfig alone, so the
@@ -41,11 +41,13 @@ from typing import Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint import check_base, iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.load import check_base
+from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_tokenizer,
-                          load_hf_weights, read_hf_config)
+from pipetrain.hf.config import CONFIG_FILE, read_hf_config
 from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
+from pipetrain.hf.tokenizer import load_hf_tokenizer
+from pipetrain.hf.weights import INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_weights
 from pipetrain.models import build, materialize, param_layout
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.models.lora import is_adapter, merge_lora

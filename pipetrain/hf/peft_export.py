@@ -20,9 +20,9 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from pipetrain.checkpoint import iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.hf import hf_sources
+from pipetrain.hf.weights import hf_sources
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

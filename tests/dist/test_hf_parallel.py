@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import ParallelConfig
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build, param_layout
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.stage import build_stage

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipetrain.build import build_server, build_trainer
-from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.config import CheckpointConfig, FaultsConfig, ModelConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.models.init import init_tensor

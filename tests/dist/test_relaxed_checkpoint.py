@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.checkpoint import step_dir_name
+from pipetrain.checkpoint.read import step_dir_name
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
 from tests.harness import rank_results

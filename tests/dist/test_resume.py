@@ -2,7 +2,7 @@
 each rank hashes exactly the files it reads, and a file that only rank 1 reads, found damaged, sends both
 ranks back to the previous checkpoint together (or to one error on every rank when none is left).
 
-Hashing is counted per rank by wrapping pipetrain.checkpoint's file_sha256 (bytes per file hashed) and
+Hashing is counted per rank by wrapping pipetrain.checkpoint.read's file_sha256 (bytes per file hashed) and
 safe_open (files read), installed after the saves so only the resume is counted.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import torch.distributed as dist
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint import read
 from pipetrain.config import ConfigError
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
@@ -22,7 +22,7 @@ KEYS = dict(steps=6, microbatches=2)
 
 def _count_hashing(hashed: dict, opened: set) -> None:
     """Record, per file (step-N/rank-R.safetensors), the bytes this process hashes and the files it reads."""
-    real_hash, real_open = checkpoint.file_sha256, checkpoint.safe_open
+    real_hash, real_open = read.file_sha256, read.safe_open
 
     def name(path):
         return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
@@ -35,7 +35,7 @@ def _count_hashing(hashed: dict, opened: set) -> None:
         opened.add(name(path))
         return real_open(path, *args, **kwargs)
 
-    checkpoint.file_sha256, checkpoint.safe_open = file_sha256, safe_open
+    read.file_sha256, read.safe_open = file_sha256, safe_open
 
 
 def _damage(path: str) -> None:

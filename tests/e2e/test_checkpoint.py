@@ -10,7 +10,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from pipetrain.checkpoint import find_resumable, iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.load import find_resumable
+from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.checkpoint.tools import consolidate, inspect, main as ckpt_main
 from pipetrain.config import ConfigError
 from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, step_losses, worker_pid

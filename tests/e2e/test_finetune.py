@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint.read import iter_full_tensors
 from pipetrain.config import DataConfig, ModelConfig
 from pipetrain.data import IGNORE_INDEX, Loader, build_data
 from pipetrain.models import build, materialize
@@ -77,7 +77,7 @@ def test_finetune_then_export_gives_transformers_the_same_logits(tmp_path, hf_mo
     cfg = ModelConfig(**json.load(open(ckpt / "manifest.json"))["recipe"]["model"])
     model = materialize(build(cfg), cfg, 0, "cpu")
     with torch.no_grad():
-        for name, tensor in checkpoint.iter_full_tensors(str(ckpt)):
+        for name, tensor in iter_full_tensors(str(ckpt)):
             dict(model.named_parameters())[name].copy_(tensor)
         torch.testing.assert_close(tuned(x).logits, model(x), rtol=1e-5, atol=1e-5)
     assert os.path.exists(export / "tokenizer.json")

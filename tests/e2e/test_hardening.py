@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from pipetrain.checkpoint import read_manifest, verify_files
+from pipetrain.checkpoint.read import read_manifest, verify_files
 from tests.e2e.common import ROOT, SMALL, TINY, run_train
 
 STOP_TIMEOUT_S = 3
@@ -59,10 +59,10 @@ def test_second_sigterm_exits_at_once(tmp_path, token_cache):
 # small tmpfs needs privileges most machines do not grant)
 FULL_DISK_AT_SECOND_SAVE = """
 import errno, os, sys
-import pipetrain.checkpoint as checkpoint
+import pipetrain.checkpoint.writer as writer
 from pipetrain.cli import main
 
-real_save_file = checkpoint.save_file
+real_save_file = writer.save_file
 saves = []
 
 def save_file(tensors, path, metadata=None):
@@ -72,7 +72,7 @@ def save_file(tensors, path, metadata=None):
         os.truncate(path, os.path.getsize(path) // 2)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-checkpoint.save_file = save_file
+writer.save_file = save_file
 sys.exit(main(sys.argv[1:]))
 """
 

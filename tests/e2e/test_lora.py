@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pipetrain.checkpoint import file_sha256, read_manifest
+from pipetrain.checkpoint.read import file_sha256, read_manifest
 from pipetrain.generate import model_from_checkpoint
 from pipetrain.hf.export import lora_checkpoint_model
 from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama, step_losses

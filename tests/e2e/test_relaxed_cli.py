@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipetrain.checkpoint import read_manifest
+from pipetrain.checkpoint.read import read_manifest
 from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, read_metrics, run_train, worker_pid
 
 RELAXED = ["parallel.dp_sync=local_sgd", "parallel.sync_every=2", "train.steps=6", "run.eval_every=0",

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pipetrain.build import build_trainer as build_run_trainer
+from pipetrain.checkpoint.save import owned_tensors
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -54,3 +55,15 @@ def read_from(items) -> Callable[[str, tuple, tuple, tuple], torch.Tensor]:
     def read(name, global_shape, offsets, shape):
         return full[name][tuple(slice(o, o + s) for o, s in zip(offsets, shape))].clone()
     return read
+
+
+class ModelState:
+    """A model and its optimizer at `step`, saved without a Trainer (pipetrain.checkpoint.save.Saveable);
+    data is the loader position the manifest records."""
+
+    def __init__(self, model, optimizer, dims: ParallelDims, step: int, data: dict):
+        self.model, self.optimizer, self.dims, self.step, self.data = model, optimizer, dims, step, data
+
+    def checkpoint_state(self, trainable_only: bool):
+        items = owned_tensors(self.model, self.optimizer, self.dims, trainable_only)
+        return self.step, items, {"tokens": 0, "data": self.data}

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from pipetrain.build import build_trainer
-from pipetrain import checkpoint
-from pipetrain.checkpoint import CheckpointSaveError, read_manifest
+from pipetrain.checkpoint.load import find_resumable
+from pipetrain.checkpoint.read import read_manifest
+from pipetrain.checkpoint.writer import CheckpointSaveError
 from pipetrain.config import (CheckpointConfig, ConfigError, ParallelConfig, Recipe, RunConfig, TrainConfig,
                               build_recipe, load_recipe)
 from pipetrain.data import Loader, PackedData
@@ -58,7 +59,7 @@ def test_async_save_overlaps_the_next_step_and_writes_what_a_sync_save_writes(tm
     trainer = _trainer(tmp_path / "async", True)
     ckpt = trainer.checkpointer
     release, events = threading.Event(), []
-    write = ckpt._write_rank_file
+    write = ckpt.writer._write_rank_file
 
     def held_write(path, snap):  # the writer starts only once the training thread has run the next step
         events.append("write waits")
@@ -66,7 +67,7 @@ def test_async_save_overlaps_the_next_step_and_writes_what_a_sync_save_writes(tm
         write(path, snap)
         events.append("write ends")
 
-    monkeypatch.setattr(ckpt, "_write_rank_file", held_write)
+    monkeypatch.setattr(ckpt.writer, "_write_rank_file", held_write)
     for _ in range(2):
         trainer.train_step()
     path = ckpt.save(trainer)
@@ -77,7 +78,7 @@ def test_async_save_overlaps_the_next_step_and_writes_what_a_sync_save_writes(tm
     release.set()
     ckpt.wait()
     assert events.index("step 3 done") < events.index("write ends")
-    assert ckpt.events == [("snapshot", 2), ("written", 2)]
+    assert ckpt.writer.events == [("snapshot", 2), ("written", 2)]
     assert read_manifest(path)["step"] == 2
     a, b = _tensors(sync_dir), _tensors(path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the async checkpoint differs"
@@ -93,15 +94,15 @@ def test_a_failed_background_write_raises_at_the_next_step_and_keeps_the_previou
     def full_disk(path, snap):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    monkeypatch.setattr(ckpt, "_write_rank_file", full_disk)
+    monkeypatch.setattr(ckpt.writer, "_write_rank_file", full_disk)
     trainer.train_step()
     ckpt.save(trainer)
-    ckpt._thread.join()
+    ckpt.writer._thread.join()
     trainer.train_step()
     with pytest.raises(CheckpointSaveError, match="No space left on device") as failed:
         trainer.agree()
     root = tmp_path / "run" / "checkpoints"
     assert str(root) in str(failed.value), "the error names where it could not write"
     assert (root / "latest").read_text().strip() == os.path.basename(first)
-    assert checkpoint.find_resumable(str(tmp_path / "run")) == first  # intact: its files still verify
+    assert find_resumable(str(tmp_path / "run")) == first  # intact: its files still verify
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]

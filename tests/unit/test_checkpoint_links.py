@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
-from pipetrain.checkpoint import Checkpointer, CorruptCheckpoint, find_resumable, read_manifest
+from pipetrain.checkpoint.load import find_resumable
+from pipetrain.checkpoint.read import CorruptCheckpoint, read_manifest
+from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.checkpoint.tools import main as ckpt_main
 from pipetrain.config import load_recipe
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -47,7 +49,7 @@ def test_a_step_folder_that_is_a_link_is_never_resumed_counted_or_deleted_throug
         read_manifest(str(root / "step-00000009"))
     assert find_resumable(str(run)) == str(root / "step-00000006")
     recipe = load_recipe(TINY, [f"run.output_dir={run}", "checkpoint.keep=1"])
-    Checkpointer(str(run), recipe, ParallelDims())._rotate()
+    Checkpointer(str(run), recipe, ParallelDims()).writer._rotate()
     assert sorted(os.listdir(root)) == ["latest", "step-00000006", "step-00000009"], os.listdir(root)
     assert os.listdir(outside)  # nothing deleted through the link
 

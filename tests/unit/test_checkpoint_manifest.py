@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pipetrain.build import build_trainer
-from pipetrain.checkpoint import read_manifest
+from pipetrain.checkpoint.read import read_manifest
 from pipetrain.config import ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from tests.unit.common import LLAMA

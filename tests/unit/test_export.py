@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build, materialize
 from tests.harness import ROOT, save_tiny_hf
 from tests.unit.common import LLAMA

@@ -15,7 +15,8 @@ import torch
 
 from pipetrain.config import ConfigError, clip
 from pipetrain.data import load_tokenizer
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build
 from tests.harness import hf_configs, save_tiny_hf
 

@@ -9,7 +9,8 @@ import torch
 from pipetrain.config import ModelConfig
 from pipetrain.generate import KVCache, choose_token, forward_cached, generate_tokens, load_for_generation
 from pipetrain.generate.__main__ import main as generate_main
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build, materialize
 from tests.e2e.common import run_train
 from tests.unit.short_run import short_run

@@ -2,21 +2,22 @@
 import errno
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint import writer
 from pipetrain.build import _truncate_metrics, build_trainer
-from pipetrain.checkpoint import CheckpointSaveError, Checkpointer, read_manifest, verify_files
+from pipetrain.checkpoint.read import read_manifest, verify_files
+from pipetrain.checkpoint.save import Checkpointer
+from pipetrain.checkpoint.writer import CheckpointSaveError
 from pipetrain.config import ConfigError, DataConfig, Recipe, RunConfig, TrainConfig, load_recipe
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.e2e.common import SMALL, TINY
-from tests.unit.common import LLAMA
+from tests.unit.common import LLAMA, ModelState
 
 
 def test_torn_metrics_line_is_cut_back_with_a_warning(tmp_path, capsys):
@@ -38,12 +39,11 @@ def test_complete_metrics_lines_past_the_step_are_dropped_silently(tmp_path, cap
 
 @pytest.fixture
 def saver(tmp_path):
-    """A Checkpointer and a trainer-shaped object (one process, the small model), one step saved."""
+    """A Checkpointer and what it saves (one process, the small model), one step saved."""
     recipe = load_recipe(TINY, SMALL + [f"run.output_dir={tmp_path}"])
     dims = ParallelDims.init(recipe.parallel)
     model = materialize(build(recipe.model, device="meta"), recipe.model, recipe.train.seed, dims.device)
-    trainer = SimpleNamespace(step=1, tokens_seen=0, model=model, optimizer=build_optimizer(model, dims, recipe.train),
-                              loader=SimpleNamespace(state_dict=lambda: {"samples": 8}))
+    trainer = ModelState(model, build_optimizer(model, dims, recipe.train), dims, 1, {"samples": 8})
     ckpt = Checkpointer(str(tmp_path), recipe, dims)
     ckpt.save(trainer)
     trainer.step = 2
@@ -57,7 +57,7 @@ def _no_space(*args, **kwargs):
 @pytest.mark.parametrize("target", ["save_file", "seal"])  # a rank's tensor file; rank 0's manifest phase
 def test_an_oserror_during_a_save_keeps_the_previous_checkpoint(saver, monkeypatch, target):
     ckpt, trainer, root = saver
-    monkeypatch.setattr(checkpoint, target, _no_space)
+    monkeypatch.setattr(writer, target, _no_space)
     with pytest.raises(CheckpointSaveError, match=r"No space left on device \(.* MB free\)") as info:
         ckpt.save(trainer)
     assert "\n" not in str(info.value) and str(root) in str(info.value)

@@ -8,24 +8,26 @@ tiny models with tests/harness.py.
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from pipetrain.checkpoint import Checkpointer
+from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
-from pipetrain.hf import load_hf_tokenizer, load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model, export_state, main as export_main, parse_size
+from pipetrain.hf.tokenizer import load_hf_tokenizer
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.sft import encode_record
 from tests.harness import HF_FP32, hf_configs, save_tiny_hf, tokens
+from tests.unit.common import ModelState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "pipetrain", "assets", "tokenizer")
@@ -283,11 +285,10 @@ def test_export_rejects_bad_input(tmp_path):
 
 
 def _save_checkpoint(model, recipe, out_dir: str) -> str:
-    """A real pipetrain checkpoint (pipetrain.checkpoint.Checkpointer) of model, saved by one process."""
+    """A real pipetrain checkpoint (pipetrain.checkpoint.save.Checkpointer) of model, saved by one process."""
     dims = ParallelDims()
-    trainer = SimpleNamespace(model=model, optimizer=build_optimizer(model, dims, recipe.train), step=3,
-                              tokens_seen=0, loader=SimpleNamespace(state_dict=lambda: {"samples": 0}))
-    return Checkpointer(out_dir, recipe, dims).save(trainer)
+    state = ModelState(model, build_optimizer(model, dims, recipe.train), dims, 3, {"samples": 0})
+    return Checkpointer(out_dir, recipe, dims).save(state)
 
 
 def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tmp_path):

@@ -19,7 +19,8 @@ import yaml
 
 from pipetrain import cli
 from pipetrain.config import ConfigError, load_recipe
-from pipetrain.hf import load_hf_weights, model_config_from_hf
+from pipetrain.hf.config import model_config_from_hf
+from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.preflight import check_model_fits

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint.load import load as load_checkpoint
+from pipetrain.checkpoint.read import read_manifest
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe, validate
 from pipetrain.models import build, materialize
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -95,16 +96,16 @@ def test_checkpoint_holds_adapters_only_and_loads_only_into_lora(tmp_path):
     trainer = build_trainer(LORA, str(tmp_path / "a"), steps=2, learnable=True)
     trainer.train_step()
     path = trainer.checkpointer.save(trainer)
-    manifest = checkpoint.read_manifest(path)
+    manifest = read_manifest(path)
     names = {n.split("/", 1)[1] for n in manifest["tensors"] if n.startswith("model/")}
     assert names == {n for n, _ in trainer.model.named_parameters() if is_adapter(n)}
     assert manifest["base"] == {"init_from": None, "seed": trainer.recipe.train.seed}
     fresh = build_trainer(LORA, str(tmp_path / "b"), steps=2, learnable=True)  # adapters back, base from the seed
-    checkpoint.load(path, {"model": fresh.model, "optimizer": fresh.optimizer, "loader": fresh.loader},
+    load_checkpoint(path, {"model": fresh.model, "optimizer": fresh.optimizer, "loader": fresh.loader},
                     fresh.recipe, fresh.dims)
     for (n, p), (_, q) in zip(trainer.model.named_parameters(), fresh.model.named_parameters()):
         assert torch.equal(p, q), n
     plain = build_trainer(LLAMA, str(tmp_path / "c"), steps=2)
     with pytest.raises(ConfigError, match="model.lora_rank: checkpoint 4 vs recipe None"):
-        checkpoint.load(path, {"model": plain.model, "optimizer": plain.optimizer, "loader": plain.loader},
+        load_checkpoint(path, {"model": plain.model, "optimizer": plain.optimizer, "loader": plain.loader},
                         plain.recipe, plain.dims)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pipetrain.checkpoint import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.checkpoint.manifest import CHECKSUM_KEY, SAFETENSORS_DTYPES, seal
 from pipetrain.config import ConfigError
 from tests.e2e.common import ROOT, run_train

@@ -155,14 +155,14 @@ def test_ssp_server_holds_a_pull_until_the_apply_its_staleness_needs(tmp_path, m
 
 
 class _Checkpointer:
-    """Takes the server's checkpoint items at each save, as the real one snapshots them."""
+    """Takes the server's checkpoint state at each save, as the real one snapshots it."""
 
     def __init__(self):
         self.saves = []
 
     def save(self, server):
-        self.saves.append((server.step, server.version,
-                           [(n, t.clone(), g, o) for n, t, g, o in server.checkpoint_items()]))
+        step, items, _ = server.checkpoint_state(False)
+        self.saves.append((step, server.version, [(n, t.clone(), g, o) for n, t, g, o in items]))
 
     def wait(self):
         pass

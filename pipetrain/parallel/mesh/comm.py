@@ -420,12 +420,6 @@ def process_count() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def barrier_all(full_world_size: int) -> None:
-    """Wait until every process of the default group, servers included, reaches this point."""
-    if full_world_size > 1:
-        dist.barrier()
-
-
 def all_gather_object(obj, full_world_size: int, pg: ProcessGroup = None) -> list:
     """Every process's obj (picklable), in rank order; pg None: the default group (servers included).
     Objects travel as tensors torch builds on the group's device itself, so no device check is needed."""

@@ -314,11 +314,6 @@ class PSClient:
 
 
 # -- the server ----------------------------------------------------------------------------------
-class _NoData:
-    def state_dict(self) -> dict:
-        return {}
-
-
 class Server:
     """One server rank: its rows of the table, their AdamW state, the protocol loop and its log."""
 
@@ -341,8 +336,6 @@ class Server:
         self.torch_opt = build_torch_opt([{"params": [self.weight], "weight_decay": wd}], recipe.train)
         self.version = 0           # steps (bsp, ssp) or pushes (async) applied
         self.step = 0              # the trainer step of the last save / apply: checkpoints
-        self.tokens_seen = 0
-        self.loader = _NoData()
         self.steps_taken = 0
         self._pending: dict[int, dict[int, tuple]] = {}  # step -> {pusher: (ids, rows, pulled version)}
         self._pulls: dict[int, list] = {w: [] for w in self.pushers}  # each worker's unanswered pulls, in order
@@ -363,18 +356,21 @@ class Server:
             self._log.close()
         self._log = open(server_log(self.recipe.run.output_dir, self.index), "a")
 
-    # -- state for checkpoints (pipetrain.checkpoint.Checkpointer uses these names) ----------------
+    # -- state for checkpoints (pipetrain.checkpoint.save.Saveable) ---------------------------------
     def _entries(self):
         return [("embed.weight", self.weight, (self.vocab, self.d), (self.lo, 0))]
 
-    def checkpoint_items(self) -> list:
+    def checkpoint_state(self, trainable_only: bool) -> tuple[int, list, dict]:
+        """(step, items, {}): this server's rows, their optimizer state and ps/state.py's; a server is never
+        rank 0, so it writes no run state into the manifest. trainable_only is False: LoRA refuses servers."""
         from pipetrain.optim.torch_opt import torch_opt_state_items
         items = [("model/embed.weight", self.weight.detach(), (self.vocab, self.d), [self.lo, 0])]
         for name, tensor, shape, offsets in torch_opt_state_items(self.torch_opt, self._entries(), self.steps_taken):
             if name != "step":  # the workers write the optimizer's step
                 items.append((f"optim/{name}", tensor.detach(), tuple(shape), list(offsets)))
         stale = self._served.stale(self.step, self.version)
-        return items + state_items(self.index, len(self.dims.server_ranks), self.version, stale, self.d)
+        items += state_items(self.index, len(self.dims.server_ranks), self.version, stale, self.d)
+        return self.step, items, {}
 
     def load(self, read: Callable, manifest: dict) -> None:
         """Rows and moments of a checkpoint (written with or without servers), its version and the rows

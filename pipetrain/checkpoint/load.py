@@ -1,0 +1,109 @@
+"""Loading a checkpoint into this rank's objects, in any layout, and choosing which one to resume.
+
+Loading assembles, for each tensor a rank holds, the box it needs from whichever saved pieces overlap
+it (checkpoint/read.py's TensorReader reads only those slices), so a checkpoint saved with one layout
+loads into any other. A checkpoint of another model is refused (check_compatible), and LoRA adapters
+load only onto the base they were trained on (check_base).
+
+RNG: a resume with the same layout restores each rank's generator state exactly; a resume into another
+layout cannot map rank streams one to one, so each rank reseeds from (train.seed, step, rank).
+
+Which checkpoint: find_resumable (rank 0, cheap checks only); resume.py makes every process agree on the
+outcome of loading it. May import: config, models, parallel.data.grads, checkpoint.read. Never:
+trainer, build, cli.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from pipetrain.checkpoint.read import (TensorReader, base_reference, checkpoint_dirs, read_manifest,
+                                       slice_offsets, verify_files)
+from pipetrain.config import ConfigError
+from pipetrain.models.init import param_layout
+from pipetrain.parallel.data.grads import tied_copy_names
+
+_ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+              "tie_embeddings", "qkv_bias", "lora_rank")  # lora_rank: adapters only load into adapters
+
+
+def check_resume_dir(path: str) -> None:
+    """ConfigError unless `--resume DIR` names a folder."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--resume {path}: no such checkpoint directory; pass a checkpoints/step-... folder or "
+                          "--resume auto")
+
+
+def find_resumable(output_dir: str, rank: int = 0, *, older_than: str | None = None) -> str | None:
+    """Newest checkpoint in output_dir/checkpoints (older than the folder older_than names, when given)
+    whose manifest is sealed and well formed and whose files' headers and sizes match it; reports and
+    skips the others. None when there is none. Nothing is hashed here: a checkpoint may be far larger
+    than one rank can hash within a collective's timeout, so each rank hashes the files it reads when
+    it loads them (pipetrain.checkpoint.resume agrees on the outcome)."""
+    paths = checkpoint_dirs(os.path.join(output_dir, "checkpoints"))[::-1]
+    if older_than is not None:
+        paths = [p for p in paths if os.path.basename(p) < os.path.basename(os.path.normpath(older_than))]
+    for path in paths:
+        try:
+            verify_files(path, read_manifest(path), sha256=False)
+            return path
+        except ConfigError as exc:
+            if rank == 0:
+                print(f"warning: skipping checkpoint {path}: {exc}", file=sys.stderr)
+    return None
+
+
+def check_compatible(manifest: dict, recipe, ckpt_dir: str) -> None:
+    """ConfigError unless the checkpoint's model architecture is the recipe's (any layout may differ)."""
+    saved = manifest["recipe"]["model"]
+    now = recipe.to_dict()["model"]
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs recipe {now.get(k)!r}" for k in _ARCH_KEYS
+             if saved.get(k) != now.get(k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {ckpt_dir} does not match the recipe's model ({'; '.join(diffs)}); "
+                          "resume with the recipe it was saved with")
+
+
+def check_base(manifest: dict, init_from: str | None, seed: int, ckpt_dir: str) -> None:
+    """An adapter-only checkpoint loads only onto the base it was trained on (ConfigError otherwise)."""
+    saved, now = manifest["base"], base_reference(init_from, seed)
+    if saved.get("sha256") != now.get("sha256") or saved.get("seed") != now.get("seed"):
+        raise ConfigError(f"checkpoint {ckpt_dir} holds LoRA adapters trained on base {saved}, got base {now}; "
+                          "set model.init_from (and train.seed) to the base the adapters were trained on")
+
+
+def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
+    """Restore model, optimizer, data position and RNG into this rank's objects; returns the manifest.
+    trainer_parts: {"model", "optimizer", "loader"}."""
+    manifest = read_manifest(ckpt_dir)
+    check_compatible(manifest, recipe, ckpt_dir)
+    # checksums: each file this rank reads is hashed once before use (docs/checkpoints.md)
+    reader = TensorReader(ckpt_dir, manifest, device=dims.device, verify=recipe.checkpoint.verify)
+    model, optimizer, loader = trainer_parts["model"], trainer_parts["optimizer"], trainer_parts["loader"]
+    params = dict(model.named_parameters())
+    adapters_only = "base" in manifest  # LoRA: the frozen base came from init_from or the seed
+    if adapters_only:
+        check_base(manifest, recipe.model.init_from, recipe.train.seed, ckpt_dir)
+    with torch.no_grad():
+        for name, (shape, slices) in param_layout(model).items():
+            if adapters_only and not params[name].requires_grad:
+                continue
+            saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
+            p = params[name]
+            p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype))
+    optimizer.load_state_items(lambda name, global_shape, offsets, shape:
+                               reader.read(f"optim/{name}", offsets, shape))
+    loader.load_state_dict(manifest["data"])
+    layout = manifest["layout"]
+    same = (layout["dp"], layout["tp"], layout["pp"], layout.get("ps_servers", 0)) == \
+        (dims.dp, dims.tp, dims.pp, dims.ps_servers)
+    if same:
+        rng_file = reader.open_file(manifest["rng"][str(dims.rank)])
+        torch.set_rng_state(rng_file.get_tensor("rng/cpu"))
+        if torch.cuda.is_available() and "rng/cuda" in rng_file.keys():
+            torch.cuda.set_rng_state(rng_file.get_tensor("rng/cuda"), dims.device)
+    else:
+        torch.manual_seed(recipe.train.seed * 1_000_003 + manifest["step"] * 1009 + dims.rank)
+    return manifest

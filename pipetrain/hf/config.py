@@ -1,0 +1,202 @@
+"""Hugging Face config.json -> ModelConfig, for model.init_from.
+
+model_config_from_hf(hf_dir, recipe_model) reads config.json of a llama, qwen2, mistral or gpt2
+model. Every option pipetrain cannot reproduce exactly (RoPE scaling, o_proj/MLP biases, other
+activations, a head_dim other than d_model/n_heads, mixed sliding/full layers, ...) is a ConfigError
+naming the option. A recipe model key is "set by the user" when it differs from ModelConfig()'s
+default; such a key must agree with config.json (else a ConfigError names both values), and every
+key left at its default is filled from config.json. (So a recipe that spells out a default value,
+e.g. vocab_size: 8192, cannot be told apart from one that omits it; it is simply filled.)
+
+May import: config, jsonfile. Never: models, parallel, trainer, build, cli.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from pipetrain.config import ConfigError, ModelConfig, clip
+from pipetrain.jsonfile import read_json
+
+CONFIG_FILE = "config.json"
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KB; anything near this is not one
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}
+# Recipe keys that config.json defines; the rest (init_from, init_std) stay as the recipe has them.
+HF_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+           "tie_embeddings", "rope_theta", "norm_eps", "qkv_bias", "sliding_window")
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation, as ours
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a local HF model directory as a dict (ConfigError when absent or unreadable)."""
+    path = os.path.join(hf_dir, CONFIG_FILE)
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"model.init_from: directory not found, got {hf_dir!r}; point it at a local "
+                          "Hugging Face model folder (config.json + model.safetensors)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.init_from: {path} not found; the folder needs the model's config.json "
+                          "(save_pretrained writes it)")
+    raw = read_json(path, "model.init_from", ConfigError, "re-save the model", CONFIG_MAX_BYTES)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"model.init_from: {path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _family(raw: dict, path: str) -> str:
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if not isinstance(model_type, (str, type(None))) or not isinstance(archs, list) \
+            or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{path}: model_type must be a string and architectures a list of class names, got "
+                          f"{clip(repr(model_type))} and {clip(repr(archs))}; re-save the model")
+    family = model_type if model_type in FAMILIES else next(
+        (f for f, cls in FAMILIES.items() if model_type is None and cls in archs), None)
+    if family is None:
+        raise ConfigError(f"{path}: model_type must be one of {', '.join(FAMILIES)}, got {model_type!r} "
+                          f"(architectures {archs}); pipetrain imports only these decoder families")
+    if archs and FAMILIES[family] not in archs:
+        raise ConfigError(f"{path}: architectures must include {FAMILIES[family]} (a causal LM with its head), "
+                          f"got {archs}; export the model with its language-modelling head")
+    return family
+
+
+def _rope_theta(raw: dict, path: str, problems: list[str]) -> float:
+    """rope_theta from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            problems.append(f"{path}: {key} must be an object, got {clip(repr(rope))}")
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            problems.append(f"{path}: {key}.rope_type must be 'default' (RoPE scaling is not implemented), "
+                            f"got {kind!r}; use a model without rope scaling")
+        factor = rope.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            problems.append(f"{path}: {key}.partial_rotary_factor must be 1.0, got {factor}")
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not _positive_number(theta):
+        problems.append(f"{path}: rope_theta must be a positive number, got {clip(repr(theta))}")
+        return 10000.0
+    return float(theta)
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _hf_values(raw: dict, family: str, path: str) -> dict:
+    """The HF_KEYS values config.json defines; appends every unsupported option to one error."""
+    problems: list[str] = []
+
+    def need(cond: bool, option: str, got, fix: str):
+        if not cond:
+            problems.append(f"{path}: {option} is not supported, got {clip(repr(got))}; {fix}")
+
+    def req(key: str, default=None):
+        """A positive integer field (default when absent or null and a default is given)."""
+        value = raw.get(key)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{path}: {key} must be a positive integer, got {clip(repr(value))}")
+            return 1
+        return value
+
+    def num(key: str, default: float) -> float:
+        """A positive finite number field (epsilons)."""
+        value = raw.get(key, default)
+        if not _positive_number(value):
+            problems.append(f"{path}: {key} must be a positive number, got {clip(repr(value))}")
+            return default
+        return float(value)
+
+    need(raw.get("quantization_config") is None, "quantization_config", raw.get("quantization_config"),
+         "use unquantized (fp32/bf16/fp16) weights")
+    if family == "gpt2":
+        d, heads = req("n_embd"), req("n_head")
+        act = raw.get("activation_function", "gelu_new")
+        need(act in GPT2_ACTIVATIONS, "activation_function", act, f"use one of {', '.join(GPT2_ACTIVATIONS)}")
+        need(raw.get("scale_attn_weights", True) is True, "scale_attn_weights=false",
+             raw.get("scale_attn_weights"), "use 1/sqrt(head_dim) attention scaling")
+        for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+            need(not raw.get(flag, False), flag, raw.get(flag), "set it to false")
+        out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("n_layer"),
+                   n_heads=heads, n_kv_heads=heads, ffn_hidden=req("n_inner", 4 * d),
+                   max_seq_len=req("n_positions"), tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+                   norm_eps=num("layer_norm_epsilon", 1e-5))
+    else:
+        d, heads = req("hidden_size"), req("num_attention_heads")
+        act = raw.get("hidden_act", "silu")
+        need(act == "silu", "hidden_act", act, "pipetrain's gated MLP is SwiGLU (silu)")
+        need(not raw.get("attention_bias", False), "attention_bias", raw.get("attention_bias"),
+             "pipetrain's llama layers have no q/k/v/o biases (qwen2 has q/k/v biases only)")
+        need(not raw.get("mlp_bias", False), "mlp_bias", raw.get("mlp_bias"), "use a model without MLP biases")
+        head_dim = raw.get("head_dim")
+        need(head_dim is None or (isinstance(head_dim, int) and head_dim == d // heads), "head_dim != hidden_size/num_attention_heads", head_dim,
+             f"pipetrain derives head_dim={d // heads} from hidden_size={d} and num_attention_heads={heads}")
+        window = None
+        if family == "mistral" or (family == "qwen2" and raw.get("use_sliding_window")):
+            window = req("sliding_window") if raw.get("sliding_window") is not None else None
+        if family == "qwen2":
+            n_layers, first_window = req("num_hidden_layers"), raw.get("max_window_layers", 0)
+            types = raw.get("layer_types")
+            if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+                problems.append(f"{path}: layer_types must be a list of strings, got {clip(repr(types))}")
+                types = []
+            if not isinstance(first_window, int) or isinstance(first_window, bool):
+                problems.append(f"{path}: max_window_layers must be an integer, got {clip(repr(first_window))}")
+                first_window = 0
+            if not types:  # full below max_window_layers, sliding from it on: the ends tell whether both occur
+                types = sorted({"sliding_attention" if window is not None and i >= first_window
+                                else "full_attention" for i in (0, n_layers - 1)})
+            need(len(set(types)) <= 1, "a mix of sliding and full attention layers (layer_types)",
+                 sorted(set(types)), "use use_sliding_window=false or max_window_layers=0")
+            window = window if types and types[0] == "sliding_attention" else None
+        out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("num_hidden_layers"),
+                   n_heads=heads, n_kv_heads=req("num_key_value_heads", heads),
+                   ffn_hidden=req("intermediate_size"), max_seq_len=req("max_position_embeddings"),
+                   tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                   rope_theta=_rope_theta(raw, path, problems), norm_eps=num("rms_norm_eps", 1e-6),
+                   qkv_bias=family == "qwen2", sliding_window=window)
+    if not problems:
+        need(out["d_model"] % out["n_heads"] == 0, "hidden size not divisible by the head count",
+             (out["d_model"], out["n_heads"]), "pipetrain needs d_model % n_heads == 0")
+        need(out["n_heads"] % out["n_kv_heads"] == 0, "heads not divisible by key/value heads",
+             (out["n_heads"], out["n_kv_heads"]), "use a model whose kv heads divide its heads")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=1e-9)
+    return a == b
+
+
+def model_config_from_hf(hf_dir: str, recipe_model: ModelConfig | None = None) -> ModelConfig:
+    """The ModelConfig of a local HF model: config.json values, checked against the recipe's model keys.
+
+    Keys the recipe left at their ModelConfig() defaults are filled from config.json; any other recipe
+    value must agree with it. init_from is set to hf_dir; init_std is kept from the recipe."""
+    recipe_model = recipe_model or ModelConfig()
+    raw = read_hf_config(hf_dir)
+    path = os.path.join(hf_dir, CONFIG_FILE)
+    family = _family(raw, path)
+    values = _hf_values(raw, family, path)
+    defaults = ModelConfig()
+    problems = []
+    for key, hf_value in values.items():
+        mine = getattr(recipe_model, key)
+        if mine != getattr(defaults, key) and not _same(mine, hf_value):
+            problems.append(f"model.{key}={mine!r} contradicts {path} ({key}={hf_value!r}); remove model.{key} "
+                            "from the recipe (model.init_from defines it) or point init_from at another model")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return dataclasses.replace(recipe_model, init_from=hf_dir, **values)
