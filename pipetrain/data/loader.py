@@ -132,9 +132,6 @@ class PackedData:
             out[at] = self.order(int(e), pos[at])
         return out
 
-    def train_window(self, sample: int) -> int:
-        return int(self.train_windows([sample])[0])
-
     def _pieces(self, stream: _Stream, windows: np.ndarray) -> list:
         """Per window: a physical start p (its S+1 tokens are tokens[p:p+S+1], the usual case), or
         the (S+1,) physical indices of a window that spans two runs of the stream."""

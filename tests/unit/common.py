@@ -67,3 +67,10 @@ class ModelState:
     def checkpoint_state(self, trainable_only: bool):
         items = owned_tensors(self.model, self.optimizer, self.dims, trainable_only)
         return self.step, items, {"tokens": 0, "data": self.data}
+
+
+def zero_formula_bytes(zero) -> int:
+    """The ZeRO formula for one rank, written independently of ZeroOptimizer.state_bytes: 2 AdamW moments
+    x element size x this rank's rows of every parameter (= 2 x 4 x local params / dp for fp32 when dp
+    divides every dim 0)."""
+    return sum(2 * p.element_size() * s.numel(zero.dp_rank) for p, s in zip(zero.params, zero.shards))

@@ -56,9 +56,3 @@ def allreduce_grads(params: Iterable[torch.Tensor], pg: ProcessGroup,
         return
     for bucket in grad_buckets(params, bucket_bytes):
         reduce_flat_([p.grad for p in bucket], lambda flat: all_reduce_(flat, pg))  # flat (N,)
-
-
-def allreduce_model_grads(model: nn.Module, dp_group: ProcessGroup,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """allreduce_grads over the model's parameters in named_parameters() order (tied weights once)."""
-    allreduce_grads([p for _, p in model.named_parameters()], dp_group, bucket_bytes)

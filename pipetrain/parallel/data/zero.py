@@ -407,11 +407,6 @@ class ZeroOptimizer:
         """Bytes of optimizer state this rank holds (its rows of the AdamW moments)."""
         return torch_opt_state_bytes(self.torch_opt)
 
-    def expected_state_bytes(self) -> int:
-        """The ZeRO formula for this rank: 2 moments x element size x its rows of every parameter
-        (= 2 x 4 x local params / dp for fp32 when dp divides every dim 0)."""
-        return sum(len(MOMENTS) * p.element_size() * s.numel(self.dp_rank) for p, s in zip(self.params, self.shards))
-
     def grad_bytes(self) -> int:
         """Bytes of gradient this rank holds now (after reduce_grads: full at stage 1, its rows plus
         bucket padding at stage 2)."""

@@ -190,31 +190,6 @@ class ParallelDims:
         return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def pp_prev_rank(self) -> int:
-        """Global rank of the previous pp stage (same dp, tp); wraps from the first stage to the last,
-        the ring interleaved schedules send around. Equals `rank` when pp == 1."""
-        return self.global_rank(self.dp_rank, (self.pp_rank - 1) % self.pp, self.tp_rank)
-
-    @property
-    def pp_next_rank(self) -> int:
-        """Global rank of the next pp stage (same dp, tp); wraps from the last stage to the first."""
-        return self.global_rank(self.dp_rank, (self.pp_rank + 1) % self.pp, self.tp_rank)
-
-    @property
-    def embed_ranks(self) -> tuple[int, int]:
-        """Global ranks of the first and last pp stage at this rank's (dp, tp) coordinate."""
-        return (self.global_rank(self.dp_rank, 0, self.tp_rank),
-                self.global_rank(self.dp_rank, self.pp - 1, self.tp_rank))
-
-    @property
     def coords(self) -> str:
         """Prefix for rank messages, e.g. "[rank 3 | dp 0 tp 1 pp 1]"."""
         return f"[rank {self.rank} | dp {self.dp_rank} tp {self.tp_rank} pp {self.pp_rank}]"
