@@ -14,13 +14,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402  (after TRITON_INTERPRET: torch may import triton)
 
-# The real answer, read once before any test hides the GPU (below).
+# The real answers, read before the session hides the GPU (below). Asking initialises CUDA in this process
+# with the real CUDA_VISIBLE_DEVICES, so hiding it afterwards only affects the processes tests start.
 HAS_CUDA = torch.cuda.is_available()
+_REAL_IS_AVAILABLE = torch.cuda.is_available
+_REAL_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without CUDA the `gpu` tests skip, saying why. With CUDA they run first: CUDA initialises once per
-    process, reading CUDA_VISIBLE_DEVICES then, and the CPU tests hide the GPU through that variable."""
+    """Without CUDA the `gpu` tests skip, saying why. With CUDA they run first (before any CPU test has
+    started a process or touched CUDA under the hidden GPU)."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not HAS_CUDA:
         for item in gpu:
@@ -29,12 +32,26 @@ def pytest_collection_modifyitems(config, items):
     items[:] = gpu + [item for item in items if not item.get_closest_marker("gpu")]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_by_default():
+    """Tests are about CPU behaviour unless marked `gpu`: on a CUDA machine they see no GPU, in this process
+    (torch.cuda.is_available() is False, so ParallelDims picks the CPU) and in every process they start
+    (CUDA_VISIBLE_DEVICES is empty: train.py, torchrun and the gloo workers of tests/harness.py stay on the
+    CPU and never put several ranks on one GPU). Session-wide, so module and session fixtures see it too."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch.cuda, "is_available", lambda: False)
+    patch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
-def _cpu_unless_gpu(request, monkeypatch):
-    """Every test not marked `gpu` is about CPU behaviour: on a CUDA machine it sees no GPU, in this process
-    (torch.cuda.is_available() is False, so ParallelDims picks the CPU) and in every process it starts
-    (CUDA_VISIBLE_DEVICES is empty: train.py, torchrun and the gloo workers of tests/harness.py stay on
-    the CPU, and never put several ranks on one GPU)."""
+def _gpu_tests_see_the_gpu(request, monkeypatch):
+    """A `gpu` test (and the function-scoped fixtures it uses) gets the real CUDA back."""
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", _REAL_IS_AVAILABLE)
+    if _REAL_VISIBLE_DEVICES is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _REAL_VISIBLE_DEVICES)

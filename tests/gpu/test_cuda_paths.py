@@ -31,12 +31,19 @@ def test_compiled_triton_kernels_and_torch_compile_match_the_references_on_cuda(
     assert proc.stdout.count("triton, eager and compile agree") == 5, proc.stdout
 
 
-@pytest.fixture(scope="module")
+_BF16 = []  # the bf16 run's losses, run once for the module
+
+
+@pytest.fixture
 def bf16_on_cuda(tmp_path_factory):
-    proc, metrics = run_train(str(tmp_path_factory.mktemp("bf16")), ["train.precision=bf16", *GPU_STEPS], cuda=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "bf16 on cuda" in proc.stdout
-    return step_losses(metrics)
+    """Function-scoped (cached), so it runs after tests/conftest.py has given this gpu test the GPU back."""
+    if not _BF16:
+        out = str(tmp_path_factory.mktemp("bf16"))
+        proc, metrics = run_train(out, ["train.precision=bf16", *GPU_STEPS], cuda=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "bf16 on cuda" in proc.stdout
+        _BF16.extend(step_losses(metrics))
+    return list(_BF16)
 
 
 def test_bf16_training_on_cuda_learns(bf16_on_cuda):
