@@ -195,8 +195,9 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
         step = None
         gc.collect()
     tok_s = setup.tokens / median
+    on_cuda = setup.device.type == "cuda"
     row.update(tokens_per_s=tok_s, first_step_s=first, step_s=median,
-               peak_gib=(torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else None))
+               peak_gib=torch.cuda.max_memory_allocated(setup.device) / 2**30 if on_cuda else None)
     if peak:
         row["mfu"] = flops_per_token(cfg, setup.seq_len) * tok_s / (peak * 1e12)
     return row
@@ -226,7 +227,8 @@ def kernel_table(setup: Setup, repeats: int) -> list[str]:
     if setup.device.type != "cuda":
         return ["kernel table: needs a CUDA GPU (benchmarks/kernels.py); not measured in --cpu-smoke"]
     lines = [f"kernels at llama-3-8B shapes {bench.FULL}, bf16, median of {repeats} forward+backward",
-             "", "| op | impl | ms | peak MiB | time vs eager | memory vs eager |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+             "", "| op | impl | ms | peak MiB | time vs eager | memory vs eager |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for name, leaves, extra, tri, ref in bench._cases(bench.FULL, "cuda", torch.bfloat16):
         leaves = [x.requires_grad_() for x in leaves]
         rows = {impl: bench._measure(fn, leaves, extra, 3, repeats)
@@ -239,7 +241,8 @@ def kernel_table(setup: Setup, repeats: int) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="also the gpt-1b recipe's model and llama 1.5B (vocab 128k)")
+    parser.add_argument("--full", action="store_true",
+                        help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row, after 2 warm-up steps")
     parser.add_argument("--kernel-repeats", type=int, default=10)
     parser.add_argument("--out", default="gpu-benchmark.md", help="markdown file the tables are written to")
@@ -270,8 +273,8 @@ def main(argv=None) -> int:
         for label, kind, overrides in ROWS:
             rows.append(run_row(model, label, kind, overrides, setup, os.path.join(args.work_dir, kind), peak))
             done = rows[-1]
-            print(f"  {label}: {done['status'] if 'status' in done else format(done['tokens_per_s'], ',.0f') + ' tok/s'}",
-                  flush=True)
+            result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
+            print(f"  {label}: {result}", flush=True)
         table = format_model_table(name, rows, peak)
         print("\n".join(table), flush=True)
         lines += table + [""]
