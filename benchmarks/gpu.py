@@ -121,7 +121,8 @@ def _loop_row(model: dict, kind: str, setup: Setup):
     """One training step of a plain loop: the pipetrain decoder (or transformers' model), fused AdamW, autocast."""
     cfg = ModelConfig(**model)
     if kind == "hf":
-        net = _hf_model(cfg).to(setup.device)
+        with setup.device:  # initialise on the device: a 1B model's CPU init takes longer than its steps
+            net = _hf_model(cfg)
     else:
         net = materialize(build(cfg), cfg, 0, setup.device)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -219,6 +220,25 @@ def format_model_table(name: str, rows: list[dict], peak: float | None) -> list[
     return lines
 
 
+# Issue 34's targets, each a ratio of two rows of the same run: (numerator, denominator, target)
+RATIOS = [("pipetrain, train.compile=true", "pipetrain Trainer (Triton kernels)", 1.10),
+          ("pipetrain, train.compile=true", "torch.compile of the plain loop", 1.0),
+          ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain, train.compile=true", 1.2),
+          ("pipetrain, train.precision=fp8", "pipetrain Trainer (Triton kernels)", None),
+          ("pipetrain Trainer (Triton kernels)", "the same model in a plain PyTorch loop", None)]
+
+
+def format_ratios(rows: list[dict]) -> list[str]:
+    """tokens/s ratios between rows of this run (n/a where either row did not run), against issue 34's targets."""
+    speed = {r["implementation"]: r.get("tokens_per_s") for r in rows}
+    lines = []
+    for top, bottom, target in RATIOS:
+        value = f"{speed[top] / speed[bottom]:.2f}x" if speed.get(top) and speed.get(bottom) else "n/a"
+        goal = f" (target >= {target:.2f}x)" if target else ""
+        lines.append(f"- {top} / {bottom}: {value}{goal}")
+    return lines
+
+
 def kernel_table(setup: Setup, repeats: int) -> list[str]:
     """benchmarks/kernels.py's table (its cases and measurement), on the GPU; the agreement check on the CPU."""
     spec = importlib.util.spec_from_file_location("kernel_bench", os.path.join(ROOT, "benchmarks", "kernels.py"))
@@ -275,7 +295,7 @@ def main(argv=None) -> int:
             done = rows[-1]
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
-        table = format_model_table(name, rows, peak)
+        table = format_model_table(name, rows, peak) + [""] + format_ratios(rows)
         print("\n".join(table), flush=True)
         lines += table + [""]
     kernels = kernel_table(setup, args.kernel_repeats)

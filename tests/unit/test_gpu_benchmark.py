@@ -26,4 +26,5 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     measured = [line for line in table if line.split("|")[3].strip().replace(",", "").isdigit()]
     # the eager Trainer, kernels=torch, fp8, both plain loops and transformers run even on the CPU
     assert len(measured) >= 6, text
+    assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
