@@ -96,3 +96,12 @@ def test_fp8_trainer_at_pp2_x_tp2_with_sequence_parallel_follows_the_single_proc
     reference = _losses(str(tmp_path / "single"), microbatches=2)
     keys = dict(microbatches=2, sequence_parallel=True)
     _check_curve(rank_results(4, _trainer_worker, str(tmp_path), 2, 2, keys)[0], reference)
+
+
+@pytest.mark.slow
+def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tmp_path):
+    """pp changes no microbatch and no summation order: the fp8 losses are the single process's, bit for bit
+    (the fp8 linears compute dW in B, so the split backward's W actions find nothing of theirs to do)."""
+    reference = _losses(str(tmp_path / "single"), microbatches=4)
+    keys = dict(microbatches=4, split_backward=True)
+    assert rank_results(2, _trainer_worker, str(tmp_path), 1, 2, keys)[0] == reference
