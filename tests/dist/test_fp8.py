@@ -80,6 +80,10 @@ def _trainer_worker(rank, world_size, out, tp, pp, keys):
     return _losses(os.path.join(out, "run"), ParallelDims.from_degrees(tp=tp, pp=pp), **keys)
 
 
+def _dp_worker(rank, world_size, out, keys):
+    return _losses(os.path.join(out, "run"), ParallelDims.from_degrees(dp=world_size), **keys)
+
+
 def _check_curve(losses, reference):
     assert len(losses) == len(reference) == STEPS
     assert losses[0] == pytest.approx(reference[0], **FP8_TP_FIRST), f"step 1: {losses} against tp=1's {reference}"
@@ -105,3 +109,10 @@ def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tm
     reference = _losses(str(tmp_path / "single"), microbatches=4)
     keys = dict(microbatches=4, split_backward=True)
     assert rank_results(2, _trainer_worker, str(tmp_path), 1, 2, keys)[0] == reference
+
+
+@pytest.mark.slow
+def test_fp8_trainer_at_dp2_with_zero2_equals_one_process_with_two_microbatches(tmp_path):
+    """Scales are per microbatch: dp=2 (4 sequences a rank) quantises as one process with 2 microbatches of 4."""
+    reference = _losses(str(tmp_path / "single"), microbatches=2)
+    assert rank_results(2, _dp_worker, str(tmp_path), dict(zero=2))[0] == reference
