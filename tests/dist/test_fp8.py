@@ -69,6 +69,12 @@ def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2():
 def _losses(out: str, dims: ParallelDims | None = None, **keys) -> list[float]:
     os.makedirs(out, exist_ok=True)
     trainer = build_trainer(LLAMA, out, dims, precision="fp8", steps=STEPS, learnable=True, **keys)
+    # every block linear of this stage is fp8, with its amaxes reduced over this rank's tp group
+    specs = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
+    layers = len(trainer.model.layers)
+    assert len(specs) == 7 * layers and layers > 0, f"{len(specs)} fp8 linears in {layers} layers"
+    tp_group = dims.tp_group if dims is not None and dims.tp > 1 else None
+    assert all(spec.tp_group is tp_group for spec in specs), "an fp8 linear does not reduce its amax over tp"
     trainer.fit()
     if dims is not None and dims.rank != 0:
         return []
