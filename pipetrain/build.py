@@ -53,6 +53,7 @@ from pipetrain.parallel.ps.core import PSClient, PSEmbedding, Server
 from pipetrain.parallel.ps.state import server_log
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe
+from pipetrain.parallel.tensor.fp8 import apply_fp8
 from pipetrain.parallel.tensor.layers import apply_tensor_parallel
 from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import Trainer, loss_sum
@@ -113,6 +114,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     # swaps in the modules whose weight gradients the split backward defers.
     t = recipe.train
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
+    if t.precision == "fp8":  # after both: it sets the fp8 of the modules they made
+        apply_fp8(model, dims, recipe.model, t.fp8_emulate)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
     ps_embed = _use_ps_embedding(model, chunks, recipe, dims)  # parallel.ps_servers: the table lives on servers
     ckpt_dir = _resume_dir(recipe, dims, resume)
@@ -223,7 +226,7 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
     tp_group = dims.tp_group if dims.tp > 1 else None
     micro = t.global_batch // (replicas * dims.dp) // p.microbatches
     seq = t.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
-    if t.precision == "bf16":
+    if t.precision in ("bf16", "fp8"):  # fp8 linears cast their own operands; the rest runs in bf16
         def autocast():
             return torch.autocast(dims.device.type, dtype=torch.bfloat16)
     else:

@@ -51,9 +51,24 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300, default_device
     timeout_s bounds each collective (a hang fails instead of blocking forever). default_device: the
     workers' torch default device ("meta": the wrong-device mode above); None reads DEFAULT_DEVICE_ENV."""
     default_device = default_device or os.environ.get(DEFAULT_DEVICE_ENV) or None
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _without_gpu():
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, default_device, fn, args),
                  nprocs=world_size)
+
+
+@contextlib.contextmanager
+def _without_gpu():
+    """The gloo workers see no GPU (they inherit the environment at spawn): on a CUDA machine they would
+    otherwise all pick cuda:0 (ParallelDims' default device), several ranks on one GPU."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def _keep_result(rank: int, world_size: int, fn, out: str, args: tuple) -> None:

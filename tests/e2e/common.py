@@ -29,9 +29,10 @@ SMALL = ["train.grad_accumulation_fusion_min_numel=0",
 
 def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: str = TINY, extra_args=(),
               cache_dir: str | None = None, timeout: int = 600, base=SMALL,
-              launcher_args=()) -> tuple[subprocess.CompletedProcess, list[dict]]:
+              launcher_args=(), cuda: bool = False) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """train.py on the tiny recipe (cut down by `base`) with overrides; nproc > 1 under torchrun, with
-    launcher_args (e.g. --max-restarts=1) before the script. Returns the process and metrics.jsonl."""
+    launcher_args (e.g. --max-restarts=1) before the script. Returns the process and metrics.jsonl.
+    cuda False: the run sees no GPU (a CPU test); True (`gpu` tests): the GPU, with compiled Triton."""
     sets = list(base) + [f"run.output_dir={out_dir}"] + list(overrides)
     if cache_dir:
         sets.append(f"data.cache_dir={cache_dir}")
@@ -42,6 +43,10 @@ def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: s
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                *launcher_args, os.path.join(ROOT, "train.py")] + args
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if cuda:
+        env.pop("TRITON_INTERPRET", None)  # tests/conftest.py sets it for the in-process CPU kernel tests
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc, read_metrics(out_dir)
 

@@ -143,8 +143,11 @@ class _LinearFn(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fuse: bool = False,
-           work: WeightGradWork | None = None) -> torch.Tensor:
-    """F.linear, with the weight gradients accumulated in place (fuse) or deferred into work (module docstring)."""
+           work: WeightGradWork | None = None, fp8=None) -> torch.Tensor:
+    """F.linear, with the weight gradients accumulated in place (fuse) or deferred into work (module docstring).
+    fp8: the module's pipetrain.parallel.tensor.fp8.Fp8Linear, which computes it instead (dW through autograd)."""
+    if fp8 is not None:
+        return fp8(x, weight, bias)
     if (work is None and not fuse) or not torch.is_grad_enabled() \
             or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
         return F.linear(x, weight, bias)
@@ -189,13 +192,14 @@ class WeightGradModule:
 
     fuse: bool = False
     deferred: WeightGradWork | None = None
+    fp8 = None  # an Fp8Linear under train.precision=fp8 (pipetrain.parallel.tensor.fp8.apply_fp8)
 
 
 class WeightGradLinear(WeightGradModule, nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose weight gradients can be fused or deferred."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fuse, self.deferred)
+        return linear(x, self.weight, self.bias, self.fuse, self.deferred, self.fp8)
 
 
 class WeightGradEmbedding(WeightGradModule, nn.Embedding):

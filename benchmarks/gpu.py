@@ -1,0 +1,311 @@
+"""One-GPU benchmark (issue 34): pipetrain against a plain PyTorch loop, transformers and torch.compile, plus the
+kernel table, in one command and one run, so every ratio in its output comes from the same card.
+
+    python benchmarks/gpu.py [--full] [--steps 6] [--out gpu-benchmark.md]
+    python benchmarks/gpu.py --cpu-smoke      # seconds, any machine: the wiring, not a measurement
+
+Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, first-step seconds = compile time plus
+one step): the pipetrain Trainer as shipped (Triton kernels), with PIPETRAIN_KERNELS=torch, and with the recipe
+overrides `train.compile=true`, `train.precision=fp8` (with and without compile) and `train.fused_loss=true`; the
+same model in a plain PyTorch loop (torch kernels, fused AdamW, bf16 autocast), torch.compile of that loop, and
+transformers' model (sdpa). A pipetrain row whose override the recipe refuses (a key this checkout does not have)
+reads "unsupported: <the recipe's error>"; a row that runs out of memory says so. Data: synthetic tokens drawn on
+the device (no dataset, no network). Default: the llama 1.0B model of issue 34 at seq 2048, 16 sequences a step
+(under 5 minutes on one H100/H200); --full adds the gpt-1b recipe's model and a llama 1.5B with vocab 128,256.
+MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
+pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
+Without CUDA (or with --cpu-smoke) a tiny model runs 2 steps per row on the CPU in fp32, compile rows with the
+"eager" backend: it checks that every row runs and the file is written; its numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pipetrain.build import build_trainer  # noqa: E402
+from pipetrain.config import ConfigError, ModelConfig, load_recipe  # noqa: E402
+from pipetrain.data import Loader, PackedData  # noqa: E402
+from pipetrain.metrics import peak_tflops  # noqa: E402
+from pipetrain.models import build, flops_per_token, materialize  # noqa: E402
+
+TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
+LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                ffn_hidden=8192, max_seq_len=2048, tie_embeddings=False)
+GPT_1B = dict(family="gpt2", vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=None,
+              ffn_hidden=None, max_seq_len=2048, tie_embeddings=True)  # None: the family's default (null)
+LLAMA_1B5_BIG_VOCAB = dict(LLAMA_1B, vocab_size=128256)  # 1.53B: the llama 1.0B with a 128k vocab
+SMOKE = dict(family="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+             max_seq_len=32, tie_embeddings=False)
+# (label, kind, recipe overrides or None); kind: pipetrain | plain | compiled | hf
+ROWS = [
+    ("pipetrain Trainer (Triton kernels)", "pipetrain", []),
+    ("pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain-torch", []),
+    ("pipetrain, train.compile=true", "pipetrain", ["train.compile=true"]),
+    ("pipetrain, train.precision=fp8", "pipetrain", ["train.precision=fp8"]),
+    ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain", ["train.precision=fp8", "train.compile=true"]),
+    ("pipetrain, train.fused_loss=true", "pipetrain", ["train.fused_loss=true"]),
+    ("the same model in a plain PyTorch loop", "plain", None),
+    ("torch.compile of the plain loop", "compiled", None),
+    ("transformers (sdpa)", "hf", None),
+]
+
+
+@dataclasses.dataclass
+class Setup:
+    device: torch.device
+    dtype: torch.dtype           # autocast dtype of the baselines (bf16; fp32 on the CPU smoke)
+    seq_len: int
+    batch: int                   # sequences per step
+    steps: int                   # measured steps, after 2 warm-up steps
+    smoke: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(step, setup: Setup) -> tuple[float, float]:
+    """(first step's seconds, median seconds of `steps` steps after two warm-up steps)."""
+    times = []
+    for _ in range(2 + setup.steps):
+        _sync(setup.device)
+        t0 = time.perf_counter()
+        step()
+        _sync(setup.device)
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[2:])
+
+
+def _tokens(vocab: int, setup: Setup, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (setup.batch, setup.seq_len + 1), generator=g).to(setup.device)
+
+
+def _pipetrain_row(model: dict, overrides: list[str], setup: Setup, out_dir: str):
+    """The Trainer built by build_trainer from the tiny recipe with this model and overrides, on synthetic tokens."""
+    keys = [f"model.{k}={'null' if v is None else v}" for k, v in model.items()] + [
+        f"train.seq_len={setup.seq_len}", f"train.global_batch={setup.batch}", f"train.steps={setup.steps + 2}",
+        f"train.precision={'bf16' if not setup.smoke else 'fp32'}", "train.warmup_steps=1",
+        "parallel.microbatches=1", f"run.output_dir={out_dir}", "run.progress=false", "run.eval_every=0",
+        "run.sample_tokens=0", "checkpoint.every=0"]
+    recipe = load_recipe(TINY_RECIPE, keys + overrides)  # ConfigError: the row is unsupported
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(0)
+    num = setup.batch * (setup.seq_len + 1) * 4
+    data = PackedData(rng.integers(0, recipe.model.vocab_size, num).astype(np.int32), np.ones(num, dtype=bool),
+                      setup.seq_len, 0.0, 0)
+    trainer = build_trainer(recipe, loader=Loader(data, setup.batch, 0, 1))
+    return trainer.train_step, recipe.model
+
+
+def _loop_row(model: dict, kind: str, setup: Setup):
+    """One training step of a plain loop: the pipetrain decoder (or transformers' model), fused AdamW, autocast."""
+    cfg = ModelConfig(**model)
+    if kind == "hf":
+        with setup.device:  # initialise on the device: a 1B model's CPU init takes longer than its steps
+            net = _hf_model(cfg)
+    else:
+        net = materialize(build(cfg), cfg, 0, setup.device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=setup.device.type == "cuda")
+    forward = net
+    if kind == "compiled":
+        forward = torch.compile(net, backend="eager" if setup.smoke else "inductor")
+    batch = _tokens(cfg.vocab_size, setup)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+    def step():
+        with torch.autocast(setup.device.type, dtype=setup.dtype, enabled=not setup.smoke):
+            out = forward(inputs)
+            logits = out.logits if kind == "hf" else out
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return step, cfg
+
+
+def _hf_model(cfg: ModelConfig):
+    import transformers as tf  # deferred: heavy, and only the transformers row needs it
+
+    if cfg.family == "gpt2":
+        hf = tf.GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+                           n_positions=cfg.max_seq_len, attn_implementation="sdpa")
+        return tf.GPT2LMHeadModel(hf)
+    hf = tf.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
+                        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
+                        tie_word_embeddings=cfg.tied, attn_implementation="sdpa")
+    return tf.LlamaForCausalLM(hf)
+
+
+@contextlib.contextmanager
+def _kernels_env(value: str | None):
+    old = os.environ.get("PIPETRAIN_KERNELS")
+    if value is not None:
+        os.environ["PIPETRAIN_KERNELS"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PIPETRAIN_KERNELS", None)
+        else:
+            os.environ["PIPETRAIN_KERNELS"] = old
+
+
+def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir: str, peak: float | None) -> dict:
+    """One row of the table: its numbers, or its status (unsupported, out of memory, failed)."""
+    row = {"implementation": label}
+    if setup.smoke and kind == "pipetrain" and any(o.startswith("train.compile") for o in overrides or ()):
+        return {**row, "status": "skipped in --cpu-smoke (inductor compiles for minutes on a CPU)"}
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    try:
+        with _kernels_env("torch" if kind in ("pipetrain-torch", "plain", "compiled") else None):
+            if kind.startswith("pipetrain"):
+                step, cfg = _pipetrain_row(model, overrides, setup, out_dir)
+            else:
+                step, cfg = _loop_row(model, kind, setup)
+            first, median = _timed(step, setup)
+    except ConfigError as exc:
+        return {**row, "status": f"unsupported: {str(exc).split(';')[0][:120]}"}  # the recipe's own words
+    except torch.cuda.OutOfMemoryError:
+        return {**row, "status": "out of memory"}
+    finally:
+        step = None
+        gc.collect()
+    tok_s = setup.tokens / median
+    on_cuda = setup.device.type == "cuda"
+    row.update(tokens_per_s=tok_s, first_step_s=first, step_s=median,
+               peak_gib=torch.cuda.max_memory_allocated(setup.device) / 2**30 if on_cuda else None)
+    if peak:
+        row["mfu"] = flops_per_token(cfg, setup.seq_len) * tok_s / (peak * 1e12)
+    return row
+
+
+def format_model_table(name: str, rows: list[dict], peak: float | None) -> list[str]:
+    lines = [f"| model | implementation | tokens/s | MFU ({peak:g} TFLOP/s) | peak GiB | first step s |"
+             if peak else "| model | implementation | tokens/s | MFU | peak GiB | first step s |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for i, r in enumerate(rows):
+        model = name if i == 0 else ""
+        if "status" in r:
+            lines.append(f"| {model} | {r['implementation']} | {r['status']} | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a"
+        gib = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
+        lines.append(f"| {model} | {r['implementation']} | {r['tokens_per_s']:,.0f} | {mfu} | {gib} | "
+                     f"{r['first_step_s']:.1f} |")
+    return lines
+
+
+# Issue 34's targets, each a ratio of two rows of the same run: (numerator, denominator, target)
+RATIOS = [("pipetrain, train.compile=true", "pipetrain Trainer (Triton kernels)", 1.10),
+          ("pipetrain, train.compile=true", "torch.compile of the plain loop", 1.0),
+          ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain, train.compile=true", 1.2),
+          ("pipetrain, train.precision=fp8", "pipetrain Trainer (Triton kernels)", None),
+          ("pipetrain Trainer (Triton kernels)", "the same model in a plain PyTorch loop", None)]
+
+
+def format_ratios(rows: list[dict]) -> list[str]:
+    """tokens/s ratios between rows of this run (n/a where either row did not run), against issue 34's targets."""
+    speed = {r["implementation"]: r.get("tokens_per_s") for r in rows}
+    lines = []
+    for top, bottom, target in RATIOS:
+        value = f"{speed[top] / speed[bottom]:.2f}x" if speed.get(top) and speed.get(bottom) else "n/a"
+        goal = f" (target >= {target:.2f}x)" if target else ""
+        lines.append(f"- {top} / {bottom}: {value}{goal}")
+    return lines
+
+
+def kernel_table(setup: Setup, repeats: int) -> list[str]:
+    """benchmarks/kernels.py's table (its cases and measurement), on the GPU; the agreement check on the CPU."""
+    spec = importlib.util.spec_from_file_location("kernel_bench", os.path.join(ROOT, "benchmarks", "kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if setup.device.type != "cuda":
+        return ["kernel table: needs a CUDA GPU (benchmarks/kernels.py); not measured in --cpu-smoke"]
+    lines = [f"kernels at llama-3-8B shapes {bench.FULL}, bf16, median of {repeats} forward+backward",
+             "", "| op | impl | ms | peak MiB | time vs eager | memory vs eager |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for name, leaves, extra, tri, ref in bench._cases(bench.FULL, "cuda", torch.bfloat16):
+        leaves = [x.requires_grad_() for x in leaves]
+        rows = {impl: bench._measure(fn, leaves, extra, 3, repeats)
+                for impl, fn in (("eager", ref), ("compile", torch.compile(ref)), ("triton", tri))}
+        for impl, (ms, mib) in rows.items():
+            lines.append(f"| {name} | {impl} | {ms:.3f} | {mib:.0f} | {ms / rows['eager'][0]:.2f} | "
+                         f"{mib / max(rows['eager'][1], 1e-9):.2f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true",
+                        help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per row, after 2 warm-up steps")
+    parser.add_argument("--kernel-repeats", type=int, default=10)
+    parser.add_argument("--out", default="gpu-benchmark.md", help="markdown file the tables are written to")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: the wiring only")
+    parser.add_argument("--work-dir", default="/tmp/pipetrain-gpu-bench", help="the Trainer rows' run.output_dir")
+    args = parser.parse_args(argv)
+    smoke = args.cpu_smoke or not torch.cuda.is_available()
+    if smoke and not args.cpu_smoke:
+        print("benchmarks/gpu.py needs a CUDA GPU for its numbers (an H100 or H200 for issue 34's table); none "
+              "found, so it runs the CPU smoke instead (the wiring only, numbers meaningless)")
+    device = torch.device("cpu" if smoke else "cuda")
+    setup = Setup(device, torch.float32 if smoke else torch.bfloat16, 32 if smoke else 2048, 2 if smoke else 16,
+                  2 if smoke else args.steps, smoke)
+    models = [("llama (cpu smoke: d 64, 2 layers)", SMOKE)] if smoke else [
+        ("llama 1.0B (d 2048, 16 layers, GQA 16/8, ffn 8192, vocab 8192)", LLAMA_1B)]
+    if args.full and not smoke:
+        models += [("gpt-1b recipe's model (GPT-2 arch, 1.3B, vocab 50304)", GPT_1B),
+                   ("llama 1.5B, vocab 128,256", LLAMA_1B5_BIG_VOCAB)]
+    peak = peak_tflops(device, None)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: numbers mean nothing)"
+    header = [f"# benchmarks/gpu.py on {card}", "",
+              f"torch {torch.__version__}; seq {setup.seq_len}, {setup.batch} sequences a step, median of "
+              f"{setup.steps} steps after 2 warm-up steps; synthetic tokens; one process", ""]
+    lines = list(header)
+    print("\n".join(header), flush=True)
+    for name, model in models:
+        rows = []
+        for label, kind, overrides in ROWS:
+            rows.append(run_row(model, label, kind, overrides, setup, os.path.join(args.work_dir, kind), peak))
+            done = rows[-1]
+            result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
+            print(f"  {label}: {result}", flush=True)
+        table = format_model_table(name, rows, peak) + [""] + format_ratios(rows)
+        print("\n".join(table), flush=True)
+        lines += table + [""]
+    kernels = kernel_table(setup, args.kernel_repeats)
+    print("\n".join(kernels), flush=True)
+    lines += kernels
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"written: {os.path.abspath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""FP8 training of the transformer's linears (train.precision: fp8): float8 operands, dynamic tensorwise scales.
+
+Which linears: the attention projections (wq, wk, wv, wo) and the MLP (gate, up, down) of every block
+(FP8_PLAN). The embedding, the LM head and the norms stay as they are; everything outside these matmuls runs
+under bf16 autocast, as train.precision=bf16 does. Parameters (the master weights) and optimizer state stay fp32.
+
+The math of one linear y = x W^T + b (the recipe torchao's tensorwise float8 training and Transformer Engine's
+HYBRID format use):
+- forward operands x and W in float8_e4m3fn (3 mantissa bits, max 448);
+- the gradient dy in float8_e5m2 (2 mantissa bits, max 57344: gradients need range more than precision);
+- each of x, W and dy gets one dynamic scale per tensor, recomputed at every call from the tensor itself:
+  scale = 2^floor(log2(fp8_max / amax)), so amax * scale <= fp8_max (no overflow) and the scale is a power of
+  two (dequantising multiplies exactly, and emulation equals the hardware's math up to summation order);
+- quantise: q = clamp(v * scale, -fp8_max, fp8_max).to(fp8) (the clamp saturates: a cast of an out-of-range
+  value to float8_e4m3fn gives NaN); dequantise: q / scale;
+- the three matmuls y = xq Wq^T, dx = dyq Wq, dW = dyq^T xq accumulate in fp32 and multiply by both inverse
+  scales; y and dx come out in the autocast dtype (bf16) or x's dtype, dW in the weight's dtype (fp32);
+  db = sum(dy) in high precision.
+No scale is state: nothing carries from one step to the next (no amax history), so a checkpoint holds no fp8
+state and a resumed run continues bit for bit.
+
+Hardware: the real path is torch._scaled_mm, which needs an NVIDIA GPU of compute capability 8.9 or newer
+(Ada L4/L40S, Hopper H100/H200, Blackwell). Elsewhere (CPU, or train.fp8_emulate=true) the same math is
+emulated: the fp8 values are cast to fp32 and multiplied in fp32. A CUDA GPU older than 8.9 is refused
+(fp8_problem) unless train.fp8_emulate=true asks for the emulation explicitly (slow: for checking numerics).
+
+Layouts: a scale must be the full tensor's, so a tensor-parallel rank all-reduces its amax (max) over tp for
+all three operands (a column-parallel weight and its dy, a row-parallel weight and its x are shards; the
+others are replicated and the reduction returns their own amax): tp=2 quantises exactly as tp=1. The scales
+are per microbatch, so layouts that put the same sequences in each microbatch (pp with the same
+parallel.microbatches; dp x microbatches constant) quantise alike. Replicated kv heads (n_kv_heads < tp) are
+refused: each rank's kv gradient is a partial sum there, and fp8 rounding of partial sums is not tp=1's.
+
+The weight gradient goes through autograd (not fused into .grad, not deferred by the split backward): the
+fp8 dW needs the quantised dy of the same call, and split backward still works, with dW computed in B.
+
+Shapes: x (..., D_in) flattened to (N, D_in), W (D_out, D_in), dy (N, D_out).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.parallel.mesh.comm import all_reduce_max_
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
+
+FORWARD_DTYPE = torch.float8_e4m3fn   # x and W
+GRAD_DTYPE = torch.float8_e5m2        # dy
+AMAX_EPS = 1e-12                      # an all-zero tensor gets a finite scale (its values quantise to 0)
+MIN_CAPABILITY = (8, 9)               # torch._scaled_mm: Ada, Hopper and newer
+FP8_PLAN = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The power-of-two scale that maps amax to at most the format's largest value (fp32 scalar)."""
+    return torch.exp2(torch.floor(torch.log2(fp8_max(dtype) / amax.float().clamp(min=AMAX_EPS))))
+
+
+def tensor_scale(x: torch.Tensor, dtype: torch.dtype, tp_group=None) -> torch.Tensor:
+    """Scale of the whole tensor: its amax, reduced (max) over tp_group when x is one rank's part of it."""
+    amax = x.detach().abs().amax().float().reshape(1)
+    if tp_group is not None:
+        all_reduce_max_(amax, tp_group)
+    return scale_from_amax(amax, dtype).reshape(())
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale rounded to dtype (nearest, ties to even), saturated at the format's max."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() / scale).to(dtype)
+
+
+def _hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # torch._scaled_mm wants every dim a multiple of 16
+    return all(s % 16 == 0 for s in (*a.shape, b.shape[1]))
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, hardware: bool) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) for fp8 a (M, K), b (K, N): fp32 accumulation, out_dtype result.
+    hardware: torch._scaled_mm (sm_89+; shapes that are not multiples of 16 fall back to the emulation)."""
+    inverse = a_scale.reciprocal() * b_scale.reciprocal()  # exact: both are powers of two
+    if hardware and _hardware_shapes_ok(a, b):
+        # a row-major, b column-major, scales as the multipliers that dequantise
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+    return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x W^T + b with float8 operands (module docstring); saves the quantised x and W (1 byte each)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: "Fp8Linear"):
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
+        x_scale = tensor_scale(x2, FORWARD_DTYPE, spec.tp_group)
+        w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
+        xq, wq = quantize(x2, x_scale, FORWARD_DTYPE), quantize(weight, w_scale, FORWARD_DTYPE)
+        with torch.autocast(device, enabled=False):
+            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware)  # (N, D_out)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        ctx.save_for_backward(xq, x_scale, wq, w_scale)
+        ctx.spec, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = spec, x.dtype, weight.dtype, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, x_scale, wq, w_scale = ctx.saved_tensors
+        spec = ctx.spec
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
+        g_scale = tensor_scale(dy2, GRAD_DTYPE, spec.tp_group)
+        gq = quantize(dy2, g_scale, GRAD_DTYPE)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware).view(*dy.shape[:-1], wq.shape[1])
+        if ctx.needs_input_grad[1]:
+            dw = scaled_mm(gq.t(), g_scale, xq, x_scale, ctx.w_dtype, spec.hardware)  # (D_out, D_in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0)
+        return dx, dw, db, None
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """A module's fp8 setting (its `fp8` attribute, read by weight_grads.linear): callable as the linear.
+    tp_group: amaxes are reduced over it (None at tp=1); hardware: torch._scaled_mm, else emulated."""
+    tp_group: object = None
+    hardware: bool = False
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _Fp8LinearFn.apply(x, weight, bias, self)
+
+
+def fp8_problem(device: torch.device, emulate: bool) -> str | None:
+    """Why train.precision=fp8 cannot run on device (None: it can; emulated on CPU or when asked)."""
+    if device.type != "cuda" or emulate:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= MIN_CAPABILITY:
+        return None
+    return (f"train.precision=fp8: needs an NVIDIA GPU of compute capability >= 8.9 (L4/L40S, H100/H200 or newer) "
+            f"for torch._scaled_mm, got {torch.cuda.get_device_name(device)} (sm_{major}{minor}); use "
+            "train.precision=bf16, or train.fp8_emulate=true to emulate fp8 (slow, for checking numerics)")
+
+
+def uses_hardware(device: torch.device, emulate: bool) -> bool:
+    return device.type == "cuda" and not emulate and fp8_problem(device, emulate) is None
+
+
+def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: bool) -> list[str]:
+    """Give the FP8_PLAN linears of model (after apply_tensor_parallel and apply_grad_accumulation_fusion)
+    their Fp8Linear, in place. Raises ConfigError where fp8 cannot run (fp8_problem, replicated kv heads,
+    LoRA). Returns the names of the converted modules."""
+    problem = fp8_problem(dims.device, emulate)
+    if problem:
+        raise ConfigError(problem)
+    if dims.tp > 1 and cfg.kv_heads % dims.tp:
+        raise ConfigError(f"train.precision=fp8: parallel.tp={dims.tp} replicates model.n_kv_heads={cfg.kv_heads} "
+                          "(their gradients are tp-partial, so fp8 scales cannot match tp=1); use a tp that "
+                          "divides n_kv_heads, or train.precision=bf16")
+    if cfg.lora_rank is not None:
+        raise ConfigError(f"train.precision=fp8: LoRA (model.lora_rank={cfg.lora_rank}) is not supported with fp8 "
+                          "yet; use train.precision=bf16")
+    spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate))
+    names = []
+    for name, module in model.named_modules():
+        if _LAYER_PREFIX.sub("", name) in FP8_PLAN:
+            assert isinstance(module, WeightGradModule), f"apply_fp8: {name} is a {type(module).__name__}; " \
+                "call apply_grad_accumulation_fusion first"
+            module.fp8 = spec
+            names.append(name)
+    return names

@@ -1,0 +1,124 @@
+"""FP8 training (emulated on CPU) under tensor parallelism (pipetrain/parallel/tensor/fp8.py): a tp rank
+quantises with the scale of the full tensor (its amax reduced over tp), so tp=2's fp8 operands are bitwise
+tp=1's and the results differ by fp32 summation order only."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor.fp8 import Fp8Linear
+from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from tests.harness import TP_FP32, rank_results, run_ranks
+from tests.unit.common import LLAMA, build_trainer
+
+B, T, D = 2, 8, 32
+STEPS = 4
+# The first step's forward sees the same fp8 operands in every layout: its loss differs by round-off. Later
+# steps follow gradients quantised to e5m2 (2 mantissa bits): where tp's other summation order moves a
+# gradient element across a rounding boundary, that element moves by up to a quarter of its value, so the
+# curves part by up to a few 1e-4 (measured 6.8e-4 at step 2) and stay within FP8_TP_CURVE.
+FP8_TP_FIRST = dict(rel=1e-4, abs=0.0)
+FP8_TP_CURVE = dict(rel=5e-3, abs=0.0)
+
+
+def _check(got, want, what, dims):
+    torch.testing.assert_close(got, want, **TP_FP32, msg=lambda m: f"{dims.coords} {what}: {m}")
+
+
+def _layers_worker(rank, world_size):
+    """Column- and row-parallel fp8 linears against one process's fp8 linear. Rank 0's shards of x, W and
+    dy hold values 2^12 (dy: 2^20) times larger than rank 1's, so under the full tensor's scale many of rank
+    1's values are fp8 subnormals. (A power-of-two scale changes only which values saturate or fall to
+    subnormals; a scale taken per shard would give rank 1 all-normal values, and results tp=1 does not.)"""
+    dims = ParallelDims.from_degrees(tp=world_size)
+    half = slice(0, D // 2)
+    mine = slice(dims.tp_rank * D // 2, (dims.tp_rank + 1) * D // 2)
+    torch.manual_seed(0)
+    x, g = torch.randn(B, T, D), torch.randn(B, T, D)
+    x[..., half] *= 2 ** 12  # row-parallel rank 0's input shard
+    g[..., half] *= 2 ** 20  # column-parallel rank 0's output gradient shard (e5m2 reaches 2^-16)
+    for kind in ("column", "row"):
+        lin = nn.Linear(D, D)
+        with torch.no_grad():
+            lin.weight[half, half] *= 2 ** 12  # rank 0's weight shard, by rows (column) or by columns (row)
+        xr = x.clone().requires_grad_()
+        y_ref = Fp8Linear()(xr, lin.weight, lin.bias)
+        (y_ref * g).sum().backward()
+        if kind == "column":
+            layer, xp, out, dy = ColumnParallelLinear.from_linear(lin, dims), x.clone(), mine, g[..., mine]
+        else:
+            layer, xp, out, dy = RowParallelLinear.from_linear(lin, dims), x[..., mine].clone(), slice(None), g
+        layer.fp8 = Fp8Linear(tp_group=dims.tp_group)
+        xp.requires_grad_()
+        y = layer(xp)
+        (y * dy).sum().backward()
+        _check(y, y_ref[..., out].detach(), f"{kind} output", dims)
+        _check(xp.grad, xr.grad if kind == "column" else xr.grad[..., mine], f"{kind} input grad", dims)
+        w_rows, w_cols = (mine, slice(None)) if kind == "column" else (slice(None), mine)
+        _check(layer.weight.grad, lin.weight.grad[w_rows, w_cols], f"{kind} weight grad", dims)
+        _check(layer.bias.grad, lin.bias.grad[out], f"{kind} bias grad", dims)
+
+
+def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2():
+    run_ranks(2, _layers_worker)
+
+
+def _losses(out: str, dims: ParallelDims | None = None, **keys) -> list[float]:
+    os.makedirs(out, exist_ok=True)
+    trainer = build_trainer(LLAMA, out, dims, precision="fp8", steps=STEPS, learnable=True, **keys)
+    # every block linear of this stage is fp8, with its amaxes reduced over this rank's tp group
+    specs = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
+    layers = len(trainer.model.layers)
+    assert len(specs) == 7 * layers and layers > 0, f"{len(specs)} fp8 linears in {layers} layers"
+    tp_group = dims.tp_group if dims is not None and dims.tp > 1 else None
+    assert all(spec.tp_group is tp_group for spec in specs), "an fp8 linear does not reduce its amax over tp"
+    trainer.fit()
+    if dims is not None and dims.rank != 0:
+        return []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
+def _trainer_worker(rank, world_size, out, tp, pp, keys):
+    return _losses(os.path.join(out, "run"), ParallelDims.from_degrees(tp=tp, pp=pp), **keys)
+
+
+def _dp_worker(rank, world_size, out, keys):
+    return _losses(os.path.join(out, "run"), ParallelDims.from_degrees(dp=world_size), **keys)
+
+
+def _check_curve(losses, reference):
+    assert len(losses) == len(reference) == STEPS
+    assert losses[0] == pytest.approx(reference[0], **FP8_TP_FIRST), f"step 1: {losses} against tp=1's {reference}"
+    assert losses == pytest.approx(reference, **FP8_TP_CURVE), f"{losses} against tp=1's {reference}"
+
+
+def test_fp8_trainer_at_tp2_follows_the_single_process_run(tmp_path):
+    reference = _losses(str(tmp_path / "single"))
+    _check_curve(rank_results(2, _trainer_worker, str(tmp_path), 2, 1, {})[0], reference)
+
+
+@pytest.mark.slow
+def test_fp8_trainer_at_pp2_x_tp2_with_sequence_parallel_follows_the_single_process_run(tmp_path):
+    reference = _losses(str(tmp_path / "single"), microbatches=2)
+    keys = dict(microbatches=2, sequence_parallel=True)
+    _check_curve(rank_results(4, _trainer_worker, str(tmp_path), 2, 2, keys)[0], reference)
+
+
+@pytest.mark.slow
+def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tmp_path):
+    """pp changes no microbatch and no summation order: the fp8 losses are the single process's, bit for bit
+    (the fp8 linears compute dW in B, so the split backward's W actions find nothing of theirs to do)."""
+    reference = _losses(str(tmp_path / "single"), microbatches=4)
+    keys = dict(microbatches=4, split_backward=True)
+    assert rank_results(2, _trainer_worker, str(tmp_path), 1, 2, keys)[0] == reference
+
+
+@pytest.mark.slow
+def test_fp8_trainer_at_dp2_with_zero2_equals_one_process_with_two_microbatches(tmp_path):
+    """Scales are per microbatch: dp=2 (4 sequences a rank) quantises as one process with 2 microbatches of 4."""
+    reference = _losses(str(tmp_path / "single"), microbatches=2)
+    assert rank_results(2, _dp_worker, str(tmp_path), dict(zero=2))[0] == reference

@@ -1,0 +1,88 @@
+"""The CUDA paths, on one GPU (`pytest -m gpu`, under 3 minutes; skipped without CUDA, tests/conftest.py):
+compiled Triton kernels and torch.compile against the torch references, bf16 and fp8 training through
+train.py, the fp8 scaled matmul against its emulation, and train.compile where this checkout has it.
+Triton runs compiled only in a process without TRITON_INTERPRET (tests/conftest.py sets it for the CPU
+kernel tests), so the Triton and training cases run in subprocesses."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipetrain.config import TrainConfig
+from pipetrain.parallel.tensor.fp8 import MIN_CAPABILITY, Fp8Linear
+from tests.e2e.common import ROOT, run_train, step_losses
+
+pytestmark = pytest.mark.gpu
+GPU_STEPS = ["train.steps=12", "run.eval_every=0"]
+
+
+def _fp8_capable() -> bool:
+    return torch.cuda.get_device_capability() >= MIN_CAPABILITY
+
+
+def test_compiled_triton_kernels_and_torch_compile_match_the_references_on_cuda():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--check"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("triton, eager and compile agree") == 5, proc.stdout
+
+
+_BF16 = []  # the bf16 run's losses, run once for the module
+
+
+@pytest.fixture
+def bf16_on_cuda(tmp_path_factory):
+    """Function-scoped (cached), so it runs after tests/conftest.py has given this gpu test the GPU back."""
+    if not _BF16:
+        out = str(tmp_path_factory.mktemp("bf16"))
+        proc, metrics = run_train(out, ["train.precision=bf16", *GPU_STEPS], cuda=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "bf16 on cuda" in proc.stdout
+        _BF16.extend(step_losses(metrics))
+    return list(_BF16)
+
+
+def test_bf16_training_on_cuda_learns(bf16_on_cuda):
+    assert len(bf16_on_cuda) == 12 and bf16_on_cuda[-1] < 0.9 * bf16_on_cuda[0]
+
+
+def test_fp8_training_on_cuda_follows_bf16_or_names_the_card_it_needs(tmp_path, bf16_on_cuda):
+    proc, metrics = run_train(str(tmp_path / "fp8"), ["train.precision=fp8", *GPU_STEPS], cuda=True)
+    if not _fp8_capable():
+        assert proc.returncode == 2 and "compute capability >= 8.9" in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        proc, metrics = run_train(str(tmp_path / "emulated"), ["train.precision=fp8", "train.fp8_emulate=true",
+                                                               *GPU_STEPS], cuda=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = step_losses(metrics)
+    assert losses != bf16_on_cuda
+    assert losses == pytest.approx(bf16_on_cuda, rel=2e-2)  # tests/e2e/test_fp8.py's FP8_CURVE
+
+
+def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
+    if not _fp8_capable():
+        pytest.skip(f"torch._scaled_mm needs compute capability >= 8.9, got {torch.cuda.get_device_capability()}")
+    torch.manual_seed(0)
+    grads = {}
+    x = torch.randn(4, 16, 64, device="cuda")
+    w = torch.randn(48, 64, device="cuda")
+    g = torch.randn(4, 16, 48, device="cuda")
+    for hardware in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = Fp8Linear(hardware=hardware)(xi, wi)
+        (y * g).sum().backward()
+        grads[hardware] = (y.detach(), xi.grad, wi.grad)
+    for got, want in zip(grads[True], grads[False]):  # the same fp8 products; only the summation order differs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_train_compile_on_cuda_matches_eager(tmp_path, bf16_on_cuda):
+    if "compile" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        pytest.skip("train.compile is not in this checkout's recipe keys")
+    proc, metrics = run_train(str(tmp_path), ["train.precision=bf16", "train.compile=true", *GPU_STEPS], cuda=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(metrics) == pytest.approx(bf16_on_cuda, rel=2e-2)  # bf16: fusion changes the rounding

@@ -1,0 +1,111 @@
+"""The fp8 arithmetic of pipetrain/parallel/tensor/fp8.py against hand-computed values, and where fp8 is
+refused. (Its training curve: tests/e2e/test_fp8.py; tp=2 against tp=1: tests/dist/test_fp8.py.)"""
+import pytest
+import torch
+
+from pipetrain.config import ConfigError
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor import fp8
+from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, dequantize, fp8_problem, quantize,
+                                           scale_from_amax, tensor_scale)
+from tests.unit.common import LLAMA, build_trainer
+
+EXACT = dict(rtol=0.0, atol=0.0)
+
+
+def test_scale_is_the_largest_power_of_two_that_keeps_amax_in_range():
+    # e4m3: 448 / 3 = 149.3 -> 128; e5m2: 57344 / 3 = 19114.7 -> 16384; 448 fits exactly; 449 needs 0.5
+    assert scale_from_amax(torch.tensor(3.0), FORWARD_DTYPE).item() == 128.0
+    assert scale_from_amax(torch.tensor(3.0), GRAD_DTYPE).item() == 16384.0
+    assert scale_from_amax(torch.tensor(448.0), FORWARD_DTYPE).item() == 1.0
+    assert scale_from_amax(torch.tensor(449.0), FORWARD_DTYPE).item() == 0.5
+    assert torch.isfinite(scale_from_amax(torch.tensor(0.0), FORWARD_DTYPE))  # all zeros: zeros, not NaN
+
+
+def test_e4m3_quantise_and_dequantise_match_hand_computed_values():
+    x = torch.tensor([1.0, -3.0, 0.1, 0.0])
+    scale = tensor_scale(x, FORWARD_DTYPE)
+    assert scale.item() == 128.0
+    q = quantize(x, scale, FORWARD_DTYPE)
+    assert q.dtype == torch.float8_e4m3fn
+    # 0.1 * 128 = 12.8: e4m3 steps by 1 in [8, 16), so 13; -384 = -1.5 * 2^8 is exact
+    torch.testing.assert_close(q.float(), torch.tensor([128.0, -384.0, 13.0, 0.0]), **EXACT)
+    torch.testing.assert_close(dequantize(q, scale), torch.tensor([1.0, -3.0, 0.1015625, 0.0]), **EXACT)
+
+
+def test_e5m2_gradient_quantisation_matches_hand_computed_values():
+    g = torch.tensor([0.1, -3.0, 1e-10])
+    scale = tensor_scale(g, GRAD_DTYPE)  # 16384
+    q = quantize(g, scale, GRAD_DTYPE)
+    # 0.1 * 16384 = 1638.4: e5m2 steps by 256 in [1024, 2048), so 1536; 1e-10 * 16384 = 1.6e-6 is below half the
+    # smallest subnormal (2^-16), so 0
+    torch.testing.assert_close(q.float(), torch.tensor([1536.0, -49152.0, 0.0]), **EXACT)
+    torch.testing.assert_close(dequantize(q, scale), torch.tensor([0.09375, -3.0, 0.0]), **EXACT)
+
+
+def test_quantise_saturates_instead_of_producing_nan():
+    big = torch.tensor([1000.0, -1e6])
+    torch.testing.assert_close(quantize(big, torch.tensor(1.0), FORWARD_DTYPE).float(),
+                               torch.tensor([448.0, -448.0]), **EXACT)
+    torch.testing.assert_close(quantize(big * 1e3, torch.tensor(1.0), GRAD_DTYPE).float(),
+                               torch.tensor([57344.0, -57344.0]), **EXACT)
+
+
+def _q(t, dtype):
+    """t as the fp8 linear sees it: quantised with its own tensorwise scale, then dequantised (fp32)."""
+    scale = tensor_scale(t, dtype)
+    return dequantize(quantize(t, scale, dtype), scale)
+
+
+def test_fp8_linear_forward_and_backward_are_the_dequantised_matmuls():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    y = Fp8Linear()(x, w, b)
+    (y * g).sum().backward()
+    xq, wq, gq = _q(x.detach(), FORWARD_DTYPE), _q(w.detach(), FORWARD_DTYPE), _q(g, GRAD_DTYPE)
+    torch.testing.assert_close(y, xq @ wq.t() + b.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, gq @ wq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, gq.reshape(-1, 8).t() @ xq.reshape(-1, 16), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(b.grad, g.sum((0, 1)), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(y, torch.nn.functional.linear(x, w, b))  # it did quantise
+
+
+def test_fp8_linear_under_bf16_autocast_returns_bf16_and_fp32_weight_grads():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = Fp8Linear()(x, w)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_a_gpu_older_than_sm89_is_refused_in_one_line_unless_emulation_is_asked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    problem = fp8_problem(cuda, emulate=False)
+    assert "compute capability >= 8.9" in problem and "A100" in problem and "sm_80" in problem
+    assert "train.fp8_emulate=true" in problem and "\n" not in problem
+    assert fp8_problem(cuda, emulate=True) is None
+    assert fp8_problem(torch.device("cpu"), emulate=False) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_problem(cuda, emulate=False) is None and fp8.uses_hardware(cuda, emulate=False)
+    assert not fp8.uses_hardware(cuda, emulate=True)
+
+
+def test_build_refuses_fp8_on_an_old_gpu_with_a_config_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(fp8, "fp8_problem", lambda device, emulate: "train.precision=fp8: needs sm_89")
+    with pytest.raises(ConfigError, match="needs sm_89"):  # the CLI prints it as one line and exits 2
+        build_trainer(LLAMA, str(tmp_path), precision="fp8")
+
+
+def test_fp8_converts_the_block_linears_and_leaves_embedding_head_and_norms(tmp_path):
+    trainer = build_trainer(LLAMA, str(tmp_path), ParallelDims(), precision="fp8")
+    converted = sorted(n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None)
+    assert converted == sorted(f"layers.{i}.{name}" for i in range(LLAMA.n_layers) for name in fp8.FP8_PLAN)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
