@@ -139,3 +139,16 @@ def test_rules_on_parallel_keys_live_in_parallel_mesh_only():
             if is_rule and (rel, fn.name) not in OWN_RULES and any(PARALLEL_KEY.search(s) for s in _messages(fn)):
                 found.append(f"{rel}:{fn.name}")
     assert not found, f"rules on parallel keys outside pipetrain/parallel/mesh/: {found}"
+
+
+def test_fp8_refuses_lora_at_load_and_replicated_kv_heads_in_the_layout():
+    lora = Recipe(model=dataclasses.replace(LLAMA, lora_rank=4), train=TrainConfig(precision="fp8"))
+    assert [m for m in parallel_problems(lora) if "LoRA" in m] == [
+        "train.precision=fp8: LoRA (model.lora_rank=4) is not supported with fp8 yet; use train.precision=bf16"]
+    kv = Recipe(model=dataclasses.replace(LLAMA, n_kv_heads=1), parallel=ParallelConfig(tp=2),
+                train=TrainConfig(precision="fp8", global_batch=8, seq_len=16))
+    assert [m for m in layout_problems(kv, 2) if "fp8" in m] == [
+        "train.precision=fp8: parallel.tp=2 replicates model.n_kv_heads=1 (their gradients are tp-partial, so fp8 "
+        "scales cannot match tp=1); use a tp that divides n_kv_heads, or train.precision=bf16"]
+    bf16 = dataclasses.replace(kv, train=TrainConfig(precision="bf16", global_batch=8, seq_len=16))
+    assert not [m for m in layout_problems(bf16, 2) if "fp8" in m]

@@ -36,6 +36,9 @@ def parallel_problems(recipe: Recipe) -> list[str]:
     if not 0 < p.ft_connect_timeout_s < float("inf"):
         problems.append(f"parallel.ft_connect_timeout_s={p.ft_connect_timeout_s} must be a positive number of "
                         "seconds (torchft's default is 60)")
+    if recipe.train.precision == "fp8" and recipe.model.lora_rank is not None:
+        problems.append(f"train.precision=fp8: LoRA (model.lora_rank={recipe.model.lora_rank}) is not supported "
+                        "with fp8 yet; use train.precision=bf16")
     return problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
 
 
@@ -128,7 +131,19 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
     return (mesh_problems(recipe, world_size)
             + tensor_parallel_problems(recipe.model, p.tp, recipe.train.seq_len, p.sequence_parallel)
             + pipeline_problems(recipe.model, p)
-            + relaxed_problems(recipe, world_size))
+            + relaxed_problems(recipe, world_size)
+            + fp8_layout_problems(recipe))
+
+
+def fp8_layout_problems(recipe: Recipe) -> list[str]:
+    """fp8 scales must come from the full tensor: replicated kv heads (n_kv_heads < tp) have tp-partial
+    gradients, so their amax over tp would not be tp=1's."""
+    tp, kv = recipe.parallel.tp, recipe.model.kv_heads
+    if recipe.train.precision != "fp8" or tp == 1 or kv % tp == 0:
+        return []
+    return [f"train.precision=fp8: parallel.tp={tp} replicates model.n_kv_heads={kv} (their gradients are "
+            "tp-partial, so fp8 scales cannot match tp=1); use a tp that divides n_kv_heads, or "
+            "train.precision=bf16"]
 
 
 def resolve_dp(recipe: Recipe, world_size: int) -> int:

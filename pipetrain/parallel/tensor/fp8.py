@@ -166,18 +166,13 @@ def uses_hardware(device: torch.device, emulate: bool) -> bool:
 
 def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: bool) -> list[str]:
     """Give the FP8_PLAN linears of model (after apply_tensor_parallel and apply_grad_accumulation_fusion)
-    their Fp8Linear, in place. Raises ConfigError where fp8 cannot run (fp8_problem, replicated kv heads,
-    LoRA). Returns the names of the converted modules."""
+    their Fp8Linear, in place. Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe
+    rules (LoRA, replicated kv heads) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
     if problem:
         raise ConfigError(problem)
-    if dims.tp > 1 and cfg.kv_heads % dims.tp:
-        raise ConfigError(f"train.precision=fp8: parallel.tp={dims.tp} replicates model.n_kv_heads={cfg.kv_heads} "
-                          "(their gradients are tp-partial, so fp8 scales cannot match tp=1); use a tp that "
-                          "divides n_kv_heads, or train.precision=bf16")
-    if cfg.lora_rank is not None:
-        raise ConfigError(f"train.precision=fp8: LoRA (model.lora_rank={cfg.lora_rank}) is not supported with fp8 "
-                          "yet; use train.precision=bf16")
+    assert cfg.lora_rank is None and (dims.tp == 1 or cfg.kv_heads % dims.tp == 0), \
+        "apply_fp8: parallel_problems / layout_problems refuse LoRA and replicated kv heads under fp8"
     spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate))
     names = []
     for name, module in model.named_modules():
