@@ -310,7 +310,7 @@ def test_export_cli_writes_a_checkpoint_transformers_loads_with_its_tokenizer(tm
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size == 8192
 
 
-# ---- fine-tuning data (pipetrain/sft.py, pipetrain/data.py) with a chat-template tokenizer ----
+# ---- fine-tuning data (pipetrain/sft.py, pipetrain/data/) with a chat-template tokenizer ----
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
