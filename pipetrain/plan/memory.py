@@ -65,6 +65,7 @@ class RankMemory:
     exchange_temp: int = 0   # the flat gradient the replica exchange installs, alive while the update runs
     sync_temp: int = 0       # after the update: local SGD's flat copy, DiLoCo's pseudo-gradient and its
                              # average; a server: the squared norm's fp64 copies (bsp), the scaled push (async)
+    loss_temp: int = 0       # the last stage's loss backward: the logits and two gradients of their size
     ps_tables: int = 0       # a worker under parameter servers: the step's compact rows, their gradient, the
                              # next step's prefetched rows
     role: str = "worker"     # "worker" (pp_rank is its pp rank) or "server" (pp_rank is the server index)
@@ -77,11 +78,14 @@ class RankMemory:
     def total(self) -> int:
         """Peak bytes: parameters, optimizer and replica state, pending gradients and pulled rows always, plus
         the largest of three phases. Gradients are freed at every step's start (zero_grad(set_to_none=True)),
-        so the forward's peak holds the activations in flight with only the gradients earlier microbatches
-        made; the end of the backward holds the full gradients and the reduction buffers; the optimizer step
+        so the forward's peak (up to the loss's backward) holds the activations in flight with only the
+        gradients earlier microbatches made; the end of the backward holds the full gradients and the reduction buffers; the optimizer step
         the reduced gradients and AdamW's temporaries (beside the exchanged gradient), then ZeRO's all-gather
         buffers or the replicas' parameter exchange."""
-        forward = self.activations + self.recompute_temp + self.deferred_w + self.grads_live + self.comm
+        # the loss's backward starts before any gradient of its microbatch exists, so before any reduction
+        # bucket is in flight: its temporaries and the buffers are not live together
+        forward = (self.activations + self.recompute_temp + self.deferred_w + self.grads_live
+                   + max(self.comm, self.loss_temp))
         backward_end = self.full_grads + self.comm
         step = self.grads + max(self.step_temp + self.exchange_temp, self.gather, self.sync_temp)
         held = self.params + self.optim + self.replica_state + self.pending + self.ps_tables
@@ -392,8 +396,22 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
                               full_grads=params,
                               gather=_gather_bytes(recipe, world_size, params, staged_collectives),
                               ps_tables=_ps_table_bytes(recipe, world_size, r),
+                              loss_temp=loss_backward_bytes(recipe, world_size, r),
                               **replica_bytes(recipe, world_size, params, optim // MOMENTS)))
     return out
+
+
+def loss_backward_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+    """The last stage's loss backward, on top of the saved log-softmax (counted in the activations): the
+    logits themselves (the executor still holds the stage output its loss was computed from), the gradient
+    of the log-softmax output and then of the logits: one microbatch's N x V/tp fp32 each, alive together
+    while the log-softmax's backward runs. Measured: a V 65536 parameter-server run peaked 258 MiB (two
+    such tensors) above the model without this term, 23% (docs/benchmarks.md, issue 33)."""
+    if not rank_stages(recipe, pp_rank)[2]:
+        return 0
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
+    return 3 * FP32 * tokens * (m.vocab_size // p.tp)
 
 
 def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False) -> list[RankMemory]:
