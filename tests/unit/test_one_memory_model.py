@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from pipetrain.config import ParallelConfig, Recipe, TrainConfig
+from pipetrain import preflight
+from pipetrain.config import ConfigError, ParallelConfig, Recipe, TrainConfig
 from pipetrain.dry_run import dry_run_details
 from pipetrain.parallel.mesh.layout import layout_problems, resolve_dp
 from pipetrain.plan.auto import resolve_auto
@@ -83,3 +84,20 @@ def test_dynamic_batch_sizes_the_schedule_by_the_largest_share():
         [r.activations for r in rank_memory(static, 4, in_flight=list(schedule_shape("gpipe", 2, largest, 1, False,
                                                                                        2.0)[1]))]
     assert rank_memory(dbs, 4)[0].activations > rank_memory(static, 4)[0].activations
+
+
+@pytest.mark.parametrize("role", ["worker", "server"])
+def test_preflight_refuses_only_when_the_estimate_less_its_margin_exceeds_the_memory(monkeypatch, role):
+    recipe = _recipe({"dp": 2, "ps_servers": 1})
+    estimate = check_model_fits(recipe, 2)
+    need = max(r.total for r in estimate if r.role == role) * (1 - preflight.MARGIN)
+    plenty = (1e15, "test")
+
+    def available(amount):
+        monkeypatch.setattr(preflight, "device_memory", lambda n: (amount, "test") if role == "worker" else plenty)
+        monkeypatch.setattr(preflight, "host_memory", lambda n: (amount, "test") if role == "server" else plenty)
+    available(need + 1)
+    check_model_fits(recipe, 2)  # within the model's margin: not certain, so the run goes ahead
+    available(need - 1)
+    with pytest.raises(ConfigError, match="parameter server 0" if role == "server" else "pp rank 0"):
+        check_model_fits(recipe, 2)
