@@ -22,6 +22,7 @@ from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
 from pipetrain.plan.memory import RankMemory, model_params, run_memory
+from pipetrain.plan.search import state_floor
 
 GB = 1e9
 
@@ -64,8 +65,18 @@ def check_model_fits(recipe: Recipe, world_size: int) -> list[RankMemory]:
     """The memory half of preflight; returns the estimate it checked (every pp rank, then every server).
     world_size: the mesh's ranks (servers excluded)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    estimate = memory_estimate(recipe, world_size)
     processes = world_size + p.ps_servers
+    # the planner's floor first (model states spread evenly over every rank: certain, and arithmetic on
+    # the parameter count alone), so a model far too big is refused before any stage split is computed;
+    # not with parameter servers, whose table is no worker's
+    available, source = device_memory(processes)
+    floor = 0.0 if p.ps_servers else state_floor(recipe, world_size)
+    if floor > available:
+        raise ConfigError(f"model.d_model={m.d_model}, model.n_layers={m.n_layers}: {model_params(m):,} parameters "
+                          f"need at least {floor / GB:,.1f} GB per rank for weights, gradients and AdamW state "
+                          f"even spread over all {world_size} ranks, but {available / GB:,.1f} GB is available "
+                          f"({source}); shrink the model or launch more ranks")
+    estimate = memory_estimate(recipe, world_size)
     for r in estimate:
         server = r.role == "server"
         available, source = host_memory(processes) if server else device_memory(processes)

@@ -82,12 +82,18 @@ def world_problem(recipe: Recipe, world_size: int, memory_bytes: float) -> str:
         return (f"world size {world_size} exceeds the {usable:,} ranks this recipe can use (dp <= train.global_batch="
                 f"{t.global_batch}, tp <= model.n_heads={m.n_heads}, pp <= model.n_layers={m.n_layers}); plan for "
                 "fewer processes or a larger batch")
-    floor = model_params(m) * 16 / world_size  # 4 weights + 4 gradients + 8 AdamW bytes per parameter, all sharded
+    floor = state_floor(recipe, world_size)
     if floor > memory_bytes:
         return (f"model: {model_params(m):,} parameters need at least {floor / 2**30:,.1f} GiB per rank even spread "
                 f"over all {world_size} ranks, but a device has {memory_bytes / 2**30:,.1f} GiB; shrink the model "
                 "or plan for more devices")
     return ""
+
+
+def state_floor(recipe: Recipe, world_size: int) -> float:
+    """The fewest model-state bytes the busiest rank can hold: 4 weights + 4 gradients + 8 AdamW bytes per
+    parameter, all spread evenly over every rank (no layout holds less); arithmetic on the parameter count."""
+    return model_params(recipe.model) * 16 / world_size
 
 
 def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[dict]:
