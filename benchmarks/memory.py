@@ -1,7 +1,7 @@
 """Memory benchmark: ZeRO model-state bytes per rank, activation memory and time under recomputation,
 and the bf16 / fp32 step-time ratio on CPU.
 
-    python benchmarks/memory.py [zero] [recompute] [bf16] [--steps 6] [--threads 1]
+    python benchmarks/memory.py [zero] [recompute] [bf16] [modes] [ps-init] [--steps 6] [--threads 1]
 
 zero: gloo processes at dp 2 and 4 (one thread each) train the tiny recipe's model (llama D=256 L=8
   V=8192, 10.1M parameters) for --steps steps at parallel.zero 0, 1, 2 (and 2 without overlap); after reduce_grads of the
@@ -15,6 +15,16 @@ recompute: one process per (model size, mode): bytes saved for backward (saved_t
   a warm-up step; glibc's mmap threshold is pinned so freed tensors go back to the OS and RSS follows
   live memory; the increase also holds the gradients, the same in every mode), and the median step.
 bf16: median step time with train.precision=bf16 (autocast) over fp32, same model, one process.
+modes: the one memory model (pipetrain.plan.memory.run_memory, what the pre-flight check, --dry-run and
+  parallel.auto report) against measured peaks for the replica and server modes: bsp, ssp (staleness 2),
+  diloco (sync_every 2, outer momentum), a parameter server (2 servers, bsp) and dynamic batching (the
+  busiest replica given its largest share), each on fresh gloo processes (one thread each; glibc's mmap
+  threshold pinned so freed tensors go back to the OS and RSS follows live memory). Each rank first runs the
+  same mode on a narrow model (lazy imports, gloo buffers and thread pools out of the figure), then measures
+  the real one: peak = VmHWM (reset through /proc/self/clear_refs) during build and --steps steps, minus the
+  RSS before the build. Reported per kind of rank: the largest measured over its ranks against the model.
+ps-init: a parameter server's peak while it builds its rows of a V=128k, d=1024 table with 2 servers, the
+  rows drawn in chunks (today) against drawing the full table and slicing it (before issue 33).
 """
 from __future__ import annotations
 
@@ -34,14 +44,17 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pipetrain.build import build_trainer  # noqa: E402
+from pipetrain.build import build_server, build_trainer  # noqa: E402
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig  # noqa: E402
 from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.models import build, count_params, materialize  # noqa: E402
+from pipetrain.models.init import init_rows, init_tensor  # noqa: E402
 from pipetrain.optim.build import lr_at  # noqa: E402
 from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.pipeline.recompute import apply_recompute  # noqa: E402
 from pipetrain.parallel.data.zero import ZeroOptimizer  # noqa: E402
+from pipetrain.parallel.ps.protocol import row_range  # noqa: E402
+from pipetrain.plan.memory import run_memory  # noqa: E402
 from tests.harness import saved_activation_bytes  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -225,6 +238,113 @@ def bench_bf16(steps: int, threads: int) -> None:
               f"{bf16['step_s'] / fp32['step_s']:.2f} | {fp32['saved'] / MIB:.1f} / {bf16['saved'] / MIB:.1f} |")
 
 
+# ---- replica and server modes: the memory model against measured peaks ----
+
+MODES = {  # name: (parallel keys, vocab); 2 workers (+ 2 servers for ps)
+    "bsp": ({"dp": 2}, 8192),
+    "ssp": ({"dp": 2, "dp_sync": "ssp", "staleness": 2}, 8192),
+    "diloco": ({"dp": 2, "dp_sync": "diloco", "sync_every": 2, "outer_momentum": 0.9}, 8192),
+    "ps": ({"dp": 2, "ps_servers": 2}, 65536),
+    "dbs": ({"dp": 2, "microbatches": 2, "dynamic_batch": True}, 8192),
+}
+
+
+def _mode_recipe(mode: str, width: int, steps: int, out: str) -> Recipe:
+    parallel, vocab = MODES[mode]
+    model = ModelConfig(family="llama", vocab_size=vocab, d_model=64 * width, n_layers=4, n_heads=8, n_kv_heads=4,
+                        ffn_hidden=176 * width, max_seq_len=128)
+    return Recipe(model=model, parallel=ParallelConfig(**parallel),
+                  train=TrainConfig(steps=steps, global_batch=8, seq_len=128, lr=1e-3, warmup_steps=1),
+                  run=RunConfig(output_dir=out, progress=False))
+
+
+def _mode_run(recipe: Recipe, dims: ParallelDims, steps: int) -> int:
+    """Build and run one rank of recipe for steps steps; the peak RSS increase over the RSS before the build."""
+    os.makedirs(recipe.run.output_dir, exist_ok=True)
+    before = _rss_bytes()
+    _reset_peak_rss()
+    if dims.is_server:
+        build_server(recipe, dims).serve()
+        return _rss_bytes("VmHWM") - before
+    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, 8 * 129 * 4).astype(np.int32)
+    data = PackedData(tokens, np.ones(len(tokens), dtype=bool), 128, 0.0, 0)
+    trainer = build_trainer(recipe, dims, loader=Loader(data, 8, dims.dp_rank, dims.dp))
+    if trainer.dbs is not None:  # the busiest case the model sizes: replica 0 given its largest share
+        micro = recipe.train.global_batch // dims.dp // recipe.parallel.microbatches
+        trainer.dbs.counts = [trainer.dbs.total - trainer.dbs.minimum, trainer.dbs.minimum]
+        trainer.loader.use_counts(trainer.dbs.counts, dims.dp_shard, micro)
+    for _ in range(steps):
+        trainer.train_step()
+    if trainer.ps is not None:
+        trainer.ps.stop(trainer.step)
+    peak = _rss_bytes("VmHWM") - before
+    trainer.logger.close()
+    return peak
+
+
+def _mode_worker(rank: int, world_size: int, mode: str, steps: int, width: int, out: str) -> None:
+    torch.set_num_threads(1)
+    peaks = []
+    for k, w in enumerate((1, width)):  # a narrow warm-up, then the measured run
+        recipe = _mode_recipe(mode, w, steps, os.path.join(out, f"{mode}-{k}"))
+        peaks.append(_mode_run(recipe, ParallelDims.init(recipe.parallel), steps))
+    with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
+        json.dump({"peak": peaks[-1]}, f)
+
+
+def bench_modes(steps: int, width: int) -> None:
+    from tests.harness import run_ranks  # noqa: E402 -- the gloo spawner the tests use
+    print(f"## The memory model against measured peaks: llama D={64 * width} L=4, batch 8 x 128, {steps} steps, fp32, "
+          "gloo, one thread per rank")
+    print("| mode | rank | predicted MiB | measured MiB | predicted / measured |")
+    print("|---|---|---|---|---|")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned interpreters at start
+    try:
+        for mode in MODES:
+            recipe = _mode_recipe(mode, width, steps, "")
+            workers = 2
+            world = workers + recipe.parallel.ps_servers
+            with tempfile.TemporaryDirectory() as out:
+                run_ranks(world, _mode_worker, mode, steps, width, out)
+                peaks = [json.load(open(os.path.join(out, f"{mode}-rank{r}.json")))["peak"] for r in range(world)]
+            predicted = run_memory(recipe, workers, staged_collectives=True)  # gloo on CPU
+            kinds = [("worker", max(peaks[:workers]), max(r.total for r in predicted if r.role == "worker"))]
+            kinds += [(f"server {r.pp_rank}", peaks[workers + r.pp_rank], r.total)
+                      for r in predicted if r.role == "server"]
+            for who, measured, model in kinds:
+                print(f"| {mode} | {who} | {model / MIB:.1f} | {measured / MIB:.1f} | {model / measured:.2f} |")
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+
+
+def _ps_init_child(how: str) -> dict:
+    """One server's rows of a V=128k, d=1024 table (2 servers), built the way `how` says."""
+    m = ModelConfig(family="llama", vocab_size=131072, d_model=1024, n_layers=2, n_heads=8, max_seq_len=128)
+    lo, hi = row_range(m.vocab_size, 2, 0)
+    shape = (m.vocab_size, m.d_model)
+    before = _rss_bytes()
+    _reset_peak_rss()
+    if how == "chunked":
+        rows = init_rows(m, "embed.weight", shape, 1234, lo, hi)
+    else:
+        full = init_tensor(m, "embed.weight", shape, 1234)
+        rows = full[lo:hi].clone()
+        del full
+    return {"peak": _rss_bytes("VmHWM") - before, "rows_bytes": rows.numel() * 4}
+
+
+def bench_ps_init() -> None:
+    print("## A parameter server's rows at start: V=131072 x d=1024 table (512 MiB), 2 servers, server 0")
+    print("| init | rows held MiB | peak RSS increase MiB |")
+    print("|---|---|---|")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for how in ("full table, sliced", "chunked"):
+        proc = subprocess.run([sys.executable, __file__, "--ps-init-child", "chunked" if how == "chunked" else "full"],
+                              capture_output=True, text=True, env=env, check=True)
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"| {how} | {r['rows_bytes'] / MIB:.0f} | {r['peak'] / MIB:.0f} |")
+
+
 def _cpu_has_bf16() -> str:
     try:
         flags = open("/proc/cpuinfo").read()
@@ -239,15 +359,21 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["zero", "recompute", "bf16"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--width", type=int, default=8, help="modes: the model's width (D = 64 x width)")
     parser.add_argument("--child", nargs=3, metavar=("SIZE", "MODE", "PRECISION"), help=argparse.SUPPRESS)
+    parser.add_argument("--ps-init-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(_recompute_child(*args.child, args.steps)))
         return
+    if args.ps_init_child:
+        print(json.dumps(_ps_init_child(args.ps_init_child)))
+        return
     for section in args.sections:
         {"zero": lambda: bench_zero(args.steps), "recompute": lambda: bench_recompute(args.steps, args.threads),
-         "bf16": lambda: bench_bf16(args.steps, args.threads)}[section]()
+         "bf16": lambda: bench_bf16(args.steps, args.threads), "modes": lambda: bench_modes(args.steps, args.width),
+         "ps-init": bench_ps_init}[section]()
         print()
 
 

@@ -49,7 +49,8 @@ from pipetrain.parallel.pipeline.executor import Executor
 from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.tensor.lora import apply_lora
 from pipetrain.parallel.pipeline.stage import build_stage, stage_costs
-from pipetrain.parallel.ps.core import PSClient, PSEmbedding, Server
+from pipetrain.parallel.ps.client import PSClient, PSEmbedding
+from pipetrain.parallel.ps.server import Server
 from pipetrain.parallel.ps.state import server_log
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe

@@ -2,21 +2,21 @@
 
 Validates the recipe and the layout for the world size (layout_problems), then prints the parameter count
 (the model built on the meta device: no weights), the stage split, the schedule's timeline and bubble
-(schedules.simulate at B = 2 F, 3 F under full recompute) and every pp rank's predicted peak memory by kind
-(pipetrain.plan.memory). Loads no data, starts no processes.
+(schedules.simulate at B = 2 F, 3 F under full recompute) and every pp rank's and parameter server's
+predicted peak memory by kind: the pre-flight check's estimate (pipetrain.preflight.check_model_fits, the
+planner's pipetrain.plan.memory.run_memory), so the three report the same bytes. Loads no data, starts no
+processes.
 """
 from __future__ import annotations
 
 import warnings
-
-import torch
 
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
-from pipetrain.plan.memory import model_params, rank_memory, rank_stages
+from pipetrain.plan.memory import RankMemory, model_params, rank_stages
 from pipetrain.preflight import check_model_fits
 
 GIB = 2 ** 30
@@ -24,10 +24,15 @@ GIB = 2 ** 30
 
 def dry_run_report(recipe: Recipe, world_size: int) -> str:
     """The dry run's text; ConfigError listing every layout problem."""
+    return dry_run_details(recipe, world_size)[0]
+
+
+def dry_run_details(recipe: Recipe, world_size: int) -> tuple[str, list[RankMemory]]:
+    """(the dry run's text, the per-rank memory it prints); ConfigError listing every layout problem."""
     problems = layout_problems(recipe, world_size)
     if problems:
         raise ConfigError("; ".join(problems))
-    check_model_fits(recipe, world_size)  # before any per-layer work: a million layers answers at once
+    memory = check_model_fits(recipe, world_size)  # before any per-layer work: a million layers answers at once
     p, t = recipe.parallel, recipe.train
     dp = resolve_dp(recipe, world_size)
     params = model_params(recipe.model)
@@ -52,10 +57,14 @@ def dry_run_report(recipe: Recipe, world_size: int) -> str:
                   render_timeline(sim)]
     lines.append("predicted peak memory per rank (GiB): params / grads / optimizer / activations / comm; peak "
                  "(parameters, optimizer state and the largest phase: forward, end of backward, optimizer step)")
-    for m in rank_memory(recipe, world_size, staged_collectives=not torch.cuda.is_available()):  # gloo on CPU
-        lines.append(f"  pp rank {m.pp_rank}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
-                     f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f}; peak {m.total / GIB:.3f}")
-    return "\n".join(lines)
+    for m in memory:
+        who = f"parameter server {m.pp_rank}" if m.role == "server" else f"pp rank {m.pp_rank}"
+        extra = "".join(f", {label} {value / GIB:.3f}" for label, value in (
+            ("replica state", m.replica_state), ("pending gradients", m.pending), ("pulled rows", m.ps_tables))
+            if value)
+        lines.append(f"  {who}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
+                     f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f}{extra}; peak {m.total / GIB:.3f}")
+    return "\n".join(lines), memory
 
 
 def dry_run(recipe: Recipe, world_size: int, rank: int = 0) -> int:

@@ -1,15 +1,13 @@
 """Pre-flight: refuse, before any allocation, a run that cannot fit or that the corpus cannot feed.
 
-A first estimate, deliberately a lower bound (a refusal must be certain, a pass is not a promise):
-
-    per rank = parameters / (tp * pp) * (4 weights + 4 gradients + 8 AdamW moments / (dp if ZeRO))
-             + activations of min(pp, microbatches) microbatches in flight
-               (B_micro * T * (10 D + 3 F) / tp * 4 bytes per layer of the stage, plus the logits and
-               their gradient, B_micro * T * V / tp * 4 * 2)
-
-against the device's memory: CUDA total memory; on CPU MemAvailable from /proc/meminfo shared by
-this node's processes. Parameters are counted on a meta-device build (no memory). A global batch
-larger than the corpus's training windows is refused too (it would repeat windows inside a step).
+Memory: the planner's model (pipetrain.plan.memory.run_memory, the same per-rank figures --dry-run and
+parallel.auto report) for every pp rank and every parameter server, against what the rank may use: a
+worker's device (CUDA total memory; on CPU MemAvailable from /proc/meminfo shared by this node's
+processes), a server's host memory (MemAvailable likewise). A refusal must be certain and a pass is no
+promise: the model is documented within MARGIN of measured peaks (docs/planner.md), so a rank is refused
+only when even its estimate less MARGIN exceeds what it has. The model is arithmetic on the recipe
+(nothing is built), so a recipe of a million layers is refused at once. A global batch larger than the
+corpus's training windows is refused too (it would repeat windows inside a step).
 """
 from __future__ import annotations
 
@@ -23,17 +21,17 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
-from pipetrain.parallel.mesh.rules import resolve_dp
-from pipetrain.plan.memory import model_params
+from pipetrain.plan.memory import RankMemory, model_params, run_memory
+from pipetrain.plan.search import state_floor
 
 GB = 1e9
 
 
-def device_memory(world_size: int) -> tuple[float, str]:
-    """(bytes one rank may use, where the number comes from)."""
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        return float(torch.cuda.get_device_properties(index).total_memory), f"CUDA device {index} total memory"
+MARGIN = 0.15  # the memory model's documented accuracy against measured peaks (docs/planner.md)
+
+
+def host_memory(world_size: int) -> tuple[float, str]:
+    """(bytes of host memory one process of this node may use, where the number comes from)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     try:
         with open("/proc/meminfo") as f:
@@ -43,6 +41,14 @@ def device_memory(world_size: int) -> tuple[float, str]:
     return kb * 1024.0 / local, f"MemAvailable {kb * 1024 / GB:.1f} GB / {local} process(es) on this node"
 
 
+def device_memory(world_size: int) -> tuple[float, str]:
+    """(bytes one worker rank may use, where the number comes from)."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        return float(torch.cuda.get_device_properties(index).total_memory), f"CUDA device {index} total memory"
+    return host_memory(world_size)
+
+
 def preflight(recipe: Recipe, world_size: int) -> None:
     """ConfigError (exit 2) naming the key, the need and what is available when the run cannot fit in
     memory or its global batch exceeds the corpus's training windows."""
@@ -50,30 +56,44 @@ def preflight(recipe: Recipe, world_size: int) -> None:
     _check_data(recipe)
 
 
-def check_model_fits(recipe: Recipe, world_size: int) -> None:
-    """The memory half of preflight: arithmetic on the recipe alone (nothing is built), so a recipe of a
-    million layers is refused at once."""
+def memory_estimate(recipe: Recipe, world_size: int) -> list[RankMemory]:
+    """run_memory for the backend this machine runs: gloo on CPU stages its collectives' outputs."""
+    return run_memory(recipe, world_size, staged_collectives=not torch.cuda.is_available())
+
+
+def check_model_fits(recipe: Recipe, world_size: int) -> list[RankMemory]:
+    """The memory half of preflight; returns the estimate it checked (every pp rank, then every server).
+    world_size: the mesh's ranks (servers excluded)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    dp = resolve_dp(recipe, world_size)
-    params = model_params(m)
-    per_rank = params / (p.tp * p.pp)
-    state = per_rank * (4 + 4 + 8 / (dp if p.zero >= 1 else 1))
-    micro = max(1, t.global_batch // dp // p.microbatches)
-    tokens = micro * t.seq_len
-    layers = -(-m.n_layers // p.pp)
-    activations = (min(p.pp, p.microbatches) * tokens * layers * (10 * m.d_model + 3 * m.ffn_hidden) * 4 / p.tp
-                   + tokens * m.vocab_size / p.tp * 4 * 2)
-    available, source = device_memory(world_size)
-    if state > available:
-        raise ConfigError(f"model.d_model={m.d_model}, model.n_layers={m.n_layers}: {params:,} parameters need "
-                          f"{state / GB:,.1f} GB per rank for weights, gradients and AdamW state "
-                          f"(tp={p.tp}, pp={p.pp}, zero={p.zero}), but {available / GB:,.1f} GB is available ({source}); shrink the model "
-                          "or raise parallel.tp, parallel.pp or parallel.zero")
-    if state + activations > available:
-        raise ConfigError(f"train.global_batch={t.global_batch}: a microbatch of {micro} x {t.seq_len} tokens needs "
-                          f"about {activations / GB:,.1f} GB of activations per rank on top of {state / GB:,.1f} GB of "
-                          f"weights and optimizer state, but {available / GB:,.1f} GB is available ({source}); lower "
-                          "train.global_batch or train.seq_len, or raise parallel.microbatches")
+    processes = world_size + p.ps_servers
+    # the planner's floor first (model states spread evenly over every rank: certain, and arithmetic on
+    # the parameter count alone), so a model far too big is refused before any stage split is computed;
+    # not with parameter servers, whose table is no worker's
+    available, source = device_memory(processes)
+    floor = 0.0 if p.ps_servers else state_floor(recipe, world_size)
+    if floor > available:
+        raise ConfigError(f"model.d_model={m.d_model}, model.n_layers={m.n_layers}: {model_params(m):,} parameters "
+                          f"need at least {floor / GB:,.1f} GB per rank for weights, gradients and AdamW state "
+                          f"even spread over all {world_size} ranks, but {available / GB:,.1f} GB is available "
+                          f"({source}); shrink the model or launch more ranks")
+    estimate = memory_estimate(recipe, world_size)
+    for r in estimate:
+        server = r.role == "server"
+        available, source = host_memory(processes) if server else device_memory(processes)
+        who = f"parameter server {r.pp_rank}" if server else f"pp rank {r.pp_rank}"
+        if r.model_states * (1 - MARGIN) > available:
+            raise ConfigError(f"model.d_model={m.d_model}, model.n_layers={m.n_layers}: {model_params(m):,} "
+                              f"parameters need {r.model_states / GB:,.1f} GB per rank ({who}) for weights, "
+                              f"gradients and AdamW state (tp={p.tp}, pp={p.pp}, zero={p.zero}), but "
+                              f"{available / GB:,.1f} GB is available ({source}); shrink the model or raise "
+                              "parallel.tp, parallel.pp or parallel.zero" + (" or parallel.ps_servers" if server else ""))
+        if r.total * (1 - MARGIN) > available:
+            raise ConfigError(f"train.global_batch={t.global_batch}: {who} needs about {r.total / GB:,.1f} GB at its "
+                              f"peak ({r.activations / GB:,.1f} GB of activations on top of "
+                              f"{r.model_states / GB:,.1f} GB of weights and optimizer state), but "
+                              f"{available / GB:,.1f} GB is available ({source}); lower train.global_batch or "
+                              "train.seq_len, or raise parallel.microbatches")
+    return estimate
 
 
 def _check_data(recipe: Recipe) -> None:

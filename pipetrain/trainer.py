@@ -59,7 +59,7 @@ class Trainer:
         device, for MFU (None: no MFU); checkpointer None: save nothing. dynamic_batch: the replicas'
         microbatch counts (parallel.dynamic_batch; the loader already serves them); schedule_for(k):
         this rank's training schedule for k microbatches. ps: the parameter-server client
-        (pipetrain.parallel.ps.core.PSClient) when parallel.ps_servers > 0."""
+        (pipetrain.parallel.ps.client.PSClient) when parallel.ps_servers > 0."""
         self.recipe, self.dims, self.model, self.optimizer, self.loader = recipe, dims, model, optimizer, loader
         self.executor, self.actions, self.eval_actions = executor, list(actions), list(eval_actions)
         self.logger, self.checkpointer, self.tokenizer = logger, checkpointer, tokenizer
@@ -151,7 +151,7 @@ class Trainer:
             set_microbatches(self.microbatches())
         t_compute = time.perf_counter()  # after zero_grad: under torchft it waits for the step's quorum
         batch, num_targets = self.loader.next()
-        if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps.core)
+        if self.ps is not None:  # this step's embedding rows (pipetrain.parallel.ps.client)
             self.ps.begin_step(self.step + 1, batch.inputs)
             if self.ps.early and self.step + 1 < cfg.steps:  # ssp / async: the next rows overlap this step
                 self.ps.prefetch(self.step + 2, self.loader.peek_inputs())

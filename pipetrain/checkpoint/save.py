@@ -35,7 +35,7 @@ Item = tuple[str, torch.Tensor, tuple, list[int]]  # (global name, local tensor,
 
 class Saveable(Protocol):
     """What a Checkpointer saves: a trainer rank (pipetrain.trainer.Trainer) and a parameter server
-    (pipetrain.parallel.ps.core.Server) provide it the same way."""
+    (pipetrain.parallel.ps.server.Server) provide it the same way."""
 
     def checkpoint_state(self, trainable_only: bool) -> tuple[int, list[Item], dict]:
         """(step, items, meta), called by every process at the same save. trainable_only: only parameters

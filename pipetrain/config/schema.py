@@ -107,7 +107,7 @@ class ParallelConfig:
     outer_momentum: float = 0.9      # diloco: outer momentum, in [0, 1)
     dynamic_batch: bool = False      # split the global batch among replicas by measured speed (parallel/replicas/dbs.py)
     dynamic_batch_every: int = 5     # steps per measurement window: the split may move at its end
-    # ---- hybrid parameter server for the input embedding (pipetrain.parallel.ps.core, docs/parameter_server.md) ----
+    # ---- hybrid parameter server for the input embedding (pipetrain.parallel.ps, docs/parameter_server.md) ----
     ps_servers: int = 0              # extra ranks holding the embedding table; world = dp x tp x pp + ps_servers
     ps_sync: Literal["bsp", "ssp", "async"] = "bsp"  # ssp bounds pulled rows' age by parallel.staleness
     # ---- replica failover (pipetrain.parallel.replicas.failover, docs/fault_tolerance.md) ----

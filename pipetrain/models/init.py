@@ -44,20 +44,65 @@ def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[sli
     return out
 
 
-def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The full fp32 tensor for a global parameter name (a deterministic function of seed and name)."""
-    name = TIED_ALIASES.get(name, name) if cfg.tied else name
+# init_rows draws this many elements at a time: a multiple of 16, the block torch's CPU normal_ transforms
+# at once, so chunk by chunk the stream gives the full draw's values (tests/unit/test_ps.py checks it)
+INIT_CHUNK = 1 << 20
+
+
+def _init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:
+    """("zeros" | "ones" | "normal", std) of a global parameter name."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
     if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
+        return "zeros", 0.0
     if "norm" in owner:
-        return torch.ones(shape, device="cpu")
+        return "ones", 0.0
     std = cfg.init_std
     if owner in ("wo", "down"):
         std = std / math.sqrt(2 * cfg.n_layers)  # GPT-2 scaling of residual-branch outputs
+    return "normal", std
+
+
+def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full fp32 tensor for a global parameter name (a deterministic function of seed and name)."""
+    name = TIED_ALIASES.get(name, name) if cfg.tied else name
+    kind, std = _init_rule(cfg, name)
+    if kind != "normal":
+        return (torch.zeros if kind == "zeros" else torch.ones)(shape, device="cpu")
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)  # the generator's device
+
+
+def init_rows(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, lo: int, hi: int,
+              chunk: int = INIT_CHUNK) -> torch.Tensor:
+    """Rows [lo, hi) of init_tensor(cfg, name, shape, seed), bitwise, holding only them and one chunk (a
+    parameter server's shard of the table). The generator's stream is drawn from its start in chunks of
+    the flat tensor and the chunks before lo are dropped: a CPU generator cannot skip ahead. normal_ on 16
+    or more elements transforms blocks of 16 and redraws the last 16 when the size is not a multiple of
+    16, so every chunk but the last is a multiple of 16, a tail under 16 joins the chunk before it, and
+    rows whose values that redraw may overwrite (the last 16 elements) are drawn through to the end."""
+    assert 0 <= lo <= hi <= shape[0] and chunk % 16 == 0, f"init_rows: rows [{lo}, {hi}) of {shape}, chunk {chunk}"
+    name = TIED_ALIASES.get(name, name) if cfg.tied else name
+    kind, std = _init_rule(cfg, name)
+    rest = tuple(shape[1:])
+    if kind != "normal":
+        return (torch.zeros if kind == "zeros" else torch.ones)((hi - lo, *rest), device="cpu")
+    row = math.prod(rest)
+    total, start, stop = shape[0] * row, lo * row, hi * row
+    out = torch.empty(stop - start, device="cpu")
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    end = total if stop > total - 16 else stop
+    pos = 0
+    while pos < end:
+        size = min(chunk, total - pos)
+        if 0 < total - pos - size < 16:
+            size = total - pos
+        block = torch.empty(size, device="cpu").normal_(0.0, std, generator=gen)
+        a, b = max(pos, start), min(pos + size, stop)
+        if a < b:
+            out[a - start:b - start] = block[a - pos:b - pos]
+        pos += size
+    return out.view(hi - lo, *rest)
 
 
 @torch.no_grad()

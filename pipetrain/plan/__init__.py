@@ -17,7 +17,7 @@ def plan_header() -> str:
 def format_plan_row(index: int, plan: Plan) -> str:
     """One table row: the layout, the busiest rank's memory by kind, the step time by part."""
     l, t = plan.layout, plan.time
-    r = max(plan.memory, key=lambda m: m.total)
+    r = max(plan.workers, key=lambda m: m.total)
     return (f"{index:>3} {l['dp']:>3} {l['tp']:>3} {('y' if l['sequence_parallel'] else '-'):>2} {l['pp']:>3} "
             f"{l['schedule']:<16} {l['virtual_stages']:>2} {('y' if l['split_backward'] else '-'):>5} "
             f"{l['microbatches']:>4} {l['zero']:>4} {l['recompute']:<9} | {r.params / GIB:6.2f} {r.grads / GIB:6.2f} "

@@ -83,7 +83,7 @@ def resolve_auto(recipe: Recipe, world_size: int, fixed: dict, profile: DevicePr
 def describe(plan: Plan, world_size: int, profile: DeviceProfile, fixed: dict) -> str:
     """Two lines for the launch log: the choice and its predicted figures."""
     layout = " ".join(f"{k}={v}" for k, v in plan.layout.items())
-    peak = max(plan.memory, key=lambda r: r.total)
+    peak = max(plan.workers, key=lambda r: r.total)
     t = plan.time
     return (f"parallel.auto on {world_size} x {profile.name} (fixed: {fixed or 'none'}): {layout}\n"
             f"  predicted: {peak.total / GIB:.2f} GiB peak per rank (params {peak.params / GIB:.2f}, grads "

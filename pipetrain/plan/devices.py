@@ -39,8 +39,10 @@ class DeviceProfile:
 
     @property
     def staged_collectives(self) -> bool:
-        """A CPU profile runs gloo, whose all-gather stages its output through a flat copy (plan/memory.py)."""
-        return self.cores > 0
+        """A CPU profile runs gloo, whose all-gather stages its output through a flat copy (plan/memory.py):
+        a calibrated one (cores > 0) or the "cpu" placeholder a CPU launch plans from (plan.auto.launch_profile),
+        so parallel.auto's estimate is the pre-flight check's."""
+        return self.cores > 0 or self.name == "cpu"
 
     def flops(self, precision: str) -> float:
         return self.bf16_flops if precision == "bf16" else self.fp32_flops

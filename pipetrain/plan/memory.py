@@ -12,20 +12,34 @@ Activations: the bytes autograd saves for backward per microbatch, listed tensor
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
 at once (schedules.peak_in_flight of the simulated action lists). Legend: B microbatch sequences, T
 seq_len, D d_model, Hq/Hkv heads, K head dim, F ffn, V vocab.
+
+The replica modes (parallel/replicas/relaxed.py) add what their exchange holds: ssp / dssp keep the summed
+gradients of the clocks not yet applied (staleness s of them between steps, s + 1 while the update runs);
+DiLoCo keeps global parameters and the outer momentum beside the rank's (shard of the) parameters and its
+outer step holds the pseudo-gradient and its averaged copy; local SGD averages a flat copy of the
+parameters; every wrapped mode sums its gradients through a flat copy. Dynamic batch sizing
+(parallel/replicas/dbs.py) sizes the schedule by the largest share a replica can be given. With parameter
+servers (parallel/ps/) the workers hold no input embedding, only the step's compact tables; each server
+holds its rows, their AdamW moments and a dense gradient of them (server_memory). This one model is what
+the pre-flight check (pipetrain.preflight), train.py --dry-run and parallel.auto report (run_memory).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import warnings
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.mesh.rules import resolve_dp
+from pipetrain.parallel.mesh.rules import resolve_dp, resolve_dp_shard
 from pipetrain.parallel.pipeline.stage import stage_layout
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
+from pipetrain.parallel.ps.protocol import row_range
+from pipetrain.parallel.replicas.dbs import count_rules
+from pipetrain.parallel.replicas.relaxed import needs_relaxed, sync_mode
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -46,22 +60,36 @@ class RankMemory:
     grads_live: int = 0      # gradient bytes live beside the peak activations (earlier microbatches' backwards)
     full_grads: int = 0      # gradient bytes before the reduction (ZeRO 2 frees all but the shard after it)
     gather: int = 0          # ZeRO 1/2: the buffers of the parameter all-gather after the AdamW update
+    replica_state: int = 0   # DiLoCo: the global parameters and the outer momentum, kept for the whole run
+    pending: int = 0         # ssp / dssp: summed gradients of clocks not yet applied, held between steps
+    exchange_temp: int = 0   # the flat gradient the replica exchange installs, alive while the update runs
+    sync_temp: int = 0       # after the update: local SGD's flat copy, DiLoCo's pseudo-gradient and its
+                             # average; a server: the squared norm's fp64 copies (bsp), the scaled push (async)
+    loss_temp: int = 0       # the last stage's loss backward: the logits and two gradients of their size
+    ps_tables: int = 0       # a worker under parameter servers: the step's compact rows, their gradient, the
+                             # next step's prefetched rows
+    role: str = "worker"     # "worker" (pp_rank is its pp rank) or "server" (pp_rank is the server index)
 
     @property
     def model_states(self) -> int:
-        return self.params + self.grads + self.optim
+        return self.params + self.grads + self.optim + self.replica_state
 
     @property
     def total(self) -> int:
-        """Peak bytes: parameters and optimizer state always, plus the largest of three phases. Gradients are
-        freed at every step's start (zero_grad(set_to_none=True)), so the forward's peak holds the activations
-        in flight with only the gradients earlier microbatches made; the end of the backward holds the full
-        gradients and the reduction buffers; the optimizer step the reduced gradients and AdamW's
-        temporaries, then ZeRO's all-gather buffers."""
-        forward = self.activations + self.recompute_temp + self.deferred_w + self.grads_live + self.comm
+        """Peak bytes: parameters, optimizer and replica state, pending gradients and pulled rows always, plus
+        the largest of three phases. Gradients are freed at every step's start (zero_grad(set_to_none=True)),
+        so the forward's peak (up to the loss's backward) holds the activations in flight with only the
+        gradients earlier microbatches made; the end of the backward holds the full gradients and the reduction buffers; the optimizer step
+        the reduced gradients and AdamW's temporaries (beside the exchanged gradient), then ZeRO's all-gather
+        buffers or the replicas' parameter exchange."""
+        # the loss's backward starts before any gradient of its microbatch exists, so before any reduction
+        # bucket is in flight: its temporaries and the buffers are not live together
+        forward = (self.activations + self.recompute_temp + self.deferred_w + self.grads_live
+                   + max(self.comm, self.loss_temp))
         backward_end = self.full_grads + self.comm
-        step = self.grads + max(self.step_temp, self.gather)  # AdamW's temporaries are freed before the gather
-        return self.params + self.optim + max(forward, backward_end, step)
+        step = self.grads + max(self.step_temp + self.exchange_temp, self.gather, self.sync_temp)
+        held = self.params + self.optim + self.replica_state + self.pending + self.ps_tables
+        return held + max(forward, backward_end, step)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
@@ -73,9 +101,10 @@ def _kv_rows(m: ModelConfig, tp: int) -> int:
 
 
 def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: bool,
-                 tied_copy: bool) -> list[tuple[int, ...]]:
+                 tied_copy: bool, servers: bool = False) -> list[tuple[int, ...]]:
     """Local shapes of the parameters of one rank holding `layers` (and the embedding if first, the final
-    norm and head if last; the head is a copy of the tied embedding when tied_copy)."""
+    norm and head if last; the head is a copy of the tied embedding when tied_copy). servers: parameter
+    servers hold the input embedding (a first stage has none)."""
     D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
     gpt2 = m.family == "gpt2"
     qkv_bias = m.has_qkv_bias or gpt2
@@ -88,7 +117,8 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
     shapes = []
     if first:
-        shapes.append((V // tp, D))
+        if not servers:
+            shapes.append((V // tp, D))
         if gpt2:
             shapes.append((m.max_seq_len, D))
     shapes += block * len(layers)
@@ -139,8 +169,11 @@ def _hashable_model(m: ModelConfig) -> ModelConfig:
 def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
     """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
     p = recipe.parallel
-    stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages, tuple(p.stage_layers or ()) or None,
-                     recipe.train.seq_len, p.schedule)
+    if p.pp * p.virtual_stages == 1:  # one stage: no partition to compute (a million layers answers at once)
+        stages = (tuple(range(recipe.model.n_layers)),)
+    else:
+        stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages,
+                         tuple(p.stage_layers or ()) or None, recipe.train.seq_len, p.schedule)
     num_stages = len(stages)
     placement = placement_of(p.schedule)
     mine = [s for s in range(num_stages) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]
@@ -148,17 +181,26 @@ def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bo
     return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first
 
 
-def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes of dp rank 0 at this pp rank, after reduce_grads."""
+def zero_shards(recipe: Recipe, world_size: int) -> int:
+    """The ranks ZeRO shards model states over: dp_shard (all of dp by default) when parallel.zero >= 1 and
+    it exceeds 1 (build_optimizer's rule), else 1."""
     p = recipe.parallel
-    dp = resolve_dp(recipe, world_size)
+    shard = resolve_dp_shard(p, resolve_dp(recipe, world_size))
+    return shard if p.zero >= 1 and shard > 1 else 1
+
+
+def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of dp rank 0 at this pp rank, after reduce_grads.
+    Arithmetic per kind of tensor (the ends, one block times the layers), so a million layers is instant."""
+    p, m = recipe.parallel, recipe.model
+    shards = zero_shards(recipe, world_size)
     layers, first, last, copy = rank_stages(recipe, pp_rank)
-    shapes = param_shapes(recipe.model, p.tp, layers, first, last, copy)
-    full = sum(map(_numel, shapes))
-    shard = sum(_rows_numel(s, dp) for s in shapes) if dp > 1 else full
-    zero = p.zero if dp > 1 else 0
-    grads = shard if zero == 2 else full
-    optim = shard if zero >= 1 else full
+    ends = param_shapes(m, p.tp, [], first, last, copy, servers=p.ps_servers > 0)
+    block = param_shapes(m, p.tp, [0], False, False, False)
+    full = sum(map(_numel, ends)) + len(layers) * sum(map(_numel, block))
+    shard = sum(_rows_numel(s, shards) for s in ends) + len(layers) * sum(_rows_numel(s, shards) for s in block)
+    grads = shard if p.zero == 2 and shards > 1 else full
+    optim = shard if shards > 1 else full
     return FP32 * full, FP32 * grads, FP32 * MOMENTS * optim
 
 
@@ -213,7 +255,7 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     per_chunk_layers = len(layers) / p.virtual_stages
     unit = tokens * block * per_chunk_layers + rope * per_chunk_layers + weight_casts
     if in_flight is None:
-        in_flight = schedule_in_flight(recipe)[pp_rank]
+        in_flight = schedule_in_flight(recipe, world_size)[pp_rank]
     extra = tokens * ((first_extra if first else 0) + (last_extra if last else 0))
     # The first / last stage's extras live with their own chunk's units only; with one chunk per rank that
     # is every unit, interleaved it is about one in virtual_stages.
@@ -221,13 +263,26 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     return int(unit * in_flight + extra * extra_units)
 
 
-def schedule_in_flight(recipe: Recipe) -> list[int]:
+def busiest_microbatches(recipe: Recipe, world_size: int) -> int:
+    """Microbatches of the busiest rank's step: parallel.microbatches, or under parallel.dynamic_batch the
+    largest share a replica can be given (all the replicas' microbatches but the minimum each other replica
+    keeps: DynamicBatch's rules); the microbatch size does not change."""
+    p = recipe.parallel
+    if not p.dynamic_batch:
+        return p.microbatches
+    dp = resolve_dp(recipe, world_size)
+    replicas = dp // resolve_dp_shard(p, dp)
+    minimum = count_rules(p.schedule, p.pp, p.virtual_stages)[1]
+    return replicas * p.microbatches - (replicas - 1) * minimum
+
+
+def schedule_in_flight(recipe: Recipe, world_size: int) -> list[int]:
     """Most (microbatch, chunk) activations each pp rank holds at once under the recipe's schedule."""
     p = recipe.parallel
     if p.pp == 1:
         return [1]  # forward and backward of one microbatch at a time
-    return list(schedule_shape(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.split_backward,
-                               3.0 if p.recompute == "full" else 2.0)[1])
+    return list(schedule_shape(p.schedule, p.pp, busiest_microbatches(recipe, world_size), p.virtual_stages,
+                               p.split_backward, 3.0 if p.recompute == "full" else 2.0)[1])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -248,10 +303,11 @@ def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
     gradients they hold) and the p2p send and receive buffers of activations and gradients (pp > 1)."""
     p, t, m = recipe.parallel, recipe.train, recipe.model
     dp = resolve_dp(recipe, world_size)
+    reduce_dp = _reduce_ranks(recipe, world_size)
     total = 0
-    if dp > 1:
+    if reduce_dp > 1:
         buckets = min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, grad_bytes)
-        total += buckets + (buckets // dp if p.zero == 2 else 0)  # ZeRO 2: the reduce-scatter's output too
+        total += buckets + (buckets // reduce_dp if p.zero == 2 else 0)  # ZeRO 2: the reduce-scatter's output
     if p.pp > 1:
         micro = max(1, t.global_batch // (dp * p.microbatches))
         seq = t.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
@@ -305,22 +361,22 @@ def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int, staged: boo
     and this rank's part. staged: the backend gathers into a flat copy of its own, then copies it into the
     output (gloo's all_gather_into_tensor does; NCCL writes in place): one more bucket, measured on gloo as
     the gather's transient going from 39 to 63 MiB at 26 MiB of parameters per rank."""
-    dp = resolve_dp(recipe, world_size)
-    if dp == 1 or recipe.parallel.zero == 0:
+    shards = zero_shards(recipe, world_size)
+    if shards == 1:
         return 0
     buckets = min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, param_bytes)
     staging = min(DEFAULT_BUCKET_BYTES, param_bytes) if staged else 0
-    return buckets + buckets // dp + staging
+    return buckets + buckets // shards + staging
 
 
-def _grads_beside_activations(recipe: Recipe, grad_bytes: int, acts: int, in_flight: int) -> int:
+def _grads_beside_activations(recipe: Recipe, world_size: int, grad_bytes: int, acts: int, in_flight: int) -> int:
     """Gradients live when the activations peak. Without pipelining, microbatches run one after the other,
     so from the second one on the full gradients sit beside one microbatch's activations. A pipeline's
     activations peak at the end of its warm-up, before the first backward; later peaks hold one unit fewer
     beside the gradients: max(acts, grads + acts (u - 1) / u) - acts."""
     p = recipe.parallel
     if p.pp == 1:
-        return grad_bytes if p.microbatches > 1 else 0
+        return grad_bytes if busiest_microbatches(recipe, world_size) > 1 else 0
     return int(max(0.0, grad_bytes - acts / in_flight)) if in_flight else grad_bytes
 
 
@@ -328,7 +384,7 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
                 staged_collectives: bool = False) -> list[RankMemory]:
     """Every pp rank's predicted peak memory (dp rank 0, tp rank 0). staged_collectives: the backend copies
     collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives)."""
-    in_flight = in_flight or schedule_in_flight(recipe)
+    in_flight = in_flight or schedule_in_flight(recipe, world_size)
     out = []
     for r in range(recipe.parallel.pp):
         params, grads, optim = model_state_bytes(recipe, world_size, r)
@@ -336,7 +392,96 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
         out.append(RankMemory(r, params, grads, optim, acts, comm_bytes(recipe, world_size, params),
                               step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r),
                               deferred_w=deferred_w_bytes(recipe, world_size, r),
-                              grads_live=_grads_beside_activations(recipe, params, acts, in_flight[r]),
+                              grads_live=_grads_beside_activations(recipe, world_size, params, acts, in_flight[r]),
                               full_grads=params,
-                              gather=_gather_bytes(recipe, world_size, params, staged_collectives)))
+                              gather=_gather_bytes(recipe, world_size, params, staged_collectives),
+                              ps_tables=_ps_table_bytes(recipe, world_size, r),
+                              loss_temp=loss_backward_bytes(recipe, world_size, r),
+                              **replica_bytes(recipe, world_size, params, optim // MOMENTS)))
+    return out
+
+
+def loss_backward_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+    """The last stage's loss backward, on top of the saved log-softmax (counted in the activations): the
+    logits themselves (the executor still holds the stage output its loss was computed from), the gradient
+    of the log-softmax output and then of the logits: one microbatch's N x V/tp fp32 each, alive together
+    while the log-softmax's backward runs. Measured: a V 65536 parameter-server run peaked 258 MiB (two
+    such tensors) above the model without this term, 23% (docs/benchmarks.md, issue 33)."""
+    if not rank_stages(recipe, pp_rank)[2]:
+        return 0
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
+    return 3 * FP32 * tokens * (m.vocab_size // p.tp)
+
+
+def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False) -> list[RankMemory]:
+    """Every kind of rank's predicted peak: the workers' pp ranks (rank_memory), then each parameter server
+    (server_memory). world_size: the mesh's ranks, servers excluded. The one estimate the pre-flight check,
+    --dry-run and parallel.auto report."""
+    return rank_memory(recipe, world_size, staged_collectives=staged_collectives) + server_memory(recipe)
+
+
+def _wrapped(recipe: Recipe, world_size: int) -> bool:
+    """Whether RelaxedOptimizer wraps the optimizer (needs_relaxed on the layout's replica split)."""
+    p = recipe.parallel
+    dp = resolve_dp(recipe, world_size)
+    shard = resolve_dp_shard(p, dp)
+    return needs_relaxed(p, SimpleNamespace(dp_replicate=dp // shard, dp_shard=shard), p.zero)
+
+
+def _reduce_ranks(recipe: Recipe, world_size: int) -> int:
+    """The ranks the bucketed gradient reduction spans: dp_shard when the replica wrapper exchanges across
+    replicas itself, else all of dp."""
+    dp = resolve_dp(recipe, world_size)
+    return resolve_dp_shard(recipe.parallel, dp) if _wrapped(recipe, world_size) else dp
+
+
+def replica_bytes(recipe: Recipe, world_size: int, param_bytes: int, row_bytes: int) -> dict:
+    """What the cross-replica exchange (parallel/replicas/relaxed.py) holds, as RankMemory fields. The
+    exchanged tensors are the rank's gradients and parameters, or under ZeRO its rows of them (row_bytes).
+    Every wrapped mode's synchronous clocks (bsp, ssp's, local SGD's and DiLoCo's warm-up) sum gradients
+    through one flat copy, alive while the update runs. ssp / dssp with staleness s: each clock launches an
+    all-reduce of a new flat copy and applies those of clocks <= c - s, so s copies wait between steps and
+    s + 1 exist during the update. local SGD: its average of the parameters goes through a flat copy.
+    DiLoCo: the global parameters and the outer momentum (when outer_momentum > 0) for the whole run; the
+    outer step holds the pseudo-gradient beside its averaged flat copy, then beside the Nesterov update."""
+    p = recipe.parallel
+    if not _wrapped(recipe, world_size):
+        return {}
+    exchanged = row_bytes if zero_shards(recipe, world_size) > 1 else param_bytes
+    mode = sync_mode(p)
+    out = {"exchange_temp": exchanged}
+    if mode in ("ssp", "dssp"):
+        out["pending"] = p.staleness * exchanged  # dssp: staleness is its upper bound
+    elif mode == "local_sgd":
+        out["sync_temp"] = exchanged
+    elif mode == "diloco":
+        out["replica_state"] = exchanged * (2 if p.outer_momentum > 0 else 1)
+        out["sync_temp"] = 2 * exchanged
+    return out
+
+
+def _ps_table_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+    """A first-stage worker under parameter servers: the step's compact table of U rows (U at most the
+    dp rank's tokens per step, and V), its gradient, and the next step's prefetched rows."""
+    p, m, t = recipe.parallel, recipe.model, recipe.train
+    if not p.ps_servers or not rank_stages(recipe, pp_rank)[1]:
+        return 0
+    unique = min(m.vocab_size, t.global_batch // resolve_dp(recipe, world_size) * t.seq_len)
+    return 3 * FP32 * unique * m.d_model
+
+
+def server_memory(recipe: Recipe) -> list[RankMemory]:
+    """Each parameter server's peak (parallel/ps/server.py): its rows of the V x d table (row_range; never
+    the whole table), their two AdamW moments, the dense gradient of its rows (one update at a time) with
+    AdamW's temporaries, and the transient beside that gradient: under bsp the squared norm reads it as an
+    fp64 copy and squares that (4 rows' worth of fp32 bytes), under async a push is scaled into a copy."""
+    p, m = recipe.parallel, recipe.model
+    out = []
+    for index in range(p.ps_servers):
+        lo, hi = row_range(m.vocab_size, p.ps_servers, index)
+        rows = FP32 * (hi - lo) * m.d_model
+        norm = {"bsp": 4 * rows, "async": rows}.get(p.ps_sync, 0)
+        out.append(RankMemory(index, rows, rows, MOMENTS * rows, 0, 0, step_temp=rows, full_grads=rows,
+                              sync_temp=norm, role="server"))
     return out

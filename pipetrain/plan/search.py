@@ -23,7 +23,7 @@ from pipetrain.parallel.mesh.rules import layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import RankMemory, model_params, rank_memory
+from pipetrain.plan.memory import RankMemory, model_params, rank_memory, run_memory
 
 KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "split_backward", "microbatches", "zero", "recompute",
         "sequence_parallel")
@@ -35,12 +35,17 @@ RECOMPUTE = ("none", "selective", "full")
 @dataclass(frozen=True)
 class Plan:
     layout: dict                       # KEYS -> value
-    memory: list[RankMemory]           # per pp rank
+    memory: list[RankMemory]           # per pp rank, then per parameter server (memory.run_memory)
     time: StepTime
 
     @property
+    def workers(self) -> list[RankMemory]:
+        """The mesh's pp ranks: what the device must hold (servers keep their rows in host memory)."""
+        return [r for r in self.memory if r.role == "worker"]
+
+    @property
     def peak_bytes(self) -> int:
-        return max(r.total for r in self.memory)
+        return max(r.total for r in self.workers)
 
     def as_dict(self) -> dict:
         return {"layout": self.layout, "peak_bytes": self.peak_bytes, "memory": [r.as_dict() for r in self.memory],
@@ -77,12 +82,18 @@ def world_problem(recipe: Recipe, world_size: int, memory_bytes: float) -> str:
         return (f"world size {world_size} exceeds the {usable:,} ranks this recipe can use (dp <= train.global_batch="
                 f"{t.global_batch}, tp <= model.n_heads={m.n_heads}, pp <= model.n_layers={m.n_layers}); plan for "
                 "fewer processes or a larger batch")
-    floor = model_params(m) * 16 / world_size  # 4 weights + 4 gradients + 8 AdamW bytes per parameter, all sharded
+    floor = state_floor(recipe, world_size)
     if floor > memory_bytes:
         return (f"model: {model_params(m):,} parameters need at least {floor / 2**30:,.1f} GiB per rank even spread "
                 f"over all {world_size} ranks, but a device has {memory_bytes / 2**30:,.1f} GiB; shrink the model "
                 "or plan for more devices")
     return ""
+
+
+def state_floor(recipe: Recipe, world_size: int) -> float:
+    """The fewest model-state bytes the busiest rank can hold: 4 weights + 4 gradients + 8 AdamW bytes per
+    parameter, all spread evenly over every rank (no layout holds less); arithmetic on the parameter count."""
+    return model_params(recipe.model) * 16 / world_size
 
 
 def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[dict]:
@@ -130,13 +141,14 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
     if problems:
         return "does not divide: " + problems[0]
     try:
-        memory = rank_memory(candidate, world_size, staged_collectives=profile.staged_collectives)
+        memory = run_memory(candidate, world_size, staged_collectives=profile.staged_collectives)
     except (AssertionError, ValueError) as exc:  # the schedule builder refuses these sizes
         return f"schedule: {exc}"
-    peak = max(r.total for r in memory)
+    workers = [r for r in memory if r.role == "worker"]  # servers: host memory, which the profile does not give
+    peak = max(r.total for r in workers)
     if peak > profile.memory_bytes:
         return f"does not fit: {peak / 2**30:.1f} GiB > {profile.memory_bytes / 2**30:.1f} GiB"
-    busiest = max(memory, key=lambda r: r.params)
+    busiest = max(workers, key=lambda r: r.params)
     return Plan(layout, memory, step_time(candidate, world_size, profile, ranks_per_node,
                                           (busiest.params, busiest.grads, busiest.optim)))
 

@@ -21,11 +21,11 @@ from pipetrain.config import CheckpointConfig, FaultsConfig, ModelConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.models.init import init_tensor
 from pipetrain.optim.build import lr_at
-from pipetrain.parallel.ps import core as ps_module
+from pipetrain.parallel.ps import client as ps_module
 from pipetrain.optim.adamw import decays, set_lr
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.optim.torch_opt import build_torch_opt
-from pipetrain.parallel.ps.core import required_version, row_range
+from pipetrain.parallel.ps.protocol import required_version, row_range
 from tests.dist.common import replica_recipe
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 
@@ -61,7 +61,7 @@ def _run(rank, world, out, keys, steps, resume=None):
 
 
 def _spy_on_ps(trainer) -> dict:
-    """Watch this rank's PSClient from inside: every tensor it hands the transport (ps/core.py's isend, irecv,
+    """Watch this rank's PSClient from inside: every tensor it hands the transport (ps/client.py's isend, irecv,
     send_, recv_) is counted in bytes under what the client was doing, `wire[(kind, step)] = [out, in]`
     with kind pull (step's training rows, prefetched or not), eval, push, apply or control (save, stop);
     `events` orders the training pulls ("pull", step, trainer step when asked) and begin_step calls
@@ -197,7 +197,7 @@ ID, HEADER = 8, 4 * 8  # an int64 token id; a message header (op, step, n, aux a
 
 
 def _check_wire(r, servers, rank0):
-    """A bsp pusher's bytes on the PS transport, counted at ps/core.py's send and receive calls, step by step:
+    """A bsp pusher's bytes on the PS transport, counted at ps/client.py's send and receive calls, step by step:
     the unique-row formula U x d x 4 (fp32 rows) + U x 8 (ids) each way, plus the control messages
     (headers, the version a pull reply carries, the bsp norm reply, rank 0's APPLY); and the logged
     ps_pull_bytes / ps_push_bytes against the measured ones."""

@@ -11,11 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.config import ParallelConfig, Recipe, RunConfig
-from pipetrain.parallel.ps import core as ps
+from pipetrain.models.init import init_rows, init_tensor
+from pipetrain.parallel.ps import server as ps
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
-from pipetrain.parallel.ps.core import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, PSEmbedding, Server, pull_bytes,
-                                        push_bytes, required_version, row_range)
+from pipetrain.parallel.ps.client import PSEmbedding
+from pipetrain.parallel.ps.protocol import (OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, TAG_ROWS, header, pull_bytes, push_bytes,
+                                            required_version, row_range)
+from pipetrain.parallel.ps.server import Server
 from tests.unit.common import GPT2, LLAMA
 
 
@@ -50,6 +53,32 @@ def test_row_ranges_versions_and_bytes():
 
 def _problems(model=LLAMA, **parallel):
     return parallel_problems(Recipe(model=model, parallel=ParallelConfig(**parallel)))
+
+
+# (V, d, servers, chunk elements): uneven splits, rows shorter than a 16-element block, a chunk boundary inside
+# a row, a tail under 16 elements, one server
+CHUNKED = [(1000, 8, 3, 64), (37, 3, 4, 16), (97, 5, 2, 48), (101, 7, 3, 16), (256, 16, 1, 1024)]
+
+
+@pytest.mark.parametrize("vocab,d,servers,chunk", CHUNKED)
+def test_a_servers_chunked_init_is_bitwise_its_rows_of_the_full_table_draw(vocab, d, servers, chunk):
+    m = dataclasses.replace(LLAMA, vocab_size=vocab, d_model=d)
+    full = init_tensor(m, "embed.weight", (vocab, d), 1234)
+    for i in range(servers):
+        lo, hi = row_range(vocab, servers, i)
+        rows = init_rows(m, "embed.weight", (vocab, d), 1234, lo, hi, chunk=chunk)
+        assert rows.shape == (hi - lo, d) and torch.equal(rows, full[lo:hi]), (vocab, d, servers, i)
+
+
+def test_a_server_holds_only_its_rows_and_they_are_the_full_tables(tmp_path):
+    m = dataclasses.replace(LLAMA, vocab_size=1001)
+    recipe = Recipe(model=m, parallel=ParallelConfig(dp=2, ps_servers=2), run=RunConfig(output_dir=str(tmp_path)))
+    full = init_tensor(m, "embed.weight", (m.vocab_size, m.d_model), recipe.train.seed)
+    for index in range(2):
+        server = Server(recipe, ParallelDims(dp=2, rank=2 + index, ps_servers=2), lambda step: 0.1)
+        lo, hi = row_range(m.vocab_size, 2, index)
+        assert torch.equal(server.weight.detach(), full[lo:hi])
+        server._log.close()
 
 
 def test_recipe_checks_name_the_key_and_the_fix():
@@ -108,11 +137,11 @@ class _ScriptedWire:
 
 
 def _pull(worker, step, ids, staleness):
-    return worker, [ps._header(OP_PULL, step, ids.numel(), required_version("ssp", staleness, step)), ids]
+    return worker, [header(OP_PULL, step, ids.numel(), required_version("ssp", staleness, step)), ids]
 
 
 def _push(worker, step, ids, grad, version):
-    return worker, [ps._header(OP_PUSH, step, ids.numel(), version), ids, grad]
+    return worker, [header(OP_PUSH, step, ids.numel(), version), ids, grad]
 
 
 @pytest.mark.parametrize("staleness,held", [(1, True), (2, False)], ids=["s1-held", "s2-answered"])
@@ -130,7 +159,7 @@ def test_ssp_server_holds_a_pull_until_the_apply_its_staleness_needs(tmp_path, m
                           _pull(0, 2, ids, staleness), _push(0, 2, ids, grad, 0),
                           _pull(0, 3, ids, staleness),  # message 5: worker 0 is two steps ahead
                           _pull(1, 1, ids, staleness), _push(1, 1, ids, grad, 0),  # message 7: step 1 complete
-                          (0, [ps._header(OP_STOP, 3)])])
+                          (0, [header(OP_STOP, 3)])])
     for name in ("recv_any_", "recv_", "isend"):
         monkeypatch.setattr(ps, name, getattr(wire, name))
     server.serve()
@@ -185,7 +214,7 @@ def _serve(server, monkeypatch, messages) -> _ScriptedWire:
 
 
 def _save(worker, step):
-    return worker, [ps._header(OP_SAVE, step)]
+    return worker, [header(OP_SAVE, step)]
 
 
 @pytest.mark.parametrize("mode,version", [("ssp", 1), ("async", 2)])
@@ -196,7 +225,7 @@ def test_a_save_waits_for_every_pushers_pushes_up_to_its_step(tmp_path, monkeypa
     server = _server(tmp_path, mode, staleness=1)
     ids, grad = torch.tensor([1, 5, 9]), torch.randn(3, LLAMA.d_model)
     _serve(server, monkeypatch, [_push(0, 1, ids, grad, 0), _save(0, 1), _push(1, 1, ids, grad, 0), _save(1, 1),
-                                 (0, [ps._header(OP_STOP, 1)])])
+                                 (0, [header(OP_STOP, 1)])])
     assert [(step, v) for step, v, _ in server.checkpointer.saves] == [(1, version)]  # once, all pushes applied
     items = {n: t for n, t, _, _ in server.checkpointer.saves[0][2]}
     assert items["ps/version"].tolist() == [version]
@@ -226,7 +255,7 @@ def test_a_resumed_ssp_server_serves_the_rows_its_original_served_ahead_of_the_s
     wire = _serve(server, monkeypatch, [
         _pull(0, 1, ids[0], 1), _pull(1, 1, ids[1], 1), _pull(0, 2, ids[1], 1), _push(0, 1, ids[0], grads[0], 0),
         _pull(1, 2, ids[0], 1), _push(1, 1, ids[1], grads[1], 0), _save(0, 1), _save(1, 1),
-        (0, [ps._header(OP_STOP, 1)])])
+        (0, [header(OP_STOP, 1)])])
     original = [wire.pulls_answered(w)[1] for w in (0, 1)]
     assert [v for _, v, _ in original] == [0, 0]
     step, version, items = server.checkpointer.saves[0]
@@ -236,7 +265,7 @@ def test_a_resumed_ssp_server_serves_the_rows_its_original_served_ahead_of_the_s
     resumed.load(read, manifest)
     assert resumed.version == 1 and torch.equal(resumed.weight, server.weight)
     wire = _serve(resumed, monkeypatch, [_pull(1, 2, ids[0], 1), _pull(0, 2, ids[1], 1),
-                                         (0, [ps._header(OP_STOP, 1)])])
+                                         (0, [header(OP_STOP, 1)])])
     for worker in (0, 1):
         (_, v, rows), = wire.pulls_answered(worker)
         assert v == 0 and torch.equal(rows, original[worker][2]), worker

@@ -108,7 +108,7 @@ def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_s
     without it every dp rank holds the same full gradients and dp is not summed (no double count).
     shard_group: the group the rows are split over ("dp": dims.dp_group; ZeRO passes its dp_shard group).
     extra_sq: squares of gradients held elsewhere, counted once per (dp, pp) coordinate: the parameter
-    servers' table (pipetrain.parallel.ps.core), which the first stage's tp rank 0 of every dp rank passes."""
+    servers' table (pipetrain.parallel.ps.server), which the first stage's tp rank 0 of every dp rank passes."""
     group = dims.dp_group if shard_group == "dp" else shard_group
     if dp_sharded and group is not None:
         both = all_reduce_(torch.stack([sharded, replicated]), group)

@@ -246,7 +246,7 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroup
 
 # ---- point-to-point (the pipeline executor) ----
 
-# -- tagged point-to-point on a group (the parameter servers' protocol: pipetrain.parallel.ps.core). Ranks
+# -- tagged point-to-point on a group (the parameter servers' protocol: pipetrain.parallel.ps). Ranks
 # are global; recv_any_ takes a message from whichever member sent first and returns its rank.
 def isend(x: torch.Tensor, dst: int, pg: ProcessGroup, tag: int = 0):
     check_devices("isend", pg, x)
@@ -370,7 +370,7 @@ def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Te
 # -- trainer-level reductions
 # Whole-world collectives of the training loop and of building a run: every rank of the mesh (the
 # default group, or with parameter servers the workers' group, which set_workers_group installs; the
-# servers, pipetrain.parallel.ps.core, never join these). With one process they return their input and
+# servers, pipetrain.parallel.ps, never join these). With one process they return their input and
 # issue nothing.
 _WORKERS: ProcessGroup = None  # None: the default group
 

@@ -29,7 +29,7 @@ group (every rank of one replica: its loss under a relaxed mode), are created wi
 the mesh, like the embed groups. With dp_shard == dp (the default) dp_shard_group is dp_group and there
 is no replicate group; with dp_shard == 1 dp_replicate_group is dp_group.
 
-Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps.core) are S extra ranks after the mesh:
+Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps) are S extra ranks after the mesh:
 global ranks world_size .. world_size + S - 1 (`full_world_size` in all). They are outside the mesh
 (DeviceMesh gives them no coordinate) but make every group-creating call the workers make, in the same
 order, as torch.distributed requires. Two more groups then exist: `workers_group` (the mesh's ranks:

@@ -69,7 +69,7 @@ def _relaxed_key_problems(p: ParallelConfig) -> list[str]:
 
 
 def _ps_problems(r: Recipe) -> list[str]:
-    """parallel.ps_servers / ps_sync (pipetrain.parallel.ps.core): what a parameter server cannot serve."""
+    """parallel.ps_servers / ps_sync (pipetrain.parallel.ps): what a parameter server cannot serve."""
     p, m = r.parallel, r.model
     if not (isinstance(p.ps_servers, int) and not isinstance(p.ps_servers, bool) and p.ps_servers >= 0):
         return [f"parallel.ps_servers: must be an integer >= 0, got {p.ps_servers!r}; 0 turns servers off"]

@@ -1,7 +1,8 @@
 """The hybrid parameter server for the input embedding: rows on server ranks, pulled and pushed by workers.
 
-Owns: core.py (server, client, PSEmbedding and their messages; 520 lines,
-kept whole: the split into server/client/protocol is left for later), state.py (server state,
-checkpoints and the server log). May import: models, config, faults, optim.adamw, optim.torch_opt,
-parallel.mesh. Never: trainer, build, cli, checkpoint.
+Owns: protocol.py (row ranges, the message header and ops, byte counts, required versions), client.py
+(PSClient and PSEmbedding: the workers' side), server.py (Server: a server rank's rows, their AdamW state,
+the protocol loop), state.py (server state, checkpoints and the server log). client and server import
+protocol, never each other. May import: models, config, faults, optim.adamw, optim.torch_opt, parallel.mesh.
+Never: trainer, build, cli, checkpoint.
 """
