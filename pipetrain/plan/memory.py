@@ -13,7 +13,7 @@ decoder saves (docs/planner.md has the list), times the most (microbatch, chunk)
 at once (schedules.peak_in_flight of the simulated action lists). Legend: B microbatch sequences, T
 seq_len, D d_model, Hq/Hkv heads, K head dim, F ffn, V vocab.
 
-The replica modes (parallel/replicas/relaxed.py) add what their exchange holds: ssp / dssp keep the summed
+The replica modes (parallel/replicas/stale.py, periodic.py) add what their exchange holds: ssp / dssp keep the summed
 gradients of the clocks not yet applied (staleness s of them between steps, s + 1 while the update runs);
 DiLoCo keeps global parameters and the outer momentum beside the rank's (shard of the) parameters and its
 outer step holds the pseudo-gradient and its averaged copy; local SGD averages a flat copy of the
@@ -33,13 +33,12 @@ from dataclasses import asdict, dataclass
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.mesh.rules import resolve_dp, resolve_dp_shard
+from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
 from pipetrain.parallel.pipeline.stage import stage_layout
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
-from pipetrain.parallel.replicas.dbs import count_rules
-from pipetrain.parallel.replicas.relaxed import needs_relaxed, sync_mode
+from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -422,11 +421,11 @@ def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False
 
 
 def _wrapped(recipe: Recipe, world_size: int) -> bool:
-    """Whether RelaxedOptimizer wraps the optimizer (needs_relaxed on the layout's replica split)."""
+    """Whether a ReplicaOptimizer wraps the optimizer (needs_replica_sync on the layout's replica split)."""
     p = recipe.parallel
     dp = resolve_dp(recipe, world_size)
     shard = resolve_dp_shard(p, dp)
-    return needs_relaxed(p, SimpleNamespace(dp_replicate=dp // shard, dp_shard=shard), p.zero)
+    return needs_replica_sync(p, SimpleNamespace(dp_replicate=dp // shard, dp_shard=shard), p.zero)
 
 
 def _reduce_ranks(recipe: Recipe, world_size: int) -> int:
@@ -437,7 +436,7 @@ def _reduce_ranks(recipe: Recipe, world_size: int) -> int:
 
 
 def replica_bytes(recipe: Recipe, world_size: int, param_bytes: int, row_bytes: int) -> dict:
-    """What the cross-replica exchange (parallel/replicas/relaxed.py) holds, as RankMemory fields. The
+    """What the cross-replica exchange (parallel/replicas/stale.py, periodic.py) holds, as RankMemory fields. The
     exchanged tensors are the rank's gradients and parameters, or under ZeRO its rows of them (row_bytes).
     Every wrapped mode's synchronous clocks (bsp, ssp's, local SGD's and DiLoCo's warm-up) sum gradients
     through one flat copy, alive while the update runs. ssp / dssp with staleness s: each clock launches an
