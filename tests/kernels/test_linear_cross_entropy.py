@@ -23,7 +23,8 @@ CHUNKED_FP32 = dict(rtol=1e-5, atol=1e-6)
 # gradient's largest entry: over 1200 fresh seeds of these CASES the largest difference was 2^-6.1 of it.
 CHUNKED_BF16_RTOL, CHUNKED_BF16_FLOOR = 2**-5, 2**-5
 # Against fp64, the fused bf16 result's largest error is at most this many times eager bf16's (the
-# unfused spec run in bf16). Over 400 seeds of the bf16 precision test the worst ratio was 1.07 (loss),
+# unfused spec run in bf16), plus one bf16 ulp of the largest entry. Over 400 seeds at (37, 12, 50) the
+# worst ratio was 1.07 (loss),
 # 1.98 (dh: rounded before it is scaled) and 2.72 (dW: rounded once per chunk, 5 chunks there).
 BF16_VS_EAGER = 4.0
 
@@ -87,7 +88,8 @@ def _check_against_fp64(seed, case, dtype, ignored_rows=0):
             torch.testing.assert_close(a.double(), x, **CHUNKED_FP32, msg=lambda m: f"seed={seed} {name}: {m}")
         else:
             err, eager_err = float((a.double() - x).abs().max()), float((e.double() - x).abs().max())
-            assert err <= BF16_VS_EAGER * eager_err + 1e-7, f"seed={seed} {name}: error {err:.3g} vs eager {eager_err:.3g}"
+            ulp = 2**-8 * float(x.abs().max())  # one bf16 ulp of the largest entry: tiny cases round luckily
+            assert err <= BF16_VS_EAGER * eager_err + ulp, f"seed={seed} {name}: error {err:.3g} vs eager {eager_err:.3g}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
