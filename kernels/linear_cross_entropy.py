@@ -57,8 +57,8 @@ from .cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from .dispatch import HAS_TRITON, check_dtype, tl, triton, use_triton
 from .triton_helpers import num_warps_for
 
-if HAS_TRITON:
-    from .triton_helpers import round_to  # a triton.jit function: defined only with triton
+if HAS_TRITON:  # triton.jit functions: defined only with triton
+    from .cross_entropy import row_max_sum_exp, store_grad_row
 
 # See cross_entropy._MAX_BLOCK: 4096 fp32 values per loop iteration of a row (not tuned on a GPU).
 _MAX_BLOCK = 4096
@@ -97,27 +97,13 @@ if HAS_TRITON:
         # scale in place (scale = 1 / n_valid, 0 for an ignored row); the row's loss goes to loss_ptr.
         row = tl.program_id(0)
         base = row.to(tl.int64) * V  # int64: C * V passes 2**31 for real vocabularies
-        dt = x_ptr.dtype.element_ty
         t = tl.load(t_ptr + row)
         valid = t != ignore_index
-        row_max = tl.full((), float("-inf"), tl.float32)
-        sum_exp = tl.full((), 0.0, tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(row_max, tl.max(x, axis=0))
-            sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            row_max = new_max
+        row_max, sum_exp = row_max_sum_exp(x_ptr, base, V, BLOCK)
         lse = row_max + tl.log(sum_exp)
         target_logit = tl.load(x_ptr + base + t, mask=valid, other=0.0).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
-        scale = tl.where(valid, tl.load(scale_ptr), 0.0)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-            tl.store(x_ptr + base + cols, round_to(g, dt).to(dt), mask=mask)
+        store_grad_row(x_ptr, x_ptr, base, V, lse, t, tl.where(valid, tl.load(scale_ptr), 0.0), BLOCK)
 
 
 def _chunk_triton(logits, t, ignore_index, inv_n_valid, vocab_start, combine):
