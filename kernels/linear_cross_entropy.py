@@ -38,7 +38,7 @@ numbers over all shards (pipetrain.parallel.tensor.cross_entropy does it over tp
 of processes). dh is then this shard's partial sum, which the caller's tp region reduces.
 
 Autocast: under torch.autocast the op runs in the autocast dtype, as autocast runs the head's F.linear.
-It is hidden from torch.compile (a graph break): the chunk loop and its in-place buffers are already
+It is hidden from torch.compile (a graph break; dynamo is imported only when the op first runs): the chunk loop and its in-place buffers are already
 what a compiled head + loss would be, and the loss sits outside the per-block compiled regions.
 linear_cross_entropy_ref is the unfused spec, the test oracle only.
 
@@ -195,7 +195,9 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         return (None if dh is None else dh.view(ctx.hidden_shape)), dw, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # a graph break: see the module docstring (Autocast)
+# A graph break (module docstring). torch._disable_dynamo is torch.compiler.disable without importing
+# torch._dynamo until the first call, so importing pipetrain does not pay for it.
+@torch._disable_dynamo
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          *, vocab_start: int = 0, combine: Callable | None = None) -> torch.Tensor:
     """Mean cross-entropy of hidden @ weight.T against targets, without materialising all the logits.

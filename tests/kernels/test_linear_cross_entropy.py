@@ -250,3 +250,14 @@ def test_linear_cross_entropy_rejects_mismatched_shapes_and_dtypes():
         linear_cross_entropy(h, w, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="one dtype"):
         linear_cross_entropy(h, w.bfloat16(), t)
+
+
+def test_the_op_runs_inside_a_compiled_function_as_a_graph_break(monkeypatch):
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "torch")
+    seed = fresh_seed()
+    hidden, weight, targets = _problem(seed, 37, 12, 50, -100, torch.float32)
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t) * 2.0, backend="eager", fullgraph=False)
+    got = _run(lambda h, w, t, ignore_index: compiled(h, w, t) / 2.0, hidden, weight, targets, -100, dloss=1.0)
+    want = _run(linear_cross_entropy, hidden, weight, targets, -100, dloss=1.0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **CHUNKED_FP32, msg=lambda m: f"seed={seed}: {m}")
