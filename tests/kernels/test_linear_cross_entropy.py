@@ -1,5 +1,6 @@
 """linear_cross_entropy: the chunked paths (torch and Triton-interpreted) against the unfused spec and an
-fp64 reference, finite differences, the one-backward rule, and the peak memory of the chunked path."""
+fp64 reference, finite differences, the one-backward rule, autocast, a vocabulary shard, a compiled caller,
+and the peak memory of the chunked path."""
 import importlib
 import weakref
 
@@ -261,3 +262,37 @@ def test_the_op_runs_inside_a_compiled_function_as_a_graph_break(monkeypatch):
     want = _run(linear_cross_entropy, hidden, weight, targets, -100, dloss=1.0)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **CHUNKED_FP32, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_a_vocab_shard_with_combined_row_numbers_gives_the_full_loss_and_its_part_of_the_gradients(
+        poisoned, monkeypatch, kernels):
+    # In one process: combine returns what the all-reduces over every shard would (the full vocabulary's
+    # row numbers, chunk by chunk); the multi-process version is tests/dist/test_fused_loss.py.
+    monkeypatch.setenv("PIPETRAIN_KERNELS", kernels)
+    seed = fresh_seed()
+    hidden, weight, targets = _problem(seed, 37, 12, 50, -100, torch.float32)
+    lo, hi = 20, 50  # this shard's vocabulary rows
+    full = hidden @ weight.t()  # (N, V)
+    seen = [0]
+
+    def combine(row_max, sum_exp, target_logit):
+        rows = slice(seen[0], seen[0] + row_max.shape[0])
+        seen[0] += row_max.shape[0]
+        x, t = full[rows], targets[rows]
+        m = x.amax(-1)
+        picked = x.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+        return m, (x - m[:, None]).exp().sum(-1), torch.where(t != -100, picked, 0.0)
+
+    h, w = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, targets, vocab_start=lo, combine=combine)
+    (loss * 1.5).backward()
+    assert seen[0] == 37 and chunk_rows(37, 12, 30) < 37  # every row combined, over several chunks
+    valid = targets != -100
+    g = torch.softmax(full, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), 50)
+    g = g * (1.5 * valid / valid.sum())[:, None]  # the full logit gradient (N, V)
+    want = _run(linear_cross_entropy_ref, hidden, weight, targets, -100, dloss=1.5)
+    torch.testing.assert_close(loss.detach(), want[0], **CHUNKED_FP32, msg=lambda m: f"seed={seed} loss: {m}")
+    torch.testing.assert_close(w.grad, want[2][lo:hi], **CHUNKED_FP32, msg=lambda m: f"seed={seed} dW rows: {m}")
+    torch.testing.assert_close(h.grad, g[:, lo:hi] @ weight[lo:hi], **CHUNKED_FP32,
+                               msg=lambda m: f"seed={seed} dh part: {m}")
