@@ -44,12 +44,8 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
 
 if HAS_TRITON:
     @triton.jit
-    def _cross_entropy_fwd_kernel(x_ptr, t_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, V, vocab_start,
-                                  ignore_index, BLOCK: tl.constexpr):
-        # One program per row: online max and sum of exp(x - max) over blocks of V, plus the target's
-        # logit when the target falls in this shard [vocab_start, vocab_start + V) (else 0).
-        row = tl.program_id(0)
-        base = row.to(tl.int64) * V  # int64: N * V passes 2**31 for real vocabularies
+    def row_max_sum_exp(x_ptr, base, V, BLOCK: tl.constexpr):
+        """One pass over a row of V logits at x_ptr + base: the online max and sum of exp(x - max), fp32."""
         row_max = tl.full((), float("-inf"), tl.float32)
         sum_exp = tl.full((), 0.0, tl.float32)
         for start in range(0, V, BLOCK):
@@ -58,6 +54,28 @@ if HAS_TRITON:
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
             sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             row_max = new_max
+        return row_max, sum_exp
+
+    @triton.jit
+    def store_grad_row(x_ptr, dx_ptr, base, V, lse, local_t, scale, BLOCK: tl.constexpr):
+        """dx = (exp(x - lse) - onehot(local_t)) * scale over one row, rounded to dx's dtype. dx_ptr may
+        be x_ptr: each element is read before it is written, by the same program."""
+        dt = dx_ptr.dtype.element_ty
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = (tl.exp(x - lse) - tl.where(cols == local_t, 1.0, 0.0)) * scale
+            tl.store(dx_ptr + base + cols, round_to(g, dt).to(dt), mask=mask)
+
+    @triton.jit
+    def _cross_entropy_fwd_kernel(x_ptr, t_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, V, vocab_start,
+                                  ignore_index, BLOCK: tl.constexpr):
+        # One program per row: online max and sum of exp(x - max) over blocks of V, plus the target's
+        # logit when the target falls in this shard [vocab_start, vocab_start + V) (else 0).
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * V  # int64: N * V passes 2**31 for real vocabularies
+        row_max, sum_exp = row_max_sum_exp(x_ptr, base, V, BLOCK)
         t = tl.load(t_ptr + row)
         local_t = t - vocab_start
         hit = (t != ignore_index) & (local_t >= 0) & (local_t < V)
@@ -69,21 +87,14 @@ if HAS_TRITON:
     @triton.jit
     def _cross_entropy_bwd_kernel(x_ptr, t_ptr, lse_ptr, scale_ptr, dx_ptr, V, vocab_start, ignore_index,
                                   BLOCK: tl.constexpr):
-        # dx = (softmax(x) - onehot(t)) * scale, scale = dloss / n_valid (0 for ignored rows). dx_ptr
-        # may be x_ptr: each element is read before it is written, by the same program.
+        # dx = (softmax(x) - onehot(t)) * scale, scale = dloss / n_valid (0 for ignored rows); in place
+        # when dx_ptr is x_ptr (store_grad_row).
         row = tl.program_id(0)
         base = row.to(tl.int64) * V
-        dt = dx_ptr.dtype.element_ty
         t = tl.load(t_ptr + row)
         lse = tl.load(lse_ptr + row)
         scale = tl.where(t == ignore_index, 0.0, tl.load(scale_ptr))
-        local_t = t - vocab_start
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(cols == local_t, 1.0, 0.0)) * scale
-            tl.store(dx_ptr + base + cols, round_to(g, dt).to(dt), mask=mask)
+        store_grad_row(x_ptr, dx_ptr, base, V, lse, t - vocab_start, scale, BLOCK)
 
 
 def _block(V: int) -> int:

@@ -48,7 +48,7 @@ from pipetrain.parallel.mesh.rules import count_rules, parallel_problems
 from pipetrain.parallel.pipeline.executor import Executor
 from pipetrain.parallel.replicas.failover import FaultTolerantOptimizer, Replica
 from pipetrain.parallel.tensor.lora import apply_lora
-from pipetrain.parallel.pipeline.stage import build_stage, stage_costs
+from pipetrain.parallel.pipeline.stage import build_stage, stage_costs, without_head
 from pipetrain.parallel.ps.client import PSClient, PSEmbedding
 from pipetrain.parallel.ps.server import Server
 from pipetrain.parallel.ps.state import server_log
@@ -57,7 +57,7 @@ from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe
 from pipetrain.parallel.tensor.fp8 import apply_fp8
 from pipetrain.parallel.tensor.layers import apply_tensor_parallel
 from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
-from pipetrain.trainer import Trainer, loss_sum
+from pipetrain.trainer import Trainer, fused_loss_sum, loss_sum
 
 OptimizerFactory = Callable[[nn.Module, ParallelDims, Recipe], object]
 
@@ -232,8 +232,22 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
             return torch.autocast(dims.device.type, dtype=torch.bfloat16)
     else:
         autocast = contextlib.nullcontext
-    return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype,
-                    loss_fn=lambda logits, targets: loss_sum(logits, targets, tp_group), autocast=autocast)
+    def loss_fn(logits, targets):
+        return loss_sum(logits, targets, tp_group)
+    if fused_loss_on(recipe, dims.device) and any(spec.is_last for spec in specs):
+        head = next(c.head for c, spec in zip(chunks, specs) if spec.is_last)
+        chunks = [without_head(c) if spec.is_last else c for c, spec in zip(chunks, specs)]
+
+        def loss_fn(hidden, targets):
+            return fused_loss_sum(hidden, head, targets, tp_group)
+    return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype, loss_fn=loss_fn,
+                    autocast=autocast)
+
+
+def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:
+    """train.fused_loss resolved: "auto" fuses on CUDA (where the logits' memory is what limits the
+    batch) and not on the CPU (tiny vocabularies in tests; the torch path saves memory, not time)."""
+    return device.type == "cuda" if recipe.train.fused_loss == "auto" else bool(recipe.train.fused_loss)
 
 
 def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) -> list:

@@ -22,7 +22,7 @@ from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
 from pipetrain.optim.build import lr_at
 from pipetrain.parallel.mesh.comm import all_reduce_, max_over_world_async, sum_over_world_
-from pipetrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from pipetrain.parallel.tensor.cross_entropy import head_cross_entropy, vocab_parallel_cross_entropy
 from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.executor import Executor
@@ -43,6 +43,16 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
         return logits.sum() * 0.0
     targets = targets.to(logits.device, non_blocking=True)
     return vocab_parallel_cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
+
+
+def fused_loss_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """loss_sum of head(hidden) with the head fused into the loss (train.fused_loss): the last stage
+    returns the final norm's output and the (B, T, V) logits never exist whole."""
+    count = int((targets != IGNORE_INDEX).sum())
+    if count == 0:
+        return (hidden.sum() + head.weight.sum()) * 0.0
+    targets = targets.to(hidden.device, non_blocking=True)
+    return head_cross_entropy(hidden, head, targets, IGNORE_INDEX, tp_group) * count
 
 
 class Trainer:

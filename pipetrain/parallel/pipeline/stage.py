@@ -138,10 +138,23 @@ def stage_layout(cfg: ModelConfig, pcfg: ParallelConfig, seq_len: int) -> list[l
     return out
 
 
-def _chunk_view(model: nn.Module, spec: ChunkSpec) -> nn.Module:
-    """A shallow copy of the rank's module that runs only spec's layers (parameters shared)."""
+def _shallow_view(model: nn.Module) -> nn.Module:
+    """A copy of model whose submodules can be swapped without touching model (parameters shared)."""
     view = copy.copy(model)
     view._modules = dict(model._modules)
+    return view
+
+
+def without_head(chunk: nn.Module) -> nn.Module:
+    """A last-stage chunk that stops at the final norm (train.fused_loss: the loss applies the head)."""
+    view = _shallow_view(chunk)
+    view.head = None
+    return view
+
+
+def _chunk_view(model: nn.Module, spec: ChunkSpec) -> nn.Module:
+    """A shallow copy of the rank's module that runs only spec's layers (parameters shared)."""
+    view = _shallow_view(model)
     view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in spec.layers})
     if not spec.is_first:
         view.embed = None

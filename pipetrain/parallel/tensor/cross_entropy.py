@@ -8,7 +8,14 @@ the combine below; on the torch path the reference here, whose sums go through r
 (forward all-reduce, backward identity: the loss is replicated on every tp rank and each rank
 back-propagates it once, so the gradient reaching a rank's summand is that of the one shared loss).
 
-Shapes: logits (..., V/tp) flattened to (N, V/tp), targets (...,) -> (N,), per-row numbers (N,), loss ().
+The fused head + loss (train.fused_loss): vocab_parallel_linear_cross_entropy runs
+pipetrain.kernels.linear_cross_entropy on this rank's (V/tp, D) rows of the head with the same combine
+per chunk of tokens, so no rank ever holds more than a (C, V/tp) block of logits. Its dhidden is this
+shard's part; the head's tp region (head_cross_entropy enters it as the head's forward would) sums the
+parts in its backward.
+
+Shapes: logits (..., V/tp) flattened to (N, V/tp), targets (...,) -> (N,), per-row numbers (N,), loss ();
+hidden (..., D), head weight (V/tp, D).
 """
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ import torch
 
 from pipetrain.kernels.cross_entropy import CrossEntropyFn, as_fp32_rows, check_targets, cross_entropy
 from pipetrain.kernels.dispatch import use_triton
+from pipetrain.kernels.linear_cross_entropy import linear_cross_entropy
 from pipetrain.parallel.mesh.comm import ProcessGroup, all_reduce_, all_reduce_max_, group_rank, group_size, reduce_from_tp
+from pipetrain.parallel.tensor.layers import ColumnParallelLinear
 
 
 def vocab_parallel_cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -61,3 +70,26 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ig
         return CrossEntropyFn.apply(logits, targets, ignore_index, vocab_start,
                                     functools.partial(_combine_rows, tp_group))
     return vocab_parallel_cross_entropy_ref(logits, targets, ignore_index, tp_group)
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                        ignore_index: int = -100, tp_group: ProcessGroup = None) -> torch.Tensor:
+    """Mean cross-entropy of hidden @ weight.T where weight holds this tp rank's vocabulary rows
+    (V/tp, D), the same on every tp rank; hidden must already be in the tp region (head_cross_entropy)."""
+    if group_size(tp_group) == 1:
+        return linear_cross_entropy(hidden, weight, targets, ignore_index)
+    return linear_cross_entropy(hidden, weight, targets, ignore_index, vocab_start=group_rank(tp_group) * weight.shape[0],
+                                combine=functools.partial(_combine_rows, tp_group))
+
+
+def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, ignore_index: int = -100,
+                       tp_group: ProcessGroup = None) -> torch.Tensor:
+    """The mean loss of head(hidden) against targets with the head fused into the loss: hidden (B, T, D)
+    (or (B, T/tp, D) under sequence parallelism) enters the head's tp region, then the fused op runs on
+    the head's weight (a tied embedding's weight too: its gradient reaches the shared parameter)."""
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("train.fused_loss: the LM head has a bias, which the fused loss does not add; "
+                         "set train.fused_loss=false")
+    if isinstance(head, ColumnParallelLinear):
+        hidden = head.enter(hidden)
+    return vocab_parallel_linear_cross_entropy(hidden, head.weight, targets, ignore_index, tp_group)

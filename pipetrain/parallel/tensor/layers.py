@@ -124,10 +124,14 @@ class ColumnParallelLinear(_FromLinear, WeightGradModule, nn.Module):
         if bias:
             self.param_shards["bias"] = (0, tp_rank, tp_size)
 
-    def forward(self, x):
+    def enter(self, x):
+        """x as this layer's matmul takes it: through f when enter_region (the fused loss calls it too)."""
         if self.enter_region:
             x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return linear(x, self.weight, self.bias, self.fuse, self.deferred, self.fp8)  # (B, T, D_out/tp)
+        return x
+
+    def forward(self, x):
+        return linear(self.enter(x), self.weight, self.bias, self.fuse, self.deferred, self.fp8)  # (B, T, D_out/tp)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}/tp, sp={self.sequence_parallel}"

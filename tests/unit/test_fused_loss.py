@@ -1,0 +1,96 @@
+"""train.fused_loss in one process: the run's losses and weights match the unfused loss step by step
+(untied and tied heads, LoRA, bf16), the (B, T, V) logits are never built, and "auto" resolves by device.
+The layouts (tp 2, sequence parallel, pp 2 with a tied head, split backward) are in tests/dist/test_fused_loss.py."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pipetrain.build import fused_loss_on
+from pipetrain.config import ConfigError, build_recipe
+from tests.harness import EXACT_FP32
+from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer
+
+MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
+DATA = {"path": "x", "tokenizer": "y"}
+
+STEPS = 3
+LORA = dataclasses.replace(LLAMA, lora_rank=4, lora_alpha=8.0)
+LCE = importlib.import_module("pipetrain.kernels.linear_cross_entropy")
+# Weights after AdamW steps: Adam divides by sqrt(v), so the fp32 round-off of a small gradient (the
+# chunked dW sums in another order) moves its update by lr x that relative error, not by round-off.
+ADAM_FP32 = dict(rtol=1e-4, atol=1e-5)
+
+
+def _train(cfg, out, fused, **kw):
+    out.mkdir()
+    trainer = build_trainer(cfg, str(out), fused_loss=fused, steps=STEPS, microbatches=2, **kw)
+    records = [trainer.train_step() for _ in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], params
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, LORA], ids=["llama", "gpt2-tied", "llama-lora"])
+def test_fused_loss_matches_the_unfused_run_at_every_step(tmp_path, cfg, monkeypatch):
+    monkeypatch.setattr(LCE, "MIN_CHUNK_ROWS", 1)  # several chunks per microbatch (22 rows of 64)
+    want_losses, want_norms, want_params = _train(cfg, tmp_path / "unfused", False)
+    got_losses, got_norms, got_params = _train(cfg, tmp_path / "fused", True)
+    assert want_losses[-1] != want_losses[0]
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **EXACT_FP32)
+    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), **EXACT_FP32)
+    # the head's weight (gpt2: the tied embedding, so its gradient reached the shared parameter); LoRA:
+    # the frozen head and base stay bitwise where they were
+    for name in {"embed.weight", "head.weight"} & set(want_params):  # named_parameters lists a tied one once
+        torch.testing.assert_close(got_params[name], want_params[name], **ADAM_FP32, msg=lambda m: f"{name}: {m}")
+    if cfg.lora_rank:
+        assert torch.equal(got_params["head.weight"], want_params["head.weight"])
+
+
+def test_fused_loss_under_bf16_autocast_stays_near_the_unfused_run(tmp_path):
+    want = _train(LLAMA, tmp_path / "unfused", False, precision="bf16")[0]
+    got = _train(LLAMA, tmp_path / "fused", True, precision="bf16")[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **BF16_LOSS)
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_loss_never_builds_the_whole_logits(tmp_path, monkeypatch, fused):
+    monkeypatch.setattr(LCE, "MIN_CHUNK_ROWS", 1)
+    cfg = dataclasses.replace(LLAMA, vocab_size=96)  # no other dim is 96
+    trainer = build_trainer(cfg, str(tmp_path), fused_loss=fused, microbatches=2)
+    with _Shapes() as mode:
+        trainer.train_step()
+    tokens = 8 // 2 * 16  # sequences per microbatch x seq_len
+    whole = [s for s in mode.shapes if s and s[-1] == 96 and torch.Size(s).numel() >= tokens * 96]
+    if fused:
+        assert not whole, f"(tokens, V) logits were built: {whole[:3]}"
+        assert any(len(s) == 2 and s[1] == 96 and s[0] < tokens for s in mode.shapes), "no (C, V) chunk ran"
+    else:
+        assert (4, 16, 96) in whole, sorted(set(mode.shapes))  # the meter sees the unfused head's logits
+
+
+def test_fused_loss_auto_is_on_for_cuda_only_and_the_key_takes_bools():
+    auto = build_recipe({"model": MODEL, "data": DATA})
+    assert auto.train.fused_loss == "auto"
+    assert fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
+    on = build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": True}})
+    assert fused_loss_on(on, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="train.fused_loss='yes' is not one of"):
+        build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": "yes"}})
