@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from pipetrain import build as build_module
 from pipetrain.build import fused_loss_on
 from pipetrain.config import ConfigError, build_recipe
 from tests.harness import EXACT_FP32
@@ -86,9 +87,11 @@ def test_fused_loss_never_builds_the_whole_logits(tmp_path, monkeypatch, fused):
         assert (4, 16, 96) in whole, sorted(set(mode.shapes))  # the meter sees the unfused head's logits
 
 
-def test_fused_loss_auto_is_on_for_cuda_only_and_the_key_takes_bools():
+def test_fused_loss_auto_follows_the_measured_devices_and_the_key_takes_bools(monkeypatch):
     auto = build_recipe({"model": MODEL, "data": DATA})
     assert auto.train.fused_loss == "auto"
+    assert not fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
+    monkeypatch.setattr(build_module, "FUSED_LOSS_MEASURED_FASTER", frozenset({"cuda"}))
     assert fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
     on = build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": True}})
     assert fused_loss_on(on, torch.device("cpu"))
