@@ -36,6 +36,7 @@ from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf import check_tokenizer_vocab, load_hf_weights, model_config_from_hf
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
+from pipetrain.models.compile import apply_compile, check_compile, compile_backend
 from pipetrain.optim.build import build_optimizer, lr_at
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.replicas.dbs import DynamicBatch, count_rules
@@ -101,6 +102,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         loader.dp_rank = replica.replica_id * dims.dp + dims.dp_rank
         loader.dp_size = replica.num_replicas * dims.dp
 
+    if recipe.train.compile:  # before any weight is built: no C++ compiler is a one-line error
+        check_compile(dims.device, compile_backend())
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
@@ -118,6 +121,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
     apply_recompute(model, recipe.parallel)
+    if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
+        apply_compile(model)
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:

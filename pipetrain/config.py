@@ -141,6 +141,7 @@ class TrainConfig:
     decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
     optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum train.momentum, weight decay train.weight_decay
     momentum: float = 0.0            # sgd only
+    compile: bool = False            # torch.compile each transformer block, fullgraph (pipetrain.models.compile)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,6 +145,10 @@ class _LinearFn(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fuse: bool = False,
            work: WeightGradWork | None = None) -> torch.Tensor:
     """F.linear, with the weight gradients accumulated in place (fuse) or deferred into work (module docstring)."""
+    if torch.compiler.is_compiling():
+        # Inside a compiled block (train.compile, pipetrain.models.compile) the block's one backward graph
+        # computes dW; a backward that writes .grad or a Python list in place cannot be traced.
+        return F.linear(x, weight, bias)
     if (work is None and not fuse) or not torch.is_grad_enabled() \
             or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
         return F.linear(x, weight, bias)
