@@ -80,6 +80,12 @@ def apply_compile(model: nn.Module, backend: str | None = None) -> list[str]:
     backend = backend or compile_backend()
     names = []
     for name, block in model.layers.items():
+        for module in block.modules():
+            if hasattr(type(module), "deferred"):  # a WeightGradModule (models/ does not import parallel/)
+                # An instance attribute from the start: the executor's deferring() sets one around a split
+                # backward's F and B, and the guard of a first trace that read the class default would
+                # fail then (a second compile). Inside the graph linear() never reads its value.
+                module.deferred = None
         block.compile(fullgraph=True, backend=backend)
         names.append(f"layers.{name}")
     return names
