@@ -9,6 +9,7 @@ The order is DESIGN.md's run path:
            -> pipeline stage                 parallel/pipeline/stage.py
            -> weights: seed | Hugging Face | checkpoint   models/init.py, hf/, checkpoint/
            -> recompute                      parallel/pipeline/recompute.py
+           -> compile each block (train.compile)  models/compile.py
            -> optimizer (ZeRO over dp)       optim/build.py, parallel/data/zero.py
            -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules/
            -> metrics logger, checkpointer   metrics.py, checkpoint/

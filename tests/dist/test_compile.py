@@ -75,8 +75,9 @@ def check_layout(name: str, tmp_path, monkeypatch) -> None:
     (tmp_path / "run").mkdir()
     results = rank_results(world, _losses, str(tmp_path / "run"), tp, pp, keys, True)
     for rank, (losses, first, last) in enumerate(results):
-        # every block of a rank has the same structure: one graph serves them all, compiled once
-        assert first.get("unique_graphs") == 1, f"{name} rank {rank}: {first}"
+        # every block of a rank has the same structure: one graph serves them all, compiled once. Under LoRA
+        # the first block's input needs no gradient (the embedding is frozen): its graph has no dx, a second one
+        assert first.get("unique_graphs") == (2 if name.endswith("lora") else 1), f"{name} rank {rank}: {first}"
         assert last == first, f"{name} rank {rank}: recompiled after the first step: {first} -> {last}"
     losses = results[-1][0]  # the last rank holds the last stage (the loss is the world's on every rank)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
