@@ -56,7 +56,8 @@ def bench(name: str, steps: int) -> dict:
                 times[key].append(record["step_time_s"])
                 losses[key].append(record["loss"])
     med = {k: statistics.median(v[WARMUP_STEPS:]) for k, v in times.items()}
-    return {"name": name, "params": count_params(eager.model), "tokens": recipe.train.global_batch * recipe.train.seq_len,
+    tokens = recipe.train.global_batch * recipe.train.seq_len
+    return {"name": name, "params": count_params(eager.model), "tokens": tokens,
             "eager_s": med["eager"], "compiled_s": med["compiled"],
             "compile_s": times["compiled"][0] - med["compiled"],
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))}
@@ -76,7 +77,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.models:
         r = bench(name, args.steps)
-        print(f"| {r['name']} | {r['params'] / 1e6:.2f}M | {r['tokens']} | {r['eager_s']:.3f} | {r['compiled_s']:.3f} | "
+        print(f"| {r['name']} | {r['params'] / 1e6:.2f}M | {r['tokens']} | {r['eager_s']:.3f} | "
+              f"{r['compiled_s']:.3f} | "
               f"{r['eager_s'] / r['compiled_s']:.2f}x | {r['compile_s']:.1f} | {r['max_loss_diff']:.1e} |", flush=True)
 
 

@@ -4,7 +4,7 @@ step, and compiles once (no recompile across steps or microbatches).
 The matrix runs the aot_eager backend (PIPETRAIN_COMPILE_BACKEND): it traces exactly what inductor would
 (dynamo, fullgraph, AOT autograd's joint forward/backward) but runs eager kernels, so the losses match the
 eager run bit for bit in fp32 and a case takes seconds instead of inductor's minute of C++ compilation on
-CPU; tests/unit/test_compile.py runs inductor end to end.
+CPU; tests/e2e/test_compile.py runs inductor end to end.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """train.compile in one process: blocks compiled in place (names kept), parity with eager at every step under
-full recompute and gradient-accumulation fusion, one graph for all blocks, the backend knob, the reason
+full recompute and gradient-accumulation fusion, and under bf16 autocast, one graph for all blocks, the backend knob, the reason
 inductor cannot run, and the steady-state throughput of the end-of-run line."""
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ def _losses(tmp_path, name: str, steps: int = 3, **keys):
     return trainer, [trainer.train_step()["loss"] for _ in range(steps)]
 
 
-def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inductor's trace with eager kernels: bitwise fp32
+@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}], ids=["fp32_recompute", "bf16"])
+def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, monkeypatch, keys):
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inductor's trace with eager kernels: bitwise, bf16 autocast too
     counters.clear()
-    _, eager = _losses(tmp_path, "eager", recompute="full")
+    _, eager = _losses(tmp_path, "eager", **keys)
     assert not counters["stats"], "the eager run compiled something"
-    trainer, compiled = _losses(tmp_path, "compiled", recompute="full", compile=True)
+    trainer, compiled = _losses(tmp_path, "compiled", compile=True, **keys)
     assert compiled == eager, (compiled, eager)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # 2 blocks, 2 microbatches, 3 steps
     names = [n for n, _ in trainer.model.named_parameters()]
