@@ -11,9 +11,11 @@ parallelism (its modules and the attn / mlp pre-hooks are traced into the graph,
 functional collectives: pipetrain.parallel.mesh.comm), gradient-accumulation fusion (inside a
 compiled block linears are plain F.linear: the block's backward graph computes dW, see
 pipetrain.parallel.pipeline.weight_grads.linear), LoRA (the adapters are parameters of the block) and
-activation recomputation (the checkpointed forward is traced as one checkpoint region). Compiling
-earlier would trace modules that are replaced afterwards. nn.Module.compile compiles in place, so
-parameter names, checkpoints and the pipeline chunks' references do not change.
+activation recomputation (the checkpointed forward is traced as one checkpoint region).
+nn.Module.compile is lazy (the first call traces the block as it is then) and in place, so parameter
+names, checkpoints and the pipeline chunks' references do not change; it runs last because the
+attribute it gives each linear (see apply_compile) must be on the modules tensor parallelism and LoRA
+leave in the block, not on the ones they replace.
 
 The backend is inductor; PIPETRAIN_COMPILE_BACKEND (not a recipe key: tests and benchmarks only)
 picks another, e.g. aot_eager, which traces exactly as inductor does but runs the eager kernels (the
