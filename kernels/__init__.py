@@ -3,6 +3,13 @@
 Each op lives in its own module: the torch reference (`<op>_ref`, the spec and the CPU path), the
 Triton kernels, an autograd.Function, and a dispatcher that picks Triton for CUDA tensors and the
 reference otherwise. PIPETRAIN_KERNELS=triton|torch forces one path (see dispatch.py).
+
+The Triton path has two wrappers around the same launchers: eager calls go through the autograd.Function
+(no operator dispatch per call), and code being traced by torch.compile (train.compile) calls the
+custom ops pipetrain::<op> and pipetrain::<op>_backward (torch.library.triton_op with the backward op
+registered as its autograd formula), whose kernels launch through wrap_triton, so inductor sees them as
+Triton kernels in its graph, schedules around them and derives their fake (meta) implementation by running
+the launcher on fake tensors. The torch reference stays the CPU path, compiled or not.
 """
 from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy

@@ -23,6 +23,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
     HAS_TRITON = False
 
+if HAS_TRITON:  # launchers call kernels through it: a plain launch in eager, a kernel inductor sees when traced
+    from torch.library import wrap_triton
+else:  # pragma: no cover - the launchers are never called without triton
+    wrap_triton = None
+
 ENV_VAR = "PIPETRAIN_KERNELS"
 _MODES = ("auto", "torch", "triton")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES, num_warps_for
 
 if HAS_TRITON:
@@ -89,7 +89,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0]:  # zero rows (an empty micro-batch) launch nothing
-        _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
+        wrap_triton(_rms_norm_fwd_kernel)[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
                                              num_warps=num_warps_for(block))
     return y.view(x.shape), rstd
 
@@ -110,7 +110,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     if N == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
     dw_part = torch.empty(programs, D, device=x.device, dtype=torch.float32)  # (P, D)
-    _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_part, N, D, BLOCK=block,
+    wrap_triton(_rms_norm_bwd_kernel)[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_part, N, D, BLOCK=block,
                                       num_warps=num_warps_for(block))
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
@@ -128,6 +128,40 @@ class RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
+if HAS_TRITON:
+    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
+    # wrappers); the fake implementations give the output shapes without launching anything.
+    @torch.library.triton_op("pipetrain::rms_norm", mutates_args=())
+    def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, rstd) = rms_norm_fwd(x, weight, eps)."""
+        return rms_norm_fwd(x, weight, eps)
+
+    @torch.library.triton_op("pipetrain::rms_norm_backward", mutates_args=())
+    def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dx, dw) = rms_norm_bwd(dy, x, weight, rstd)."""
+        return rms_norm_bwd(dy, x, weight, rstd)
+
+    @rms_norm_op.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
+
+    @rms_norm_backward_op.register_fake
+    def _(dy, x, weight, rstd):
+        return torch.empty_like(x), torch.empty_like(weight)
+
+    def _rms_norm_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+    def _rms_norm_backward(ctx, dy, _drstd):  # rstd is an output only for the backward: no gradient flows into it
+        dx, dw = rms_norm_backward_op(dy, *ctx.saved_tensors)
+        return dx, dw, None
+
+    rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x over its last dim, scaled by weight; Triton or reference per dispatch.use_triton."""
-    return RMSNormFn.apply(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps)
+    return rms_norm_op(x, weight, eps)[0] if torch.compiler.is_compiling() else RMSNormFn.apply(x, weight, eps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES
 
 if HAS_TRITON:
@@ -110,8 +110,8 @@ def _launch(kernel, q, k, cos, sin):
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if B * T:
         # num_warps 4: Triton's default; the tile is at most 64 KB and not tuned (no GPU measured here).
-        kernel[(B * T,)](q, k, cos, sin, qo, ko, T, Hq, Hkv, K, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
-                         BLOCK_HALF=block_half, num_warps=4)
+        wrap_triton(kernel)[(B * T,)](q, k, cos, sin, qo, ko, T, Hq, Hkv, K, BLOCK_HQ=block_hq,
+                                      BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, num_warps=4)
     return qo, ko
 
 
@@ -140,6 +140,41 @@ class RoPEFn(torch.autograd.Function):
         return dq, dk, None, None
 
 
+if HAS_TRITON:
+    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
+    # wrappers); the fake implementations give the output shapes without launching anything.
+    @torch.library.triton_op("pipetrain::rope", mutates_args=())
+    def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_rot, k_rot) = rope_fwd(q, k, cos, sin)."""
+        return rope_fwd(q, k, cos, sin)
+
+    @torch.library.triton_op("pipetrain::rope_backward", mutates_args=())
+    def rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dq, dk) = rope_bwd(dq, dk, cos, sin): the transposed rotation."""
+        return rope_bwd(dq, dk, cos, sin)
+
+    @rope_op.register_fake
+    def _(q, k, cos, sin):
+        return torch.empty_like(q), torch.empty_like(k)
+
+    @rope_backward_op.register_fake
+    def _(dq, dk, cos, sin):
+        return torch.empty_like(dq), torch.empty_like(dk)
+
+    def _rope_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2], inputs[3])
+
+    def _rope_backward(ctx, dq, dk):  # no gradient for the position tables, as RoPEFn
+        dq, dk = rope_backward_op(dq, dk, *ctx.saved_tensors)
+        return dq, dk, None, None
+
+    rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate q and k by the position tables; returns (q_rot, k_rot). Triton or reference per use_triton."""
-    return RoPEFn.apply(q, k, cos, sin) if use_triton(q) else rope_ref(q, k, cos, sin)
+    if not use_triton(q):
+        return rope_ref(q, k, cos, sin)
+    return rope_op(q, k, cos, sin) if torch.compiler.is_compiling() else RoPEFn.apply(q, k, cos, sin)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton
+from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 
 if HAS_TRITON:
     from .triton_helpers import round_to  # a triton.jit function: defined only with triton
@@ -68,7 +68,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
     M = gate.numel()
     if M:
-        _swiglu_fwd_kernel[(triton.cdiv(M, _BLOCK),)](gate, up, y, M, BLOCK=_BLOCK, num_warps=4)
+        wrap_triton(_swiglu_fwd_kernel)[(triton.cdiv(M, _BLOCK),)](gate, up, y, M, BLOCK=_BLOCK, num_warps=4)
     return y
 
 
@@ -78,7 +78,7 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     M = gate.numel()
     if M:
-        _swiglu_bwd_kernel[(triton.cdiv(M, _BLOCK),)](dy, gate, up, dg, du, M, BLOCK=_BLOCK, num_warps=4)
+        wrap_triton(_swiglu_bwd_kernel)[(triton.cdiv(M, _BLOCK),)](dy, gate, up, dg, du, M, BLOCK=_BLOCK, num_warps=4)
     return dg, du
 
 
@@ -94,6 +94,38 @@ class SwiGLUFn(torch.autograd.Function):
         return swiglu_bwd(dy, *ctx.saved_tensors)
 
 
+if HAS_TRITON:
+    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
+    # wrappers); the fake implementations give the output shapes without launching anything.
+    @torch.library.triton_op("pipetrain::swiglu", mutates_args=())
+    def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """swiglu_fwd(gate, up)."""
+        return swiglu_fwd(gate, up)
+
+    @torch.library.triton_op("pipetrain::swiglu_backward", mutates_args=())
+    def swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dgate, dup) = swiglu_bwd(dy, gate, up)."""
+        return swiglu_bwd(dy, gate, up)
+
+    @swiglu_op.register_fake
+    def _(gate, up):
+        return torch.empty_like(gate)
+
+    @swiglu_backward_op.register_fake
+    def _(dy, gate, up):
+        return torch.empty_like(gate), torch.empty_like(up)
+
+    def _swiglu_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # not silu(gate): the backward recomputes it
+
+    def _swiglu_backward(ctx, dy):
+        return swiglu_backward_op(dy, *ctx.saved_tensors)
+
+    swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; Triton or reference per dispatch.use_triton."""
-    return SwiGLUFn.apply(gate, up) if use_triton(gate) else swiglu_ref(gate, up)
+    if not use_triton(gate):
+        return swiglu_ref(gate, up)
+    return swiglu_op(gate, up) if torch.compiler.is_compiling() else SwiGLUFn.apply(gate, up)

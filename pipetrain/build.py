@@ -9,6 +9,7 @@ The order is DESIGN.md's run path:
            -> pipeline stage                 parallel/pipeline/stage.py
            -> weights: seed | Hugging Face | checkpoint   models/init.py, hf/, checkpoint/
            -> recompute                      parallel/pipeline/recompute.py
+           -> compile each block (train.compile)  models/compile.py
            -> optimizer (ZeRO over dp)       optim/build.py, parallel/data/zero.py
            -> executor and schedule          parallel/pipeline/executor.py, parallel/pipeline/schedules/
            -> metrics logger, checkpointer   metrics.py, checkpoint/
@@ -40,6 +41,7 @@ from pipetrain.hf.tokenizer import check_tokenizer_vocab
 from pipetrain.hf.weights import load_hf_weights
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
+from pipetrain.models.compile import apply_compile, check_compile, compile_backend
 from pipetrain.optim.build import build_optimizer, lr_at
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.replicas.dbs import DynamicBatch
@@ -108,6 +110,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         loader.dp_rank = replica.replica_id * dims.dp + dims.dp_rank
         loader.dp_size = replica.num_replicas * dims.dp
 
+    if recipe.train.compile:  # before any weight is built: no C++ compiler is a one-line error
+        check_compile(dims.device, compile_backend())
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
@@ -127,6 +131,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
     apply_recompute(model, recipe.parallel)
+    if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
+        apply_compile(model)
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -30,6 +31,10 @@ GPU_PEAK_TFLOPS = {
     "H200": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
     "A100": 312.0, "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0, "B200": 2250.0,
 }
+# Steps of a process left out of its steady-state throughput: the first compiles the blocks under
+# train.compile (and allocates, fills caches and autotunes without it); the second can still recompile
+# (a first backward with gradients present, the LR past warm-up).
+WARMUP_STEPS = 2
 TRACKERS = ("tensorboard", "wandb")  # each is both the module to import and the pyproject extra
 
 
@@ -117,6 +122,14 @@ def build_trackers(names, output_dir: str, config: dict) -> list:
     return [kinds[name](output_dir, config) for name in names]
 
 
+def steady_tokens_per_sec(rates: list[float], warmup: int = WARMUP_STEPS) -> float | None:
+    """Median of the per-step tokens/s after the first `warmup` steps; None when no step comes after them.
+    The median, not the mean: one slow step (a checkpoint's flush, a neighbour on a shared machine) does
+    not move it, and the compile step is left out instead of averaged in."""
+    after = rates[warmup:]
+    return statistics.median(after) if after else None
+
+
 class MetricsLogger:
     """Writes metrics on global rank 0 only; every other rank's calls are no-ops (save_checkpoint
     still saves on every rank)."""
@@ -129,7 +142,7 @@ class MetricsLogger:
         self.started = time.perf_counter()
         self.last_step: dict | None = None
         self.last_eval: dict | None = None
-        self.step_seconds = 0.0
+        self.step_rates: list[float] = []  # tokens_per_sec of each step this process logged
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
         self.trackers = build_trackers(trackers, output_dir, config or {}) if enabled else []
         self.bar = None
@@ -155,7 +168,7 @@ class MetricsLogger:
         step = record["step"]
         if "loss" in record:
             self.last_step = record
-            self.step_seconds += record["step_time_s"]
+            self.step_rates.append(record["tokens_per_sec"])
             if self.bar is not None:
                 self.bar.update(step - self.bar.n)
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
@@ -232,16 +245,19 @@ class MetricsLogger:
         return path
 
     def summary(self) -> None:
-        """Tokens, wall time, mean tokens/s over the training steps, final train and eval loss."""
+        """Tokens, wall time and wall-clock tokens/s, steady-state tokens/s, final train and eval loss."""
         if not self.enabled or self.last_step is None:
             return
         wall = time.perf_counter() - self.started
         steps = self.last_step["step"] - self.start_step
         tokens = steps * self.tokens_per_step
-        mean = tokens / self.step_seconds if self.step_seconds > 0 else 0.0
+        steady = steady_tokens_per_sec(self.step_rates)
+        first = self.start_step + WARMUP_STEPS + 1
+        steady_text = (f"steady state {steady:,.0f} tok/s (median of steps {first}-{self.last_step['step']})"
+                       if steady is not None else f"steady state n/a (no step after the first {WARMUP_STEPS})")
         line = (f"done: {steps} steps ({self.start_step + 1}-{self.last_step['step']}), {tokens:,} tokens in "
-                f"{format_duration(wall)}, mean {mean:,.0f} tok/s over the steps, final loss "
-                f"{self.last_step['loss']:.4f}")
+                f"{format_duration(wall)} ({tokens / max(wall, 1e-9):,.0f} tok/s wall clock), {steady_text}, "
+                f"final loss {self.last_step['loss']:.4f}")
         if self.last_eval is not None:
             line += (f", eval loss {self.last_eval['eval_loss']:.4f} (perplexity "
                      f"{_perplexity(self.last_eval['eval_loss']):.2f}) at step {self.last_eval['step']}")

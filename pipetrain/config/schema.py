@@ -136,6 +136,7 @@ class TrainConfig:
     decay_fraction: float = 0.2      # wsd: the last fraction of train.steps decays linearly to min_lr
     optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum train.momentum, weight decay train.weight_decay
     momentum: float = 0.0            # sgd only
+    compile: bool = False            # torch.compile each transformer block, fullgraph (pipetrain.models.compile)
     fused_loss: Literal["auto", True, False] = "auto"  # LM head fused into the loss; auto = where measured faster (build.fused_loss_on)
 
 

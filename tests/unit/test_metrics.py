@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pipetrain.config import ConfigError, build_recipe
-from pipetrain.metrics import MetricsLogger, format_duration
+from pipetrain.metrics import MetricsLogger, format_duration, steady_tokens_per_sec
 from tests.e2e.common import run_train
 from tests.unit.short_run import LOG_EVERY, STEPS, short_run
 
@@ -54,6 +54,8 @@ def test_a_real_run_reports_where_it_is():
     done = [ln for ln in lines if ln.startswith("done: ")]
     assert len(done) == 1 and f"{STEPS * 256:,} tokens" in done[0] and "final loss" in done[0]
     assert f"final loss {[m for m in metrics if 'loss' in m][-1]['loss']:.4f}" in done[0]
+    steady = steady_tokens_per_sec([m["tokens_per_sec"] for m in metrics if "loss" in m])
+    assert f"tok/s wall clock), steady state {steady:,.0f} tok/s (median of steps 3-{STEPS})" in done[0], done[0]
     assert "--- sample after 6 steps ---" in proc.stdout
 
 

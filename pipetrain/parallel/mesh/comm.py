@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -159,6 +160,8 @@ def all_gather(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
         return x
     check_devices("all_gather", pg, x)
     moved = x.movedim(dim, 0).contiguous()  # collectives concatenate along dim 0
+    if torch.compiler.is_compiling():  # inside a compiled block (train.compile): the traceable functional form
+        return funcol.all_gather_tensor(moved, 0, pg).movedim(0, dim).contiguous()
     out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_into(out, moved, group=pg)
     return out.movedim(0, dim).contiguous()
@@ -200,6 +203,11 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ProcessGroup, native: bool | N
                          f"group size {n}; make the sequence length a multiple of tp")
     check_devices("reduce_scatter", pg, x)
     moved = x.movedim(dim, 0).contiguous()
+    if torch.compiler.is_compiling() and native is not False and \
+            _NATIVE_REDUCE_SCATTER.get((str(dist.get_backend(pg)), x.dtype), True):
+        # inside a compiled block (train.compile): the functional form. The probe's first-use cache write
+        # cannot be traced, so a compiled graph only reads what an eager call found (none: native).
+        return funcol.reduce_scatter_tensor(moved, "sum", 0, pg).movedim(0, dim).contiguous()
     out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     if _start_native_reduce_scatter(out, moved, pg, async_op=False, native=native) is not None:
         return out.movedim(0, dim).contiguous()

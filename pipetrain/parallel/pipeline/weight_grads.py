@@ -148,6 +148,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp8: the module's pipetrain.parallel.tensor.fp8.Fp8Linear, which computes it instead (dW through autograd)."""
     if fp8 is not None:
         return fp8(x, weight, bias)
+    if torch.compiler.is_compiling():
+        # Inside a compiled block (train.compile, pipetrain.models.compile) the block's one backward graph
+        # computes dW; a backward that writes .grad or a Python list in place cannot be traced.
+        return F.linear(x, weight, bias)
     if (work is None and not fuse) or not torch.is_grad_enabled() \
             or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
         return F.linear(x, weight, bias)

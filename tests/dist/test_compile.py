@@ -1,0 +1,93 @@
+"""train.compile across layouts: every block compiled (fullgraph) gives the eager single-process loss at every
+step, and compiles once (no recompile across steps or microbatches).
+
+The matrix runs the aot_eager backend (PIPETRAIN_COMPILE_BACKEND): it traces exactly what inductor would
+(dynamo, fullgraph, AOT autograd's joint forward/backward) but runs eager kernels, so the losses match the
+eager run bit for bit in fp32 and a case takes seconds instead of inductor's minute of C++ compilation on
+CPU; tests/e2e/test_compile.py runs inductor end to end.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pipetrain.models.compile import BACKEND_ENV
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.harness import EXACT_FP32, TP_FP32, rank_results
+from tests.unit.common import LLAMA, build_trainer
+
+STEPS = 3
+
+# name -> (tp, pp, parallel keys, tolerance against one eager process)
+LAYOUTS = {
+    "tp2": (2, 1, {}, TP_FP32),
+    "tp2_sequence_parallel": (2, 1, {"sequence_parallel": True}, TP_FP32),
+    "pp2_1f1b": (1, 2, {"schedule": "1f1b"}, EXACT_FP32),
+    "pp2_interleaved": (1, 2, {"schedule": "interleaved-1f1b", "virtual_stages": 2, "layers": 4}, EXACT_FP32),
+    "pp2_zbv": (1, 2, {"schedule": "zbv", "virtual_stages": 2, "split_backward": True, "layers": 4}, EXACT_FP32),
+    "pp2_1f1b_split_backward": (1, 2, {"schedule": "1f1b", "split_backward": True}, EXACT_FP32),
+    "tp2_recompute_full": (2, 1, {"recompute": "full"}, TP_FP32),
+    "pp2_recompute_selective": (1, 2, {"recompute": "selective"}, EXACT_FP32),
+    "dp2_zero1": (1, 1, {"zero": 1}, EXACT_FP32),
+    "tp2_lora": (2, 1, {"lora": True}, TP_FP32),
+}
+
+
+def _model(keys: dict):
+    """LLAMA with the test-only keys "lora" (rank-4 adapters) and "layers" (n_layers) taken out of keys."""
+    model = dataclasses.replace(LLAMA, n_layers=keys.pop("layers", LLAMA.n_layers))
+    return dataclasses.replace(model, lora_rank=4) if keys.pop("lora", False) else model
+
+
+def _losses(rank: int, world_size: int, out: str, tp: int, pp: int, keys: dict, compile_: bool):
+    """Per-step losses of one layout, and the compile counters after the first step and after the last."""
+    keys = dict(keys)
+    model = _model(keys)
+    dims = ParallelDims.from_degrees(tp=tp, pp=pp)
+    trainer = build_trainer(model, out, dims, steps=STEPS, microbatches=4 if pp > 1 else 2, compile=compile_, **keys)
+    losses = [trainer.train_step()["loss"]]
+    first = dict(counters["stats"])
+    losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
+    return losses, first, dict(counters["stats"])
+
+
+def _reference(tmp_path, keys: dict) -> list[float]:
+    keys = dict(keys)
+    model = _model(keys)
+    keys.pop("zero", None)
+    keys.pop("sequence_parallel", None)
+    keys.pop("virtual_stages", None)
+    keys.pop("split_backward", None)
+    keys["schedule"] = "1f1b"
+    trainer = build_trainer(model, str(tmp_path), steps=STEPS, microbatches=2, **keys)
+    return [trainer.train_step()["loss"] for _ in range(STEPS)]
+
+
+def check_layout(name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # spawned ranks inherit it
+    tp, pp, keys, tol = LAYOUTS[name]
+    (tmp_path / "ref").mkdir()
+    expected = _reference(tmp_path / "ref", keys)
+    world = max(tp * pp, 2)
+    (tmp_path / "run").mkdir()
+    results = rank_results(world, _losses, str(tmp_path / "run"), tp, pp, keys, True)
+    for rank, (losses, first, last) in enumerate(results):
+        # every block of a rank has the same structure: one graph serves them all, compiled once. Under LoRA
+        # the first block's input needs no gradient (the embedding is frozen): its graph has no dx, a second one
+        assert first.get("unique_graphs") == (2 if name.endswith("lora") else 1), f"{name} rank {rank}: {first}"
+        assert last == first, f"{name} rank {rank}: recompiled after the first step: {first} -> {last}"
+    losses = results[-1][0]  # the last rank holds the last stage (the loss is the world's on every rank)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
+
+
+def test_tp2_compiled_blocks_match_eager_single_process(tmp_path, monkeypatch):
+    check_layout("tp2", tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp2"])
+def test_every_layout_compiled_matches_eager_single_process(name, tmp_path, monkeypatch):
+    check_layout(name, tmp_path, monkeypatch)

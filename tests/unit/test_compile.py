@@ -1,0 +1,58 @@
+"""train.compile in one process: blocks compiled in place (names kept), parity with eager at every step under
+full recompute and gradient-accumulation fusion, and under bf16 autocast, one graph for all blocks, the backend knob, the reason
+inductor cannot run, and the steady-state throughput of the end-of-run line."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pipetrain.config import ConfigError
+from pipetrain.metrics import WARMUP_STEPS, steady_tokens_per_sec
+from pipetrain.models.compile import BACKEND_ENV, compile_backend, compile_problems
+from tests.unit.common import LLAMA, build_trainer
+
+
+def _losses(tmp_path, name: str, steps: int = 3, **keys):
+    out = tmp_path / name
+    out.mkdir()
+    trainer = build_trainer(LLAMA, str(out), steps=steps, microbatches=2, **keys)
+    return trainer, [trainer.train_step()["loss"] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}], ids=["fp32_recompute", "bf16"])
+def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, monkeypatch, keys):
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inductor's trace with eager kernels: bitwise, bf16 autocast too
+    counters.clear()
+    _, eager = _losses(tmp_path, "eager", **keys)
+    assert not counters["stats"], "the eager run compiled something"
+    trainer, compiled = _losses(tmp_path, "compiled", compile=True, **keys)
+    assert compiled == eager, (compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # 2 blocks, 2 microbatches, 3 steps
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert "layers.0.attn.wq.weight" in names and not any("_orig_mod" in n for n in names), names
+    assert all(block._compiled_call_impl is not None for block in trainer.model.layers.values())
+
+
+def test_compile_backend_is_inductor_unless_the_test_knob_names_another(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert compile_backend() == "inductor"
+    monkeypatch.setenv(BACKEND_ENV, "cudagraphs-please")
+    with pytest.raises(ConfigError, match="PIPETRAIN_COMPILE_BACKEND='cudagraphs-please' is not one of"):
+        compile_backend()
+
+
+def test_inductor_on_cpu_without_a_cpp_compiler_is_a_problem_with_the_fix(monkeypatch):
+    import torch._inductor.config as inductor_config  # deferred as in pipetrain.models.compile: heavy
+    assert compile_problems(torch.device("cpu"), "aot_eager") == []  # no C++ needed without inductor
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    problems = compile_problems(torch.device("cpu"), "inductor")
+    assert len(problems) == 1 and "needs a C++ compiler" in problems[0] and "/nonexistent/g++" in problems[0] \
+        and "set train.compile=false" in problems[0], problems
+
+
+def test_steady_state_is_the_median_after_the_warm_up_steps():
+    assert WARMUP_STEPS == 2
+    rates = [5.0, 900.0, 1000.0, 1200.0, 1100.0, 10.0]  # a compile step, a recompile, then one slow step
+    assert steady_tokens_per_sec(rates) == 1050.0  # median of the last 4, not the mean (827.5)
+    assert steady_tokens_per_sec(rates[:2]) is None
