@@ -56,3 +56,17 @@ def test_steady_state_is_the_median_after_the_warm_up_steps():
     rates = [5.0, 900.0, 1000.0, 1200.0, 1100.0, 10.0]  # a compile step, a recompile, then one slow step
     assert steady_tokens_per_sec(rates) == 1050.0  # median of the last 4, not the mean (827.5)
     assert steady_tokens_per_sec(rates[:2]) is None
+
+
+def test_fp8_linears_stay_fp8_inside_compiled_blocks(tmp_path, monkeypatch):
+    """linear() hands fp8 modules to Fp8Linear before the compiled shortcut to F.linear, so a compiled fp8
+    run's first loss is eager fp8's bit for bit (a bf16 forward gives another); later steps follow eager fp8
+    within 1e-3 (aot_eager's traced backward rounds a few gradients differently)."""
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    _, eager = _losses(tmp_path, "eager", precision="fp8")
+    _, bf16 = _losses(tmp_path, "bf16", precision="bf16")
+    counters.clear()
+    _, compiled = _losses(tmp_path, "compiled", precision="fp8", compile=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert bf16[0] != eager[0], "the fp8 forward must differ from bf16's for this test to mean anything"
+    assert compiled[0] == eager[0] and compiled == pytest.approx(eager, rel=1e-3), (compiled, eager)
