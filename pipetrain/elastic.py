@@ -43,10 +43,11 @@ class SavedLayout:
     pp: int
     microbatches: int
     global_batch: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def micro_size(self) -> int:
@@ -77,7 +78,7 @@ def _layout_of(path: str, manifest: dict) -> SavedLayout:
     dp = layout["dp"]
     if saved["parallel"].get("fault_tolerance") == "torchft":  # a replica group's own dp; the batch is the run's
         dp = saved["parallel"]["dp"]
-    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], microbatches=saved["parallel"]["microbatches"],
+    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1), microbatches=saved["parallel"]["microbatches"],
                   global_batch=saved["train"]["global_batch"])
     if not all(isinstance(v, int) and v >= 1 for v in values.values()):
         raise ValueError(f"{path}: layout values {values} are not positive integers")
@@ -90,7 +91,7 @@ def is_elastic(recipe: Recipe, saved: SavedLayout | None, world_size: int) -> bo
     if saved is None:
         return False
     p = recipe.parallel
-    return saved.world_size != world_size or resolve_dp(recipe, world_size) * p.tp * p.pp != world_size
+    return saved.world_size != world_size or resolve_dp(recipe, world_size) * p.tp * p.pp * p.cp != world_size
 
 
 def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -> tuple[Recipe, str | None]:
