@@ -115,7 +115,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
-    apply_context_parallel(model, dims, recipe.train.seq_len)
+    apply_context_parallel(model, dims, recipe.train.seq_len, recipe.data.document_mask)
     # After tensor parallelism (which would replace the swapped modules); with fusion off it still
     # swaps in the modules whose weight gradients the split backward defers.
     t = recipe.train

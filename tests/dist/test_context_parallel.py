@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipetrain.build import build_trainer
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
+from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.harness import TP_FP32, run_ranks
@@ -29,20 +29,20 @@ MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2}
 
 
 def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask: bool = False, steps: int = STEPS,
-               **parallel):
+               seq_len: int = SEQ, resume: str | None = None, **parallel):
     """build_trainer on random tokens cut into documents of 3..20 tokens (several boundaries in every window
     and in every cp chunk), with data.document_mask when asked."""
     recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
-                    train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=SEQ, lr=1e-2, min_lr=1e-3,
+                    train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
                                       warmup_steps=1, grad_clip=1.0),
-                    run=RunConfig(output_dir=out, progress=False))
+                    data=DataConfig(document_mask=document_mask), run=RunConfig(output_dir=out, progress=False))
     rng = np.random.default_rng(0)
-    num = 48 * (SEQ + 1)
+    num = 48 * (seq_len + 1)
     tokens = rng.integers(0, cfg.vocab_size, num).astype(np.int32)
     cuts = np.cumsum(rng.integers(3, 21, num))
     documents = np.concatenate([[0], cuts[cuts < num], [num]]).astype(np.int64)
-    data = PackedData(tokens, None, SEQ, 0.0, 2, documents=documents, document_mask=document_mask)
-    return build_trainer(recipe, dims, loader=Loader(data, BATCH, dims.dp_rank, dims.dp))
+    data = PackedData(tokens, None, seq_len, 0.0, 2, documents=documents, document_mask=document_mask)
+    return build_trainer(recipe, dims, resume=resume, loader=Loader(data, BATCH, dims.dp_rank, dims.dp))
 
 
 def losses_and_norms(trainer, steps: int = STEPS) -> list[tuple[float, float]]:
@@ -53,10 +53,11 @@ def losses_and_norms(trainer, steps: int = STEPS) -> list[tuple[float, float]]:
     return out
 
 
-def reference(out: str, model: str, document_mask: bool, **parallel) -> list[tuple[float, float]]:
+def reference(out: str, model: str, document_mask: bool, steps: int = STEPS, **parallel) -> list[tuple[float, float]]:
     """The single-process run, in this process."""
     os.makedirs(out, exist_ok=True)
-    return losses_and_norms(cp_trainer(MODELS[model], out, ParallelDims(), document_mask=document_mask, **parallel))
+    trainer = cp_trainer(MODELS[model], out, ParallelDims(), document_mask=document_mask, steps=steps, **parallel)
+    return losses_and_norms(trainer, steps)
 
 
 def _cases_worker(rank, world_size, out, degrees, cases, expected):
@@ -105,3 +106,73 @@ def test_cp2_dp2_matches_single_process(tmp_path):
 def test_cp2_pp2_matches_single_process_with_selective_recompute(tmp_path):
     check_cases(tmp_path, {"cp": 2, "pp": 2}, [("llama", True, {"microbatches": 2, "recompute": "selective"}),
                                                 ("gpt2", False, {"microbatches": 2})])
+
+
+# ---- activation memory falls with cp ----
+LONG = 256
+LONG_LLAMA = ModelConfig(**{**LLAMA.__dict__, "max_seq_len": LONG, "n_kv_heads": 1})  # K/V gathered whole: GQA keeps them small
+
+
+def saved_activation_bytes(trainer) -> int:
+    """Bytes of the tensors one forward of this rank's first batch keeps for backward (distinct storages,
+    parameters left out): the activations that grow with the sequence."""
+    batch, _ = trainer.loader.next()
+    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = trainer.model(batch.inputs) if batch.positions is None else trainer.model(batch.inputs, batch.positions)
+    del logits  # kept alive until now, so no storage was freed and reused while counting
+    return sum(kept.values())
+
+
+def _memory_worker(rank, world_size, out, single_bytes, most):
+    dims = ParallelDims.from_degrees(cp=world_size)
+    os.makedirs(out, exist_ok=True)
+    got = saved_activation_bytes(cp_trainer(LONG_LLAMA, out, dims, seq_len=LONG))
+    assert got <= most * single_bytes, f"{dims.coords} cp={world_size} keeps {got} activation bytes, " \
+        f"{got / single_bytes:.2f}x cp 1's {single_bytes}; expected at most {most}x"
+
+
+@pytest.mark.parametrize("cp, most", [(2, 0.6), pytest.param(4, 0.35, marks=pytest.mark.slow)])
+def test_per_rank_activation_memory_falls_with_cp(tmp_path, cp, most):
+    single = saved_activation_bytes(cp_trainer(LONG_LLAMA, str(tmp_path), ParallelDims(), seq_len=LONG))
+    run_ranks(cp, _memory_worker, str(tmp_path / "cp"), single, most)
+
+
+# ---- checkpoints are cp-free ----
+def save_after_two_steps(out: str, dims: ParallelDims) -> None:
+    """Train steps 1-2 of the 4-step run (the LR schedule is the 4-step one) and save at step 2."""
+    trainer = cp_trainer(LLAMA, out, dims, steps=4, document_mask=True)
+    losses_and_norms(trainer, 2)
+    trainer.logger.save_checkpoint(trainer.checkpointer, trainer)
+    trainer.checkpointer.wait()
+
+
+def _resume_worker(rank, world_size, out, expected):
+    dims = ParallelDims.from_degrees(cp=2)
+    save_after_two_steps(os.path.join(out, "saved_at_cp2"), dims)
+    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp1"), dims, steps=4, document_mask=True, resume="auto")
+    assert resumed.step == 2, f"{dims.coords} resumed at step {resumed.step}"
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:]), **TP_FP32,
+                               msg=lambda m: f"{dims.coords} cp 2 resuming a cp 1 checkpoint: {m}")
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_losses(tmp_path):
+    out = str(tmp_path)
+    expected = reference(os.path.join(out, "uninterrupted"), "llama", True, steps=4)
+    os.makedirs(os.path.join(out, "saved_at_cp1"))
+    os.makedirs(os.path.join(out, "saved_at_cp2"))
+    save_after_two_steps(os.path.join(out, "saved_at_cp1"), ParallelDims())
+    run_ranks(2, _resume_worker, out, expected)
+    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp2"), ParallelDims(), steps=4, document_mask=True,
+                         resume="auto")
+    assert resumed.step == 2
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:]), **TP_FP32,
+                               msg=lambda m: f"cp 1 resuming a cp 2 checkpoint: {m}")

@@ -9,8 +9,10 @@ that each rank holds the full-length K and V of the layer it runs (B, T, Hkv, K)
 The mask is built for this rank's (T/cp queries x T keys) block only, from global positions: query i may see
 key j when j <= i (causal), j >= i - pos_i (the same document: pos_i is i's position inside its document,
 which the loader restarts at 0 at each document start) and i - j < window (sliding window). With no document
-mask the slicer passes pos_i = i, so the document term allows every earlier key. The peak per rank is the
-(B, 1, T/cp, T) bool mask and the (B, Hq, T/cp, T) scores of the math attention; never a T x T tensor.
+mask (data.document_mask off) the mask is the same for every sequence, so it is built once as (1, 1, T/cp, T)
+from the indices alone; with document masks it is (B, 1, T/cp, T). SDPA keeps a float copy of the mask for
+backward (and the math backend its (B, Hq, T/cp, T) scores): at most T/cp x T per sequence and head, never
+T x T.
 
 The model stays blind: apply_context_parallel swaps each Attention's `core` (the parameter-free module
 selective recompute wraps) and sets its `rope_len`, as tensor parallelism swaps modules from a name table.
@@ -44,9 +46,10 @@ class ContextParallelCore(AttentionCore):
     """AttentionCore on a cp slice: local queries against every key and value of the sequence.
     A subclass so code that finds attention cores by type (recompute) still finds it."""
 
-    def __init__(self, sliding_window: int | None, cp_group, cp: int, cp_rank: int):
+    def __init__(self, sliding_window: int | None, cp_group, cp: int, cp_rank: int, document_mask: bool):
         super().__init__(sliding_window)
         self.cp_group, self.cp, self.cp_rank = cp_group, cp, cp_rank
+        self.document_mask = document_mask  # False: positions are the global ones, the mask is batch-free
 
     def forward(self, q, k, v, positions=None):  # q (B, T/cp, Hq, K), k/v (B, T/cp, Hkv, K) -> (B, T/cp, Hq*K)
         assert positions is not None, "context parallelism needs each token's position: the loader's " \
@@ -54,17 +57,18 @@ class ContextParallelCore(AttentionCore):
         k = gather_over_cp(k.contiguous(), self.cp_group)  # (B, T, Hkv, K); backward reduce-scatters dK
         v = gather_over_cp(v.contiguous(), self.cp_group)
         T = q.shape[1] * self.cp
-        mask = context_mask(chunk_index(T, self.cp, self.cp_rank, q.device), gathered_index(T, self.cp, q.device),
-                            positions, self.sliding_window)
+        queries = chunk_index(T, self.cp, self.cp_rank, q.device)
+        mask = context_mask(queries, gathered_index(T, self.cp, q.device),
+                            positions if self.document_mask else queries[None], self.sliding_window)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).flatten(2)
 
 
-def apply_context_parallel(model: nn.Module, dims, seq_len: int) -> list[str]:
+def apply_context_parallel(model: nn.Module, dims, seq_len: int, document_mask: bool) -> list[str]:
     """Swap every Attention's core for the cp one and index RoPE by global positions up to seq_len, in
-    place; returns the swapped module names. A no-op when dims.cp == 1. Run it before apply_recompute,
-    which wraps the cores."""
+    place; returns the swapped module names. document_mask: data.document_mask (positions restart inside
+    a sequence). A no-op when dims.cp == 1. Run it before apply_recompute, which wraps the cores."""
     if dims.cp == 1:
         return []
     assert dims.cp_group is not None, f"{dims.coords} cp={dims.cp} but dims has no cp_group; build it with " \
@@ -72,7 +76,8 @@ def apply_context_parallel(model: nn.Module, dims, seq_len: int) -> list[str]:
     names = []
     for name, module in model.named_modules():
         if isinstance(module, Attention):
-            module.core = ContextParallelCore(module.core.sliding_window, dims.cp_group, dims.cp, dims.cp_rank)
+            module.core = ContextParallelCore(module.core.sliding_window, dims.cp_group, dims.cp, dims.cp_rank,
+                                              document_mask)
             module.rope_len = seq_len
             names.append(f"{name}.core")
     return names
