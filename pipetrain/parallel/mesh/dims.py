@@ -252,9 +252,12 @@ class ParallelDims:
         assert world_size is None or world_size == actual + ps_servers, \
             f"world size {world_size} was requested but {actual} processes are running"
         assert isinstance(cp, int) and cp >= 1, f"cp={cp!r}"
-        assert actual % (tp * pp * cp) == 0, f"world size {actual} is not divisible by tp*pp*cp={tp}*{pp}*{cp}"
+        cp_name, cp_value = ("*cp", f"*{cp}") if cp > 1 else ("", "")
+        assert actual % (tp * pp * cp) == 0, \
+            f"world size {actual} is not divisible by tp*pp{cp_name}={tp}*{pp}{cp_value}"
         dp = actual // (tp * pp * cp) if dp is None else dp
-        assert dp * tp * pp * cp == actual, f"dp*tp*pp*cp={dp}*{tp}*{pp}*{cp} does not equal the world size {actual}"
+        assert dp * tp * pp * cp == actual, \
+            f"dp*tp*pp{cp_name}={dp}*{tp}*{pp}{cp_value} does not equal the world size {actual}"
         dp_shard = dp_shard(dp) if callable(dp_shard) else dp_shard
         dims = cls(dp=dp, tp=tp, pp=pp, cp=cp, rank=dist.get_rank() if initialised else 0, device=default_device(),
                    dp_shard=dp_shard, ps_servers=ps_servers)
