@@ -34,6 +34,7 @@ from pipetrain.parallel.context.attention import apply_context_parallel
 from pipetrain.parallel.context.slicing import chunk_index
 from pipetrain.parallel.mesh import comm
 from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.harness import saved_activation_bytes
 
 
 def config(seq: int) -> ModelConfig:
@@ -55,21 +56,6 @@ def _batch(cfg: ModelConfig, seq: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _activation_bytes(model, inputs, positions) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(inputs) if positions is None else model(inputs, positions)
-    del out
-    return sum(kept.values())
-
-
 def _pipetrain(rank: int, world_size: int, seq: int, steps: int) -> dict:
     cfg = config(seq)
     dims = ParallelDims.from_degrees(cp=world_size)
@@ -81,7 +67,7 @@ def _pipetrain(rank: int, world_size: int, seq: int, steps: int) -> dict:
     inputs, targets = inputs[:, index], targets[:, index]
     positions = index[None] if dims.cp > 1 else None  # cp 1: the plain causal path (no mask), as training runs it
     count = targets.numel() * dims.cp  # the global target count: each rank's loss is its share of the mean
-    activation = _activation_bytes(model, inputs, positions)
+    activation = saved_activation_bytes(model, inputs, targets, positions=positions)
     times = []
     rss0 = _status_kib("VmRSS")
     for step in range(steps + 1):

@@ -17,7 +17,7 @@ from pipetrain.build import build_trainer
 from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.mesh.dims import ParallelDims
-from tests.harness import TP_FP32, run_ranks
+from tests.harness import TP_FP32, run_ranks, saved_activation_bytes
 
 STEPS, SEQ, BATCH = 3, 32, 4
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -113,36 +113,24 @@ LONG = 256
 LONG_LLAMA = ModelConfig(**{**LLAMA.__dict__, "max_seq_len": LONG, "n_kv_heads": 1})  # K/V gathered whole: GQA keeps them small
 
 
-def saved_activation_bytes(trainer) -> int:
-    """Bytes of the tensors one forward of this rank's first batch keeps for backward (distinct storages,
-    parameters left out): the activations that grow with the sequence."""
+def activation_bytes(trainer) -> int:
+    """Bytes one forward of this rank's first batch keeps for backward (tests.harness.saved_activation_bytes:
+    distinct storages, parameters left out): the activations that grow with the sequence."""
     batch, _ = trainer.loader.next()
-    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    kept = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = trainer.model(batch.inputs) if batch.positions is None else trainer.model(batch.inputs, batch.positions)
-    del logits  # kept alive until now, so no storage was freed and reused while counting
-    return sum(kept.values())
+    return saved_activation_bytes(trainer.model, batch.inputs, batch.targets, positions=batch.positions)
 
 
 def _memory_worker(rank, world_size, out, single_bytes, most):
     dims = ParallelDims.from_degrees(cp=world_size)
     os.makedirs(out, exist_ok=True)
-    got = saved_activation_bytes(cp_trainer(LONG_LLAMA, out, dims, seq_len=LONG))
+    got = activation_bytes(cp_trainer(LONG_LLAMA, out, dims, seq_len=LONG))
     assert got <= most * single_bytes, f"{dims.coords} cp={world_size} keeps {got} activation bytes, " \
         f"{got / single_bytes:.2f}x cp 1's {single_bytes}; expected at most {most}x"
 
 
 @pytest.mark.parametrize("cp, most", [(2, 0.6), pytest.param(4, 0.35, marks=pytest.mark.slow)])
 def test_per_rank_activation_memory_falls_with_cp(tmp_path, cp, most):
-    single = saved_activation_bytes(cp_trainer(LONG_LLAMA, str(tmp_path), ParallelDims(), seq_len=LONG))
+    single = activation_bytes(cp_trainer(LONG_LLAMA, str(tmp_path), ParallelDims(), seq_len=LONG))
     run_ranks(cp, _memory_worker, str(tmp_path / "cp"), single, most)
 
 
