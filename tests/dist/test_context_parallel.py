@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp) on gloo CPU processes, against the same run in one process.
 
-Every case trains a few fp32 steps and checks the loss and the global gradient norm at every step against
-the single-process run (the norm catches a wrong gradient at the first step, before the loss could drift).
+Every case trains a few fp32 steps and checks the loss and the global gradient norm at every step, then the
+validation loss (the loader slices validation batches too), against the single-process run (the norm catches
+a wrong gradient at the first step, before the loss could drift).
 One spawn in the default run (cp 2: plain causal llama, and a mistral sliding window with document masks);
 the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp) is marked slow.
 """
@@ -35,21 +36,25 @@ def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask:
     recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
                     train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
                                       warmup_steps=1, grad_clip=1.0),
-                    data=DataConfig(document_mask=document_mask), run=RunConfig(output_dir=out, progress=False))
+                    data=DataConfig(document_mask=document_mask),
+                    run=RunConfig(output_dir=out, progress=False, eval_batches=1))
     rng = np.random.default_rng(0)
     num = 48 * (seq_len + 1)
     tokens = rng.integers(0, cfg.vocab_size, num).astype(np.int32)
     cuts = np.cumsum(rng.integers(3, 21, num))
     documents = np.concatenate([[0], cuts[cuts < num], [num]]).astype(np.int64)
-    data = PackedData(tokens, None, seq_len, 0.0, 2, documents=documents, document_mask=document_mask)
+    data = PackedData(tokens, None, seq_len, 0.1, 2, documents=documents, document_mask=document_mask)
     return build_trainer(recipe, dims, resume=resume, loader=Loader(data, BATCH, dims.dp_rank, dims.dp))
 
 
-def losses_and_norms(trainer, steps: int = STEPS) -> list[tuple[float, float]]:
+def losses_and_norms(trainer, steps: int = STEPS, evaluate: bool = False) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step; evaluate: then (validation loss, 0.0), the loader's sliced val batches."""
     out = []
     for _ in range(steps):
         record = trainer.train_step()
         out.append((record["loss"], record["grad_norm"]))
+    if evaluate:
+        out.append((trainer.evaluate()["eval_loss"], 0.0))
     return out
 
 
@@ -57,7 +62,7 @@ def reference(out: str, model: str, document_mask: bool, steps: int = STEPS, **p
     """The single-process run, in this process."""
     os.makedirs(out, exist_ok=True)
     trainer = cp_trainer(MODELS[model], out, ParallelDims(), document_mask=document_mask, steps=steps, **parallel)
-    return losses_and_norms(trainer, steps)
+    return losses_and_norms(trainer, steps, evaluate=True)
 
 
 def _cases_worker(rank, world_size, out, degrees, cases, expected):
@@ -66,9 +71,10 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
         name = f"{model}-docs{int(document_mask)}"
         os.makedirs(os.path.join(out, name), exist_ok=True)
         got = losses_and_norms(cp_trainer(MODELS[model], os.path.join(out, name), dims, document_mask=document_mask,
-                                          **parallel))
+                                          **parallel), evaluate=True)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TP_FP32,
-                                   msg=lambda m: f"{dims.coords} {name} {degrees} (loss, grad norm) per step: {m}")
+                                   msg=lambda m: f"{dims.coords} {name} {degrees} (loss, grad norm) per step, then "
+                                             f"the validation loss: {m}")
 
 
 def check_cases(tmp_path, degrees: dict, cases: list[tuple[str, bool, dict]]) -> None:
@@ -148,7 +154,7 @@ def _resume_worker(rank, world_size, out, expected):
     save_after_two_steps(os.path.join(out, "saved_at_cp2"), dims)
     resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp1"), dims, steps=4, document_mask=True, resume="auto")
     assert resumed.step == 2, f"{dims.coords} resumed at step {resumed.step}"
-    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:]), **TP_FP32,
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
                                msg=lambda m: f"{dims.coords} cp 2 resuming a cp 1 checkpoint: {m}")
 
 
@@ -162,5 +168,5 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_loss
     resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp2"), ParallelDims(), steps=4, document_mask=True,
                          resume="auto")
     assert resumed.step == 2
-    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:]), **TP_FP32,
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
                                msg=lambda m: f"cp 1 resuming a cp 2 checkpoint: {m}")
