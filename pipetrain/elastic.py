@@ -78,7 +78,8 @@ def _layout_of(path: str, manifest: dict) -> SavedLayout:
     dp = layout["dp"]
     if saved["parallel"].get("fault_tolerance") == "torchft":  # a replica group's own dp; the batch is the run's
         dp = saved["parallel"]["dp"]
-    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1), microbatches=saved["parallel"]["microbatches"],
+    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1),
+                  microbatches=saved["parallel"]["microbatches"],
                   global_batch=saved["train"]["global_batch"])
     if not all(isinstance(v, int) and v >= 1 for v in values.values()):
         raise ValueError(f"{path}: layout values {values} are not positive integers")

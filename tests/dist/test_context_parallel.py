@@ -116,7 +116,8 @@ def test_cp2_pp2_matches_single_process_with_selective_recompute(tmp_path):
 
 # ---- activation memory falls with cp ----
 LONG = 256
-LONG_LLAMA = ModelConfig(**{**LLAMA.__dict__, "max_seq_len": LONG, "n_kv_heads": 1})  # K/V gathered whole: GQA keeps them small
+# one kv head: each rank keeps the whole sequence's K and V, which GQA keeps small
+LONG_LLAMA = ModelConfig(**{**LLAMA.__dict__, "max_seq_len": LONG, "n_kv_heads": 1})
 
 
 def activation_bytes(trainer) -> int:

@@ -1,6 +1,7 @@
 """ParallelDims on a DeviceMesh: the groups read from the mesh have the rank lists of the row-major
 (dp, pp, cp, tp) arithmetic (tp fastest), degree-1 dims stay None, the embed group joins the first
-and last stage, and the dp x cp gradient group spans every rank of one (pp, tp) coordinate. The expected lists come from mesh_rank_lists, computed with no processes."""
+and last stage, and the dp x cp gradient group spans every rank of one (pp, tp) coordinate. The expected
+lists come from mesh_rank_lists, computed with no processes."""
 import pytest
 import torch
 import torch.distributed as dist

@@ -33,10 +33,10 @@ from pipetrain.parallel.mesh.comm import gather_over_cp
 
 def context_mask(query_index: torch.Tensor, key_index: torch.Tensor, positions: torch.Tensor,
                  sliding_window: int | None) -> torch.Tensor:
-    """(B, 1, T/cp, T) bool, True where a local query may attend a key; query_index (T/cp,) and key_index
-    (T,) are global positions in the sequence, positions (B, T/cp) each query's position in its document."""
+    """(B, 1, Q, L) bool, True where a query may attend a key; query_index (Q,) and key_index (L,) are global
+    positions in the sequence, positions (B, Q) (or (1, Q)) each query's position in its document."""
     qi, kj = query_index[None, :, None], key_index[None, None, :]
-    start = (query_index[None, :] - positions)[:, :, None]  # (B, T/cp, 1) first key of the query's document
+    start = (query_index[None, :] - positions)[:, :, None]  # (B, Q, 1) first key of the query's document
     allowed = (kj <= qi) & (kj >= start)
     if sliding_window:
         allowed = allowed & (qi - kj < sliding_window)

@@ -6,14 +6,18 @@ Global ranks form a row-major mesh of shape (dp, pp, cp, tp): tp varies fastest,
 
 so the ranks of one tp group are neighbours (one node, the fastest links), a cp group (context
 parallelism: the K/V all-gather of every layer, the next-heaviest traffic) is tp ranks apart, and a pp
-stage's peers are cp * tp ranks apart. With cp = 1 this is the (dp, pp, tp) mesh it always was. This module is the ONLY creator of process groups (the device mesh and
-dist.new_group): everything else receives `dims` and reads its groups.
+stage's peers are cp * tp ranks apart. With cp = 1 this is the (dp, pp, tp) mesh it always was. This
+module is the ONLY creator of process groups (the device mesh and dist.new_group): everything else
+receives `dims` and reads its groups.
 
 The groups come from a torch.distributed DeviceMesh over that (dp, pp, cp, tp) grid with the dim names
 "dp", "pp", "cp", "tp" (`dims.mesh`), the object DCP, FSDP2 and context parallelism take; splitting dp into
 dp_replicate x dp_shard later is a reshape of the grid plus two names. The embedding group (first and
 last pp stage, for tied embeddings) is no mesh dim: it is created with dist.new_group after the mesh,
 in the same order on every rank, as torch.distributed requires even of the ranks that are not members.
+The dp x cp group (`dp_cp_group`: gradients are summed over it, each cp rank holding the gradient of its
+slice of the tokens) is created the same way when dp and cp are both > 1; it is dp_group when cp == 1 and
+cp_group when dp == 1.
 
 Group convention: a group attribute is None when its degree is 1 (or torch.distributed is not
 initialised) and a real ProcessGroup otherwise. The collectives in pipetrain.parallel.mesh.comm treat None
