@@ -12,6 +12,7 @@ from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.models.decoder import document_mask
 from pipetrain.parallel.context.attention import context_mask
 from pipetrain.parallel.context.slicing import chunk_index, gathered_index
+from pipetrain.elastic import SavedLayout, is_elastic
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 
@@ -120,3 +121,13 @@ def test_cli_refuses_a_seq_len_cp_cannot_split_in_one_line_with_exit_2(capsys, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "train.seq_len: must be divisible by 2*parallel.cp=4" \
         in err[0], err
+
+
+def test_a_resume_counts_cp_in_the_saved_world_and_the_launch():
+    """A cp 2 checkpoint on 2 ranks resumed on 2 ranks at cp 2 is not elastic; at cp 1 on 1 rank it is
+    (the world changed), and the recipe's dp x tp x pp x cp must cover the launch."""
+    saved = SavedLayout(path="ckpt", dp=1, tp=1, pp=1, cp=2, microbatches=1, global_batch=8)
+    assert saved.world_size == 2
+    assert not is_elastic(_recipe(cp=2), saved, 2)
+    assert is_elastic(_recipe(), saved, 1)
+    assert is_elastic(_recipe(cp=2, dp=1), SavedLayout(path="c", dp=2, tp=1, pp=1, microbatches=1, global_batch=8), 4)
