@@ -101,8 +101,9 @@ def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -
     if not is_elastic(recipe, saved, world_size):
         return recipe, None
     p, t = recipe.parallel, recipe.train
+    saved_cp = f" x cp {saved.cp}" if saved.cp > 1 else ""
     before = (f"{saved.path} was saved on {saved.world_size} rank(s) (dp {saved.dp} x tp {saved.tp} x pp "
-              f"{saved.pp}, {saved.microbatches} microbatch(es) of {saved.micro_size} sequence(s) per replica)")
+              f"{saved.pp}{saved_cp}, {saved.microbatches} microbatch(es) of {saved.micro_size} sequence(s) per replica)")
     follows = _with(recipe, None, 1)  # dp follows the world: the mesh's own rules say whether it can
     problems = mesh_problems(follows, world_size)
     if problems:
@@ -115,7 +116,8 @@ def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -
     candidates = [_with(recipe, dp, c) for c in counts]
     chosen = next((r for r in candidates if not layout_problems(r, world_size)), candidates[0])
     m = chosen.parallel.microbatches
-    note = (f"elastic resume: {before}; on {world_size} rank(s): dp {dp} x tp {p.tp} x pp {p.pp}, {m} "
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    note = (f"elastic resume: {before}; on {world_size} rank(s): dp {dp} x tp {p.tp} x pp {p.pp}{cp}, {m} "
             f"microbatch(es) of {per_replica // m} sequence(s) per replica; global batch {t.global_batch} unchanged")
     if chosen.parallel.dp_shard != p.dp_shard:
         note += f"; parallel.dp_shard={p.dp_shard} does not divide dp {dp}: its default is used"
