@@ -45,6 +45,8 @@ from pipetrain.models.compile import apply_compile, check_compile, compile_backe
 from pipetrain.optim.build import build_optimizer, lr_at
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.replicas.dbs import DynamicBatch
+from pipetrain.parallel.context.attention import apply_context_parallel
+from pipetrain.parallel.context.slicing import SequenceSlicer
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import count_rules, parallel_problems
 from pipetrain.parallel.pipeline.executor import Executor
@@ -112,9 +114,13 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
 
     if recipe.train.compile:  # before any weight is built: no C++ compiler is a one-line error
         check_compile(dims.device, compile_backend())
+    if dims.cp > 1:  # every cp rank reads its head and tail chunk of each sequence (parallel/context/)
+        loader.sequence_slice = SequenceSlicer(dims.cp, dims.cp_rank)
+
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
+    apply_context_parallel(model, dims, recipe.train.seq_len, recipe.data.document_mask)
     # After tensor parallelism (which would replace the swapped modules); with fusion off it still
     # swaps in the modules whose weight gradients the split backward defers.
     t = recipe.train
@@ -232,7 +238,7 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
     p, t = recipe.parallel, recipe.train
     tp_group = dims.tp_group if dims.tp > 1 else None
     micro = t.global_batch // (replicas * dims.dp) // p.microbatches
-    seq = t.seq_len // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
+    seq = t.seq_len // dims.cp // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)  # this rank's tokens
     if t.precision in ("bf16", "fp8"):  # fp8 linears cast their own operands; the rest runs in bf16
         def autocast():
             return torch.autocast(dims.device.type, dtype=torch.bfloat16)

@@ -37,6 +37,7 @@ def dry_run_details(recipe: Recipe, world_size: int) -> tuple[str, list[RankMemo
     dp = resolve_dp(recipe, world_size)
     params = model_params(recipe.model)
     lines = [f"dry run: recipe and layout are valid for {world_size} process(es): dp={dp} tp={p.tp} pp={p.pp} "
+             f"{f'cp={p.cp} (activations below not divided by cp: the planner has no cp term) ' if p.cp > 1 else ''}"
              f"schedule={p.schedule} virtual_stages={p.virtual_stages} microbatches={p.microbatches} "
              f"zero={p.zero} recompute={p.recompute} sequence_parallel={p.sequence_parallel}",
              f"model: {params / 1e6:.2f}M parameters; {t.global_batch} x {t.seq_len} = "

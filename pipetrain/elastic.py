@@ -43,10 +43,11 @@ class SavedLayout:
     pp: int
     microbatches: int
     global_batch: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def micro_size(self) -> int:
@@ -77,7 +78,8 @@ def _layout_of(path: str, manifest: dict) -> SavedLayout:
     dp = layout["dp"]
     if saved["parallel"].get("fault_tolerance") == "torchft":  # a replica group's own dp; the batch is the run's
         dp = saved["parallel"]["dp"]
-    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], microbatches=saved["parallel"]["microbatches"],
+    values = dict(dp=dp, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1),
+                  microbatches=saved["parallel"]["microbatches"],
                   global_batch=saved["train"]["global_batch"])
     if not all(isinstance(v, int) and v >= 1 for v in values.values()):
         raise ValueError(f"{path}: layout values {values} are not positive integers")
@@ -90,7 +92,7 @@ def is_elastic(recipe: Recipe, saved: SavedLayout | None, world_size: int) -> bo
     if saved is None:
         return False
     p = recipe.parallel
-    return saved.world_size != world_size or resolve_dp(recipe, world_size) * p.tp * p.pp != world_size
+    return saved.world_size != world_size or resolve_dp(recipe, world_size) * p.tp * p.pp * p.cp != world_size
 
 
 def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -> tuple[Recipe, str | None]:
@@ -99,8 +101,9 @@ def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -
     if not is_elastic(recipe, saved, world_size):
         return recipe, None
     p, t = recipe.parallel, recipe.train
+    saved_cp = f" x cp {saved.cp}" if saved.cp > 1 else ""
     before = (f"{saved.path} was saved on {saved.world_size} rank(s) (dp {saved.dp} x tp {saved.tp} x pp "
-              f"{saved.pp}, {saved.microbatches} microbatch(es) of {saved.micro_size} sequence(s) per replica)")
+              f"{saved.pp}{saved_cp}, {saved.microbatches} microbatch(es) of {saved.micro_size} sequence(s) per replica)")
     follows = _with(recipe, None, 1)  # dp follows the world: the mesh's own rules say whether it can
     problems = mesh_problems(follows, world_size)
     if problems:
@@ -113,7 +116,8 @@ def elastic_recipe(recipe: Recipe, world_size: int, saved: SavedLayout | None) -
     candidates = [_with(recipe, dp, c) for c in counts]
     chosen = next((r for r in candidates if not layout_problems(r, world_size)), candidates[0])
     m = chosen.parallel.microbatches
-    note = (f"elastic resume: {before}; on {world_size} rank(s): dp {dp} x tp {p.tp} x pp {p.pp}, {m} "
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    note = (f"elastic resume: {before}; on {world_size} rank(s): dp {dp} x tp {p.tp} x pp {p.pp}{cp}, {m} "
             f"microbatch(es) of {per_replica // m} sequence(s) per replica; global batch {t.global_batch} unchanged")
     if chosen.parallel.dp_shard != p.dp_shard:
         note += f"; parallel.dp_shard={p.dp_shard} does not divide dp {dp}: its default is used"

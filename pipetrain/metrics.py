@@ -205,7 +205,8 @@ class MetricsLogger:
         self.write(f"model: {m.family}{source}, {params:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
                    f"{m.n_heads} heads, vocab {m.vocab_size})")
         pipeline = f" | schedule {p.schedule}" + (f" x{p.virtual_stages} virtual" if p.virtual_stages > 1 else "")
-        self.write(f"layout: {dims.world_size} rank(s) = dp {dims.dp} x tp {dims.tp} x pp {dims.pp} | "
+        cp = f" x cp {dims.cp}" if dims.cp > 1 else ""
+        self.write(f"layout: {dims.world_size} rank(s) = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}{cp} | "
                    f"zero {p.zero} | {p.microbatches} microbatch(es){pipeline if dims.pp > 1 else ''} | "
                    f"recompute {p.recompute}{' | sequence parallel' if p.sequence_parallel else ''} | "
                    f"{t.precision} on {dims.device.type}")

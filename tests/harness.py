@@ -129,10 +129,11 @@ def tokens(vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(5))
 
 
-def saved_activation_bytes(model, inputs, targets=None, autocast=None) -> int:
+def saved_activation_bytes(model, inputs, targets=None, autocast=None, positions=None) -> int:
     """Bytes of the unique non-parameter storages autograd saves for backward in one forward of model
     (what activations cost between forward and backward); runs the backward and clears the grads.
-    targets None: the model ends before the head (a middle pipeline stage) and out.sum() is the loss."""
+    targets None: the model ends before the head (a middle pipeline stage) and out.sum() is the loss.
+    positions: passed to the model when given (document masks, a context-parallel slice)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -143,7 +144,7 @@ def saved_activation_bytes(model, inputs, targets=None, autocast=None) -> int:
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with autocast if autocast is not None else contextlib.nullcontext():
-            out = model(inputs)
+            out = model(inputs) if positions is None else model(inputs, positions)
         loss = (torch.nn.functional.cross_entropy(out.float().flatten(0, 1), targets.flatten())
                 if targets is not None else out.sum())
     loss.backward()

@@ -97,8 +97,8 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
                                reader.read(f"optim/{name}", offsets, shape))
     loader.load_state_dict(manifest["data"])
     layout = manifest["layout"]
-    same = (layout["dp"], layout["tp"], layout["pp"], layout.get("ps_servers", 0)) == \
-        (dims.dp, dims.tp, dims.pp, dims.ps_servers)
+    same = (layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1), layout.get("ps_servers", 0)) == \
+        (dims.dp, dims.tp, dims.pp, dims.cp, dims.ps_servers)
     if same:
         rng_file = reader.open_file(manifest["rng"][str(dims.rank)])
         torch.set_rng_state(rng_file.get_tensor("rng/cpu"))

@@ -148,7 +148,7 @@ class Checkpointer:
             "step": snap.step,
             "tokens": snap.meta["tokens"],
             "recipe": self.recipe.to_dict(),
-            "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.recipe.parallel.zero,
+            "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "zero": self.recipe.parallel.zero,
                        "virtual_stages": self.recipe.parallel.virtual_stages, "world_size": d.world_size,
                        "dp_shard": d.dp_shard, "dp_replicate": d.dp_replicate,
                        "dp_sync": self.recipe.parallel.dp_sync,

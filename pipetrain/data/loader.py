@@ -26,7 +26,7 @@ Without it, packed documents attend to earlier documents of the window, as in GP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -283,6 +283,9 @@ class Loader:
         self.samples = 0
         self.split: Optional[dict] = None  # dynamic batch: {"dp_shard", "microbatch", "counts"}
         self.saved_split: Optional[dict] = None  # a checkpoint's split, read by pipetrain.build
+        # Context parallelism: Batch -> this cp rank's slice of every sequence, applied to what next() and
+        # val_batches() serve (set by pipetrain.build; None keeps whole sequences). Counts stay global.
+        self.sequence_slice: Optional[Callable[[Batch], Batch]] = None
 
     @property
     def local_batch(self) -> int:
@@ -311,7 +314,10 @@ class Loader:
         self._peeked = None
         total = self.data.count_targets(self.samples, self.global_batch)
         self.samples += self.global_batch
-        return batch, total
+        return self._sliced(batch), total
+
+    def _sliced(self, batch: Batch) -> Batch:
+        return batch if self.sequence_slice is None else self.sequence_slice(batch)
 
     def peek_inputs(self) -> torch.Tensor:
         """This dp rank's input ids of the next step, without consuming it (the batch is kept for next())."""
@@ -328,7 +334,7 @@ class Loader:
         out = []
         offset, count = batch_slice(self.global_batch, self.dp_size, self.dp_rank)  # no dynamic split here
         for b in range(num_batches):
-            out.append(self.data.val_batch(b * self.global_batch + offset, count))
+            out.append(self._sliced(self.data.val_batch(b * self.global_batch + offset, count)))
         return out
 
     def state_dict(self) -> dict:

@@ -98,6 +98,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
         self.wo = nn.Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
         self.core = AttentionCore(cfg.sliding_window)
+        # RoPE table length when positions index past this input's T (a context-parallel slice holds global
+        # positions; pipetrain.parallel.context sets the full sequence length). None: the input's T.
+        self.rope_len: int | None = None
 
     def forward(self, x, positions=None):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
         q = self.wq(x)  # (B, T, Hq/tp * K): read T and heads from the output, not the input
@@ -111,7 +114,7 @@ class Attention(nn.Module):
             q, k = rope(q, k, cos, sin)
         elif self.use_rope:  # per-sequence positions: rotate the (B*T) tokens as one sequence of gathered rows
             B, T = positions.shape
-            cos, sin = rope_tables(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            cos, sin = rope_tables(self.rope_len or T, self.head_dim, self.rope_theta, q.device, q.dtype)
             flat = positions.to(q.device).reshape(-1)
             q, k = rope(q.reshape(1, B * T, *q.shape[2:]), k.reshape(1, B * T, *k.shape[2:]), cos[flat], sin[flat])
             q, k = q.view(B, T, *q.shape[2:]), k.view(B, T, *k.shape[2:])

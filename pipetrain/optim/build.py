@@ -37,7 +37,10 @@ class Optimizer:
         """dp_group: the group gradients are summed over ("dp": dims.dp_group; a relaxed run passes its
         dp_shard group, and a pipetrain.parallel.replicas wrapper reduces across replicas)."""
         self.model, self.dims, self.cfg = model, dims, cfg
-        self.dp_group = dims.dp_group if dp_group == "dp" else dp_group
+        # Under context parallelism each cp rank's gradient covers only its slice of the tokens, so "dp"
+        # sums over dp x cp (the loss is already divided by the global target count).
+        data_group = dims.dp_group if dims.cp == 1 else dims.dp_cp_group
+        self.dp_group = data_group if dp_group == "dp" else dp_group
         self.torch_opt = build_torch_opt(param_groups(model, cfg.weight_decay), cfg)
         self.steps_taken = 0
 

@@ -1,23 +1,26 @@
 """ParallelDims on a DeviceMesh: the groups read from the mesh have the rank lists of the row-major
-(dp, pp, tp) arithmetic (tp fastest), degree-1 dims stay None, and the embed group joins the first
-and last stage. The expected lists come from mesh_rank_lists, computed with no processes."""
+(dp, pp, cp, tp) arithmetic (tp fastest), degree-1 dims stay None, the embed group joins the first
+and last stage, and the dp x cp gradient group spans every rank of one (pp, tp) coordinate. The expected
+lists come from mesh_rank_lists, computed with no processes."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.parallel.mesh.dims import MESH_DIM_NAMES, ParallelDims
+from pipetrain.parallel.mesh.dims import MESH_DIM_NAMES, ParallelDims, mesh_rank_lists
 from tests.harness import run_ranks
 
 
 def _check_layouts(rank, world_size, layouts):
-    for dp, pp, tp in layouts:
-        dims = ParallelDims.from_degrees(dp=dp, pp=pp, tp=tp)
-        where = f"{dims.coords} dp{dp} pp{pp} tp{tp}"
+    for dp, pp, cp, tp in layouts:
+        dims = ParallelDims.from_degrees(dp=dp, pp=pp, cp=cp, tp=tp)
+        where = f"{dims.coords} dp{dp} pp{pp} cp{cp} tp{tp}"
         assert dims.mesh.mesh_dim_names == MESH_DIM_NAMES, where
-        assert dims.mesh.mesh.tolist() == torch.arange(world_size).reshape(dp, pp, tp).tolist(), where
-        assert dims.mesh.get_coordinate() == (dims.dp_rank, dims.pp_rank, dims.tp_rank), where
+        assert dims.mesh.mesh.tolist() == torch.arange(world_size).reshape(dp, pp, cp, tp).tolist(), where
+        assert dims.mesh.get_coordinate() == (dims.dp_rank, dims.pp_rank, dims.cp_rank, dims.tp_rank), where
         expected = dims.group_rank_lists()
-        for kind in (*MESH_DIM_NAMES, "embed"):
+        # the gradient group: dp x cp, also when one of them is 1 (then it is the dp or the cp group itself)
+        expected["dp_cp"] = mesh_rank_lists(dims.mesh_shape, ("dp", "cp")) if dp * cp > 1 else []
+        for kind in (*MESH_DIM_NAMES, "embed", "dp_cp"):
             group = getattr(dims, f"{kind}_group")
             mine = [ranks for ranks in expected[kind] if rank in ranks]
             if not mine:  # degree 1, or a middle pipeline stage for embed
@@ -30,9 +33,10 @@ def _check_layouts(rank, world_size, layouts):
 
 
 def test_mesh_groups_match_the_row_major_rank_lists_on_4_ranks():
-    run_ranks(4, _check_layouts, [(2, 1, 2), (2, 2, 1), (1, 2, 2), (4, 1, 1)])
+    run_ranks(4, _check_layouts, [(2, 1, 1, 2), (2, 2, 1, 1), (1, 2, 1, 2), (4, 1, 1, 1), (2, 1, 2, 1),
+                                  (1, 1, 2, 2)])
 
 
 @pytest.mark.slow
 def test_mesh_groups_match_the_row_major_rank_lists_on_8_ranks():
-    run_ranks(8, _check_layouts, [(2, 2, 2)])
+    run_ranks(8, _check_layouts, [(2, 2, 1, 2), (2, 2, 2, 1), (2, 1, 2, 2)])

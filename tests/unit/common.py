@@ -28,7 +28,7 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
     """pipetrain.build.build_trainer on synthetic tokens (random, or a fixed cycle a model learns in a
     few steps), with ZeRO buckets of bucket_bytes when given."""
     dims = dims or ParallelDims()
-    recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, zero=zero, **parallel),
+    recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero=zero, **parallel),
                     train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
                                       warmup_steps=1, grad_clip=grad_clip, precision=precision, fused_loss=fused_loss,
                                       compile=compile, grad_accumulation_fusion_min_numel=0),  # tiny weights: fuse them all

@@ -28,7 +28,7 @@ def test_group_rank_lists_partition_the_world_along_each_axis():
 
 def test_degree_one_kinds_have_no_groups():
     lists = ParallelDims(dp=4, tp=1, pp=1).group_rank_lists()
-    assert lists == {"tp": [], "pp": [], "dp": [[0, 1, 2, 3]], "embed": [],
+    assert lists == {"tp": [], "cp": [], "pp": [], "dp": [[0, 1, 2, 3]], "embed": [], "dp_cp": [],
                      "dp_shard": [], "dp_replicate": [], "replica": []}
 
 

@@ -8,6 +8,7 @@ tensor-parallel region is entered and left with matching communication in both d
     reduce_from_tp       forward: all-reduce over tp        backward: identity                (g)
     gather_sequence      forward: all-gather along T        backward: reduce-scatter along T
     reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
+    gather_over_cp       forward: all-gather K/V along T      backward: reduce-scatter along T (over cp)
 
 Shapes: B batch, T time (dim 1 of activations), D model; under sequence parallelism a rank holds
 (B, T/tp, D). A group of None means a group of one: every operator is then the identity and no
@@ -368,6 +369,13 @@ def reduce_from_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
 def gather_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
     """forward: all-gather along T, (B, T/tp, D) -> (B, T, D); backward: reduce-scatter along T."""
     return x if group_size(tp_group) == 1 else _AlongSequence.apply(x, tp_group, all_gather, reduce_scatter)
+
+
+def gather_over_cp(x: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
+    """forward: all-gather along T over cp, (B, T/cp, H, K) -> (B, T, H, K) in cp rank order; backward:
+    reduce-scatter along T (every rank's queries give a partial gradient of every key and value). The same
+    collective pair as sequence parallelism's gather, over the cp group."""
+    return gather_sequence(x, cp_group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:

@@ -1,18 +1,23 @@
-"""ParallelDims: the dp x pp x tp mesh of global ranks and its process groups.
+"""ParallelDims: the dp x pp x cp x tp mesh of global ranks and its process groups.
 
-Global ranks form a row-major mesh of shape (dp, pp, tp): tp varies fastest, then pp, then dp,
+Global ranks form a row-major mesh of shape (dp, pp, cp, tp): tp varies fastest, then cp, then pp, then dp,
 
-    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank,
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank,
 
-so the ranks of one tp group are neighbours (one node, the fastest links) and a pp stage's peers are
-tp ranks apart. This module is the ONLY creator of process groups (the device mesh and
-dist.new_group): everything else receives `dims` and reads its groups.
+so the ranks of one tp group are neighbours (one node, the fastest links), a cp group (context
+parallelism: the K/V all-gather of every layer, the next-heaviest traffic) is tp ranks apart, and a pp
+stage's peers are cp * tp ranks apart. With cp = 1 this is the (dp, pp, tp) mesh it always was. This
+module is the ONLY creator of process groups (the device mesh and dist.new_group): everything else
+receives `dims` and reads its groups.
 
-The groups come from a torch.distributed DeviceMesh over that (dp, pp, tp) grid with the dim names
-"dp", "pp", "tp" (`dims.mesh`), the object DCP, FSDP2 and context parallelism take; splitting dp into
+The groups come from a torch.distributed DeviceMesh over that (dp, pp, cp, tp) grid with the dim names
+"dp", "pp", "cp", "tp" (`dims.mesh`), the object DCP, FSDP2 and context parallelism take; splitting dp into
 dp_replicate x dp_shard later is a reshape of the grid plus two names. The embedding group (first and
 last pp stage, for tied embeddings) is no mesh dim: it is created with dist.new_group after the mesh,
 in the same order on every rank, as torch.distributed requires even of the ranks that are not members.
+The dp x cp group (`dp_cp_group`: gradients are summed over it, each cp rank holding the gradient of its
+slice of the tokens) is created the same way when dp and cp are both > 1; it is dp_group when cp == 1 and
+cp_group when dp == 1.
 
 Group convention: a group attribute is None when its degree is 1 (or torch.distributed is not
 initialised) and a real ProcessGroup otherwise. The collectives in pipetrain.parallel.mesh.comm treat None
@@ -51,7 +56,7 @@ from pipetrain.parallel.mesh.comm import set_workers_group
 from pipetrain.parallel.mesh.rules import resolve_dp_shard
 
 # Mesh dims, slowest-varying first; ranks are row-major over them.
-MESH_DIM_NAMES = ("dp", "pp", "tp")
+MESH_DIM_NAMES = ("dp", "pp", "cp", "tp")
 
 
 def mesh_rank_lists(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
@@ -85,7 +90,7 @@ def default_device() -> torch.device:
 
 @dataclass
 class ParallelDims:
-    """Degrees, this rank's coordinates, and the process groups of the dp x pp x tp mesh.
+    """Degrees, this rank's coordinates, and the process groups of the dp x pp x cp x tp mesh.
 
     Construct it directly for rank arithmetic (no groups), or with `init` / `from_degrees`, which also
     build the device mesh and the groups when torch.distributed is initialised. The layout rules a user
@@ -96,14 +101,19 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                      # context parallelism: each cp rank holds a slice of every sequence
     rank: int = 0
     dp_shard: Optional[int] = None   # None = dp (one replica)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    # The (dp, pp, tp) DeviceMesh with MESH_DIM_NAMES; None without a process group.
+    # The (dp, pp, cp, tp) DeviceMesh with MESH_DIM_NAMES; None without a process group.
     mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # Every rank with this (pp, tp) coordinate: gradients sum over dp x cp (each cp rank holds a partial
+    # gradient from its slice of the tokens). dp_group itself when cp == 1, cp_group when dp == 1.
+    dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     # First and last pp stage of this (dp, tp) coordinate: all-reduces the tied embedding's gradient.
     embed_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     dp_shard_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
@@ -123,13 +133,14 @@ class ParallelDims:
             value = getattr(self, name)
             assert isinstance(value, int) and value >= 1, f"{name}={value!r} must be an integer >= 1"
         assert 0 <= self.rank < self.full_world_size, \
-            f"rank {self.rank} is outside the mesh dp*pp*tp={self.dp}*{self.pp}*{self.tp}={self.world_size} " \
+            f"rank {self.rank} is outside the mesh dp*pp*cp*tp={self.dp}*{self.pp}*{self.cp}*{self.tp}=" \
+            f"{self.world_size} " \
             f"plus {self.ps_servers} server(s)"
 
     # ---- rank arithmetic (no communication) ----
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def full_world_size(self) -> int:
@@ -159,12 +170,16 @@ class ParallelDims:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tp) % self.pp
+        return (self.rank // (self.tp * self.cp)) % self.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp)
+        return self.rank // (self.tp * self.cp * self.pp)
 
     @property
     def dp_replicate(self) -> int:
@@ -180,54 +195,59 @@ class ParallelDims:
 
     @property
     def replica_size(self) -> int:
-        """Ranks in one replica: dp_shard * pp * tp."""
-        return self.dp_shard * self.pp * self.tp
+        """Ranks in one replica: dp_shard * pp * cp * tp."""
+        return self.dp_shard * self.pp * self.cp * self.tp
 
-    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        """The global rank at mesh coordinate (dp_rank, pp_rank, tp_rank)."""
-        assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp and 0 <= tp_rank < self.tp, \
-            f"coordinate ({dp_rank}, {pp_rank}, {tp_rank}) is outside the mesh {self.mesh_shape}"
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """The global rank at mesh coordinate (dp_rank, pp_rank, cp_rank, tp_rank)."""
+        assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp and 0 <= tp_rank < self.tp \
+            and 0 <= cp_rank < self.cp, \
+            f"coordinate ({dp_rank}, {pp_rank}, {cp_rank}, {tp_rank}) is outside the mesh {self.mesh_shape}"
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     @property
     def coords(self) -> str:
         """Prefix for rank messages, e.g. "[rank 3 | dp 0 tp 1 pp 1]"."""
-        return f"[rank {self.rank} | dp {self.dp_rank} tp {self.tp_rank} pp {self.pp_rank}]"
+        cp = f" cp {self.cp_rank}" if self.cp > 1 else ""
+        return f"[rank {self.rank} | dp {self.dp_rank} tp {self.tp_rank} pp {self.pp_rank}{cp}]"
 
     def group_rank_lists(self) -> dict[str, list[list[int]]]:
         """Every group of the mesh by kind, in creation order: {"tp": [[0, 1], ...], "pp": ..., ...}.
         A kind whose degree is 1 has no groups (its attribute stays None)."""
         shape = self.mesh_shape
         out = {}
-        for kind in ("tp", "pp", "dp"):
+        for kind in ("tp", "cp", "pp", "dp"):
             out[kind] = mesh_rank_lists(shape, (kind,)) if shape[kind] > 1 else []
+        out["dp_cp"] = mesh_rank_lists(shape, ("dp", "cp")) if self.dp > 1 and self.cp > 1 else []
         out["embed"] = ([[lists[0], lists[-1]] for lists in mesh_rank_lists(shape, ("pp",))]
                         if self.pp > 1 else [])
-        split = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "pp": self.pp, "tp": self.tp}
+        split = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "pp": self.pp, "cp": self.cp,
+                 "tp": self.tp}
         both = self.dp_shard > 1 and self.dp_replicate > 1  # otherwise one of them is the dp group itself
         out["dp_shard"] = mesh_rank_lists(split, ("dp_shard",)) if both else []
         out["dp_replicate"] = mesh_rank_lists(split, ("dp_replicate",)) if both else []
-        out["replica"] = (mesh_rank_lists(split, ("dp_shard", "pp", "tp"))
+        out["replica"] = (mesh_rank_lists(split, ("dp_shard", "pp", "cp", "tp"))
                           if self.dp_replicate > 1 and self.replica_size > 1 else [])
         return out
 
     # ---- construction with process groups ----
     @classmethod
     def init(cls, parallel_cfg: ParallelConfig, world_size: int | None = None) -> "ParallelDims":
-        """Dims for a recipe's parallel section; dp defaults to world_size / (tp * pp).
+        """Dims for a recipe's parallel section; dp defaults to world_size / (tp * pp * cp).
 
         The world size and rank come from torch.distributed when it is initialised (a `world_size`
         argument must then agree); otherwise this is a single process and the world size is 1.
         """
-        dims = cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, world_size=world_size,
+        dims = cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
+                                world_size=world_size,
                                 dp_shard=lambda dp: resolve_dp_shard(parallel_cfg, dp),
                                 ps_servers=parallel_cfg.ps_servers)
         return dims
 
     @classmethod
-    def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1,
+    def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1,
                      world_size: int | None = None, dp_shard=None, ps_servers: int = 0) -> "ParallelDims":
-        """Dims for explicit degrees (dp=None: world_size / (tp * pp)), building the mesh and every group.
+        """Dims for explicit degrees (dp=None: world_size / (tp * pp * cp)), building the mesh and every group.
         dp_shard: an int, None (= dp) or a function of the resolved dp. ps_servers: ranks of the world
         after the mesh that serve the embedding (world_size counts them; the mesh does not)."""
         initialised = dist.is_available() and dist.is_initialized()
@@ -235,11 +255,15 @@ class ParallelDims:
         assert isinstance(tp, int) and tp >= 1 and isinstance(pp, int) and pp >= 1, f"tp={tp!r}, pp={pp!r}"
         assert world_size is None or world_size == actual + ps_servers, \
             f"world size {world_size} was requested but {actual} processes are running"
-        assert actual % (tp * pp) == 0, f"world size {actual} is not divisible by tp*pp={tp}*{pp}"
-        dp = actual // (tp * pp) if dp is None else dp
-        assert dp * tp * pp == actual, f"dp*tp*pp={dp}*{tp}*{pp} does not equal the world size {actual}"
+        assert isinstance(cp, int) and cp >= 1, f"cp={cp!r}"
+        cp_name, cp_value = ("*cp", f"*{cp}") if cp > 1 else ("", "")
+        assert actual % (tp * pp * cp) == 0, \
+            f"world size {actual} is not divisible by tp*pp{cp_name}={tp}*{pp}{cp_value}"
+        dp = actual // (tp * pp * cp) if dp is None else dp
+        assert dp * tp * pp * cp == actual, \
+            f"dp*tp*pp{cp_name}={dp}*{tp}*{pp}{cp_value} does not equal the world size {actual}"
         dp_shard = dp_shard(dp) if callable(dp_shard) else dp_shard
-        dims = cls(dp=dp, tp=tp, pp=pp, rank=dist.get_rank() if initialised else 0, device=default_device(),
+        dims = cls(dp=dp, tp=tp, pp=pp, cp=cp, rank=dist.get_rank() if initialised else 0, device=default_device(),
                    dp_shard=dp_shard, ps_servers=ps_servers)
         if dims.device.type == "cuda":
             torch.cuda.set_device(dims.device)  # before the mesh, so nccl binds this rank's device
@@ -258,7 +282,7 @@ class ParallelDims:
         return self._checkpoint_group
 
     def _build_mesh(self) -> None:
-        """Build the (dp, pp, tp) device mesh and read this rank's groups from it, then create the embed
+        """Build the (dp, pp, cp, tp) device mesh and read this rank's groups from it, then create the embed
         groups; every rank makes the same calls in the same order. The backend is the default group's."""
         # row-major: tp fastest; on the CPU whatever the default device (DeviceMesh copies it to the CPU)
         grid = torch.arange(self.world_size, device="cpu").reshape(*self.mesh_shape.values())
@@ -266,7 +290,7 @@ class ParallelDims:
         if self.is_server:
             assert self.mesh.get_coordinate() is None, f"server rank {self.rank} sits inside the device mesh"
         else:
-            assert self.mesh.get_coordinate() == (self.dp_rank, self.pp_rank, self.tp_rank), \
+            assert self.mesh.get_coordinate() == (self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank), \
                 f"{self.coords} sits at {self.mesh.get_coordinate()} of the device mesh"
         for name in MESH_DIM_NAMES:
             if getattr(self, name) > 1 and not self.is_server:  # degree 1 keeps None: comm's "group of one"
@@ -276,7 +300,7 @@ class ParallelDims:
             if self.rank in ranks:
                 self.embed_group = pg
         lists = self.group_rank_lists()
-        for kind in ("dp_shard", "dp_replicate", "replica"):
+        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp"):
             for ranks in lists[kind]:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -285,6 +309,10 @@ class ParallelDims:
             self.dp_shard_group = self.dp_group
         elif self.dp_shard == 1:
             self.dp_replicate_group = self.dp_group
+        if self.cp == 1:
+            self.dp_cp_group = self.dp_group
+        elif self.dp == 1:
+            self.dp_cp_group = self.cp_group
         set_workers_group(None)
         if self.ps_servers:
             workers = dist.new_group(list(range(self.world_size)))

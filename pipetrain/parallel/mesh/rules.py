@@ -21,7 +21,7 @@ from __future__ import annotations
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.parallel.pipeline.schedules import schedule_problems
 
-DEGREES = ("tp", "pp", "microbatches", "virtual_stages")  # parallel keys that count something: each >= 1
+DEGREES = ("tp", "pp", "cp", "microbatches", "virtual_stages")  # parallel keys that count something: each >= 1
 
 
 # ---- rules that need no world size (config.validate runs them at load) ---------------------------------
@@ -39,7 +39,8 @@ def parallel_problems(recipe: Recipe) -> list[str]:
     if recipe.train.precision == "fp8" and recipe.model.lora_rank is not None:
         problems.append(f"train.precision=fp8: LoRA (model.lora_rank={recipe.model.lora_rank}) is not supported "
                         "with fp8 yet; use train.precision=bf16")
-    return problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
+    return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
+            + context_problems(recipe))
 
 
 def _relaxed_key_problems(p: ParallelConfig) -> list[str]:
@@ -119,9 +120,39 @@ def _fault_tolerance_problems(p: ParallelConfig) -> list[str]:
     return out
 
 
+def context_problems(recipe: Recipe) -> list[str]:
+    """parallel.cp (pipetrain.parallel.context): the sequence must split into 2*cp equal chunks (a head and a
+    tail chunk per rank), and the compositions not built with cp yet are refused rather than run wrong."""
+    p, t = recipe.parallel, recipe.train
+    if p.cp <= 1:
+        return []
+    why = f"parallel.cp={p.cp}"
+    if t.seq_len % (2 * p.cp):
+        return [f"train.seq_len: must be divisible by 2*parallel.cp={2 * p.cp} (each cp rank takes one head and "
+                f"one tail chunk of every sequence), got {t.seq_len}; use a multiple of {2 * p.cp}"]
+    out = []
+    if p.sequence_parallel and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
+        out.append(f"train.seq_len: its cp slice seq_len/cp={t.seq_len // p.cp} must be divisible by "
+                   f"parallel.tp={p.tp} under sequence_parallel, got {t.seq_len}; use a multiple of {2 * p.cp * p.tp}")
+    refused = [  # (in use, key=value, why not yet)
+        (p.zero >= 1, f"parallel.zero={p.zero}", "ZeRO shards over dp only, not dp x cp; set parallel.zero=0"),
+        (recipe.model.lora_rank is not None, f"model.lora_rank={recipe.model.lora_rank}",
+         "LoRA is not tested with cp; drop model.lora_rank or set parallel.cp=1"),
+        (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "relaxed replicas are not built with cp; use bsp"),
+        (p.dynamic_batch, "parallel.dynamic_batch", "the dynamic split is not built with cp; drop it"),
+        (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}", "parameter servers are not built with cp; set 0"),
+        (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}",
+         "torchft replica groups are not built with cp; set fault_tolerance=none"),
+        (t.precision == "fp8", "train.precision=fp8", "fp8 is not tested with cp; use bf16"),
+        (p.auto, "parallel.auto", "the planner has no cp term yet; give the layout by hand"),
+    ]
+    out += [f"{key}: does not combine with {why} yet ({fix})" for used, key, fix in refused if used]
+    return out
+
+
 # ---- rules against the world size (the CLI checks them before starting anything) -------------------
 def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
-    """Every problem with running recipe's dp x tp x pp layout on world_size processes (empty when it runs).
+    """Every problem with running recipe's dp x cp x tp x pp layout on world_size processes (empty when it runs).
 
     The recipe must have passed parallel_problems (load_recipe runs it when handed it): degrees >= 1."""
     p = recipe.parallel
@@ -147,25 +178,27 @@ def fp8_layout_problems(recipe: Recipe) -> list[str]:
 
 
 def resolve_dp(recipe: Recipe, world_size: int) -> int:
-    """parallel.dp, or world_size / (tp * pp) when the recipe leaves it out."""
-    tp_pp = recipe.parallel.tp * recipe.parallel.pp
+    """parallel.dp, or world_size / (tp * pp * cp) when the recipe leaves it out."""
+    tp_pp = recipe.parallel.tp * recipe.parallel.pp * recipe.parallel.cp
     return recipe.parallel.dp if recipe.parallel.dp is not None else max(1, world_size // tp_pp)
 
 
 def mesh_problems(recipe: Recipe, world_size: int) -> list[str]:
-    """The dp x tp x pp mesh must cover the world, and dp * microbatches must divide the global batch.
+    """The dp x cp x tp x pp mesh must cover the world, and dp * microbatches must divide the global batch.
     world_size: the mesh's ranks (with parallel.ps_servers, the processes launched minus the servers)."""
     p, t = recipe.parallel, recipe.train
-    tp_pp = p.tp * p.pp
+    tp_pp = p.tp * p.pp * p.cp
     servers = p.ps_servers
     after = f" + {servers} server(s) (parallel.ps_servers)" if servers else ""
+    cp_name, cp_val = ("*parallel.cp", f"*{p.cp}") if p.cp > 1 else ("", "")
     if world_size % tp_pp:
         return [f"world size {world_size}{' without the servers' if servers else ''} is not divisible by "
-                f"parallel.tp*parallel.pp={tp_pp}; launch a multiple of {tp_pp} processes{after}"]
+                f"parallel.tp*parallel.pp{cp_name}={tp_pp}; launch a multiple of {tp_pp} processes{after}"]
     problems = []
     dp = resolve_dp(recipe, world_size)
     if dp * tp_pp != world_size:
-        problems.append(f"parallel.dp*tp*pp={dp}*{p.tp}*{p.pp}={dp * tp_pp} does not equal the world size "
+        problems.append(f"parallel.dp*tp*pp{cp_name.replace('parallel.', '')}={dp}*{p.tp}*{p.pp}{cp_val}="
+                        f"{dp * tp_pp} does not equal the world size "
                         f"{world_size}{' without the servers' if servers else ''}; launch {dp * tp_pp + servers} "
                         f"processes ({dp * tp_pp} workers{after}) or drop parallel.dp")
     return problems + batch_problems(t, dp, p.microbatches)

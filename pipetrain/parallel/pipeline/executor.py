@@ -62,7 +62,7 @@ class Executor:
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
-        return d.global_rank(d.dp_rank, pp_rank, d.tp_rank)
+        return d.global_rank(d.dp_rank, pp_rank, d.tp_rank, d.cp_rank)
 
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.act_shape or t.dtype != self.act_dtype:

@@ -1,0 +1,173 @@
+"""Context parallelism (parallel.cp) on gloo CPU processes, against the same run in one process.
+
+Every case trains a few fp32 steps and checks the loss and the global gradient norm at every step, then the
+validation loss (the loader slices validation batches too), against the single-process run (the norm catches
+a wrong gradient at the first step, before the loss could drift).
+One spawn in the default run (cp 2: plain causal llama, and a mistral sliding window with document masks);
+the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp) is marked slow.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipetrain.build import build_trainer
+from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
+from pipetrain.data import Loader, PackedData
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.harness import TP_FP32, run_ranks, saved_activation_bytes
+
+STEPS, SEQ, BATCH = 3, 32, 4
+LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=64, max_seq_len=64)  # GQA: 2 kv heads gathered over cp
+MISTRAL = ModelConfig(family="mistral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=64, max_seq_len=64, sliding_window=6)  # window shorter than a cp chunk at cp 2
+GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)  # learned positions
+MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2}
+
+
+def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask: bool = False, steps: int = STEPS,
+               seq_len: int = SEQ, resume: str | None = None, **parallel):
+    """build_trainer on random tokens cut into documents of 3..20 tokens (several boundaries in every window
+    and in every cp chunk), with data.document_mask when asked."""
+    recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
+                    train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
+                                      warmup_steps=1, grad_clip=1.0),
+                    data=DataConfig(document_mask=document_mask),
+                    run=RunConfig(output_dir=out, progress=False, eval_batches=1))
+    rng = np.random.default_rng(0)
+    num = 48 * (seq_len + 1)
+    tokens = rng.integers(0, cfg.vocab_size, num).astype(np.int32)
+    cuts = np.cumsum(rng.integers(3, 21, num))
+    documents = np.concatenate([[0], cuts[cuts < num], [num]]).astype(np.int64)
+    data = PackedData(tokens, None, seq_len, 0.1, 2, documents=documents, document_mask=document_mask)
+    return build_trainer(recipe, dims, resume=resume, loader=Loader(data, BATCH, dims.dp_rank, dims.dp))
+
+
+def losses_and_norms(trainer, steps: int = STEPS, evaluate: bool = False) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step; evaluate: then (validation loss, 0.0), the loader's sliced val batches."""
+    out = []
+    for _ in range(steps):
+        record = trainer.train_step()
+        out.append((record["loss"], record["grad_norm"]))
+    if evaluate:
+        out.append((trainer.evaluate()["eval_loss"], 0.0))
+    return out
+
+
+def reference(out: str, model: str, document_mask: bool, steps: int = STEPS, **parallel) -> list[tuple[float, float]]:
+    """The single-process run, in this process."""
+    os.makedirs(out, exist_ok=True)
+    trainer = cp_trainer(MODELS[model], out, ParallelDims(), document_mask=document_mask, steps=steps, **parallel)
+    return losses_and_norms(trainer, steps, evaluate=True)
+
+
+def _cases_worker(rank, world_size, out, degrees, cases, expected):
+    dims = ParallelDims.from_degrees(**degrees)
+    for (model, document_mask, parallel), want in zip(cases, expected):
+        name = f"{model}-docs{int(document_mask)}"
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+        got = losses_and_norms(cp_trainer(MODELS[model], os.path.join(out, name), dims, document_mask=document_mask,
+                                          **parallel), evaluate=True)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TP_FP32,
+                                   msg=lambda m: f"{dims.coords} {name} {degrees} (loss, grad norm) per step, then "
+                                             f"the validation loss: {m}")
+
+
+def check_cases(tmp_path, degrees: dict, cases: list[tuple[str, bool, dict]]) -> None:
+    """Each case (model, document_mask, extra parallel keys) on the degrees' world gives the single-process
+    losses and gradient norms at every step."""
+    expected = [reference(str(tmp_path / f"ref{i}"), m, d, **{k: v for k, v in p.items() if k == "microbatches"})
+                for i, (m, d, p) in enumerate(cases)]
+    world = 1
+    for v in degrees.values():
+        world *= v
+    run_ranks(world, _cases_worker, str(tmp_path / "cp"), degrees, cases, expected)
+
+
+def test_cp2_matches_single_process_causal_and_document_masked_sliding_window(tmp_path):
+    check_cases(tmp_path, {"cp": 2}, [("llama", False, {}), ("mistral", True, {})])
+
+
+@pytest.mark.slow
+def test_cp4_matches_single_process(tmp_path):
+    check_cases(tmp_path, {"cp": 4}, [("llama", True, {}), ("mistral", False, {}), ("gpt2", False, {})])
+
+
+@pytest.mark.slow
+def test_cp2_tp2_matches_single_process_with_and_without_sequence_parallelism(tmp_path):
+    check_cases(tmp_path, {"cp": 2, "tp": 2}, [("llama", True, {"sequence_parallel": True}),
+                                                ("mistral", False, {})])
+
+
+@pytest.mark.slow
+def test_cp2_dp2_matches_single_process(tmp_path):
+    check_cases(tmp_path, {"cp": 2, "dp": 2}, [("llama", False, {}), ("mistral", True, {})])
+
+
+@pytest.mark.slow
+def test_cp2_pp2_matches_single_process_with_selective_recompute(tmp_path):
+    check_cases(tmp_path, {"cp": 2, "pp": 2}, [("llama", True, {"microbatches": 2, "recompute": "selective"}),
+                                                ("gpt2", False, {"microbatches": 2})])
+
+
+# ---- activation memory falls with cp ----
+LONG = 256
+# one kv head: each rank keeps the whole sequence's K and V, which GQA keeps small
+LONG_LLAMA = ModelConfig(**{**LLAMA.__dict__, "max_seq_len": LONG, "n_kv_heads": 1})
+
+
+def activation_bytes(trainer) -> int:
+    """Bytes one forward of this rank's first batch keeps for backward (tests.harness.saved_activation_bytes:
+    distinct storages, parameters left out): the activations that grow with the sequence."""
+    batch, _ = trainer.loader.next()
+    return saved_activation_bytes(trainer.model, batch.inputs, batch.targets, positions=batch.positions)
+
+
+def _memory_worker(rank, world_size, out, single_bytes, most):
+    dims = ParallelDims.from_degrees(cp=world_size)
+    os.makedirs(out, exist_ok=True)
+    got = activation_bytes(cp_trainer(LONG_LLAMA, out, dims, seq_len=LONG))
+    assert got <= most * single_bytes, f"{dims.coords} cp={world_size} keeps {got} activation bytes, " \
+        f"{got / single_bytes:.2f}x cp 1's {single_bytes}; expected at most {most}x"
+
+
+@pytest.mark.parametrize("cp, most", [(2, 0.6), pytest.param(4, 0.35, marks=pytest.mark.slow)])
+def test_per_rank_activation_memory_falls_with_cp(tmp_path, cp, most):
+    single = activation_bytes(cp_trainer(LONG_LLAMA, str(tmp_path), ParallelDims(), seq_len=LONG))
+    run_ranks(cp, _memory_worker, str(tmp_path / "cp"), single, most)
+
+
+# ---- checkpoints are cp-free ----
+def save_after_two_steps(out: str, dims: ParallelDims) -> None:
+    """Train steps 1-2 of the 4-step run (the LR schedule is the 4-step one) and save at step 2."""
+    trainer = cp_trainer(LLAMA, out, dims, steps=4, document_mask=True)
+    losses_and_norms(trainer, 2)
+    trainer.logger.save_checkpoint(trainer.checkpointer, trainer)
+    trainer.checkpointer.wait()
+
+
+def _resume_worker(rank, world_size, out, expected):
+    dims = ParallelDims.from_degrees(cp=2)
+    save_after_two_steps(os.path.join(out, "saved_at_cp2"), dims)
+    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp1"), dims, steps=4, document_mask=True, resume="auto")
+    assert resumed.step == 2, f"{dims.coords} resumed at step {resumed.step}"
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
+                               msg=lambda m: f"{dims.coords} cp 2 resuming a cp 1 checkpoint: {m}")
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_losses(tmp_path):
+    out = str(tmp_path)
+    expected = reference(os.path.join(out, "uninterrupted"), "llama", True, steps=4)
+    os.makedirs(os.path.join(out, "saved_at_cp1"))
+    os.makedirs(os.path.join(out, "saved_at_cp2"))
+    save_after_two_steps(os.path.join(out, "saved_at_cp1"), ParallelDims())
+    run_ranks(2, _resume_worker, out, expected)
+    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp2"), ParallelDims(), steps=4, document_mask=True,
+                         resume="auto")
+    assert resumed.step == 2
+    torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
+                               msg=lambda m: f"cp 1 resuming a cp 2 checkpoint: {m}")
