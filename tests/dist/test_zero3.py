@@ -67,6 +67,12 @@ def _worker(rank, world_size, out, name):
     opt = z3.optimizer
     local_shapes = [tuple(p.shape) for p in z3.model.parameters()]
     opt.gatherer.reset_peak()
+    # whole-tensor storage held while each block runs forward, read from the tensors themselves
+    full_bytes = []
+    for block in z3.model.layers.values():
+        block.register_forward_pre_hook(
+            lambda m, a: full_bytes.append(sum(p.untyped_storage().nbytes() for p in z3.model.parameters())))
+    res_units = [sum(p.numel() * 4 for p in block.parameters()) for block in z3.model.layers.values()]
     records = []
     for step in range(STEPS):
         records.append(z3.train_step())
@@ -74,7 +80,7 @@ def _worker(rank, world_size, out, name):
             z3.checkpointer.save(z3)
     res = {"losses": [r["loss"] for r in records], "ref_losses": [r["loss"] for r in ref_records],
            "norms": [r["grad_norm"] for r in records], "ref_norms": [r["grad_norm"] for r in ref_records],
-           "peak": opt.gatherer.peak_gathered, "units": len(opt.gatherer.units), "gathers": opt.gatherer.gathers}
+           "peak": opt.gatherer.peak_gathered, "full_bytes": max(full_bytes), "unit_bytes": res_units, "units": len(opt.gatherer.units), "gathers": opt.gatherer.gathers}
     held = sum(p.untyped_storage().nbytes() for p in opt.params)  # gathered storage left after the step
     rows = sum(v.numel() * v.element_size() for v in opt.views.values())
     grads = sum(g.numel() * g.element_size() for g in opt._grad_shards.values())
@@ -120,6 +126,9 @@ def _check(results, name):
         assert res["param_diff"] < 1e-4, (rank, res["param_diff"])
         if "keep_gathered" not in name:
             assert res["peak"] <= 2, (rank, res["peak"], res["units"])
+            # a block runs with its own weights whole (and, at a tied head's last block, the embedding's)
+            assert res["full_bytes"] <= 2 * max(res["unit_bytes"]) + (4 * cfg.vocab_size * cfg.d_model
+                                                                   if cfg.tied else 0), (rank, res["full_bytes"])
         assert res["gathers"] > 0
         assert res["bytes"] == res["formula"], (rank, res["bytes"], res["formula"])
         assert res["resumed_loss"] == res["losses"][-1] and res["resume_bitwise"], rank
