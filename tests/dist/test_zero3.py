@@ -99,6 +99,11 @@ def _worker(rank, world_size, out, name):
     again = resumed.optimizer.gatherer.full_params()
     res["resume_bitwise"] = all(torch.equal(again[n], full[n]) for n in full)
 
+    if name == "dp2_llama":  # bf16 autocast over the gathered fp32 weights: zero 1's run within fp32 round-off
+        runs = [build_trainer(cfg, shared, dims, zero=z, bucket_bytes=BUCKET_BYTES, steps=2, precision="bf16",
+                              **COMMON) for z in (1, 3)]
+        res["bf16"] = [[t.train_step()["loss"] for _ in range(2)] for t in runs]
+
     # into zero 0 on one process and back
     ckpt = os.path.join(shared, "checkpoints", f"step-{STEPS - 1:08d}")
     dist.barrier()  # test code: the harness's gloo world, no pipetrain collective to stand in for
@@ -133,6 +138,8 @@ def _check(results, name):
         assert res["bytes"] == res["formula"], (rank, res["bytes"], res["formula"])
         assert res["resumed_loss"] == res["losses"][-1] and res["resume_bitwise"], rank
         assert res["back_step"] == STEPS
+        if "bf16" in res:
+            torch.testing.assert_close(res["bf16"][1], res["bf16"][0], **EXACT_FP32)
     single = results[0]
     torch.testing.assert_close(single["single_loss"], single["losses"][-1], **AFTER_ADAM)
     for rank, res in enumerate(results):  # zero 0's weights, loaded back into zero 3's shards, exactly

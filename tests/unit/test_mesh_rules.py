@@ -111,7 +111,6 @@ def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
      "parallel.schedule=interleaved-1f1b"),
     (dict(pp=2, schedule="zbv", microbatches=4), {}, {}, "parallel.schedule=zbv"),
     (dict(pp=2, split_backward=True), {}, {}, "parallel.split_backward"),
-    ({}, dict(precision="bf16"), {}, "train.precision=bf16"),
     ({}, dict(precision="fp8"), {}, "train.precision=fp8"),
     ({}, {}, dict(lora_rank=4), "model.lora_rank"),
     (dict(dp_sync="diloco"), {}, {}, "parallel.dp_sync=diloco"),
@@ -130,9 +129,10 @@ def test_zero3_refuses_what_it_does_not_compose_with_in_one_line(parallel, train
         recipe.parallel, zero=2))) if "zero=3" in p]
 
 
-def test_zero3_takes_1f1b_recompute_tp_and_keep_gathered():
-    assert parallel_problems(_recipe(zero=3, pp=2, tp=2, microbatches=2, recompute="full",
-                                     reshard_after_forward=False)) == []
+def test_zero3_takes_1f1b_recompute_tp_bf16_and_keep_gathered():
+    recipe = _recipe(zero=3, pp=2, tp=2, microbatches=2, recompute="full", reshard_after_forward=False)
+    assert parallel_problems(dataclasses.replace(recipe, train=dataclasses.replace(recipe.train,
+                                                                                   precision="bf16"))) == []
 
 
 # -- one place for the rules on parallel keys -------------------------------------------------------------
