@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -27,9 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+from common import proc_status_bytes  # benchmarks/common.py; puts the repository root on sys.path
 from pipetrain.config import ModelConfig  # noqa: E402
 from pipetrain.models import build, count_params, materialize  # noqa: E402
 from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
@@ -39,14 +36,6 @@ MODEL = ModelConfig(family="llama", vocab_size=8192, d_model=512, n_layers=8, n_
                     ffn_hidden=1408, max_seq_len=64)
 SEQ, PER_RANK = 64, 2  # tokens per sequence, sequences per dp rank per step
 GIB = 2 ** 30
-
-
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _reset_hwm() -> None:
@@ -109,7 +98,7 @@ def _worker(rank, dp, mode, steps, init_file, out, results):
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
             times = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir)
-        results[rank] = {"step_s": statistics.median(times), "vm_hwm": _vm_hwm()}
+        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM")}
     finally:
         dist.destroy_process_group()
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.config import TrainConfig
-from pipetrain.optim.adamw import ReadBox, set_lr
+from pipetrain.optim.adamw import ReadBox
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.flat import copy_back_, flatten
 from pipetrain.parallel.data.grads import tied_copy_names
