@@ -10,7 +10,9 @@ the measured steps and not initialisation (which builds every parameter whole), 
 after the warm-up, as tokens/s over the whole dp group. glibc's mmap threshold is pinned (64 KiB) so freed
 tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_shard (one per block and one at the root,
 reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
-group; where fully_shard does not run on gloo the row records why.
+group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
+each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
+gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _pipetrain(dims, zero: int, steps: int, out: str) -> list[float]:
+def _pipetrain(dims, zero: int, steps: int, out: str) -> tuple[list[float], int]:
     trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
                             seq_len=SEQ, grad_clip=1.0)
     times = []
@@ -53,7 +55,16 @@ def _pipetrain(dims, zero: int, steps: int, out: str) -> list[float]:
         times.append(time.perf_counter() - start)
         if len(times) == 1:
             _reset_hwm()
-    return times[1:]
+    return times[1:], _model_state_bytes(trainer)
+
+
+def _model_state_bytes(trainer) -> int:
+    """Parameter + gradient + AdamW bytes this rank holds after the last step, counted from the tensors."""
+    opt, params = trainer.optimizer, list(trainer.model.parameters())
+    held = opt.param_bytes() if hasattr(opt, "param_bytes") else sum(p.numel() * p.element_size() for p in params)
+    grads = opt.grad_bytes() if hasattr(opt, "grad_bytes") else sum(
+        p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return held + grads + opt.state_bytes()
 
 
 def _fsdp2(dp: int, steps: int) -> list[float]:
@@ -90,15 +101,15 @@ def _worker(rank, dp, mode, steps, init_file, out, results):
     try:
         if mode == "fsdp2":
             try:
-                times = _fsdp2(dp, steps)
+                times, state = _fsdp2(dp, steps), None
             except Exception as exc:  # record why fully_shard does not run here
                 results[rank] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 return
         else:
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
-            times = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir)
-        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM")}
+            times, state = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir)
+        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM"), "state": state}
     finally:
         dist.destroy_process_group()
 
@@ -121,7 +132,7 @@ def main() -> None:
     print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
           f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
           f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo")
-    print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'tokens/s':>9}")
+    print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9}")
     modes = ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
     for dp in args.dp:
         for mode in modes:
@@ -131,7 +142,8 @@ def main() -> None:
                 continue
             hwm = max(r["vm_hwm"] for r in res.values()) / GIB
             step = max(r["step_s"] for r in res.values())
-            print(f"{dp:>3} {mode:<7} {hwm:>24.3f} {PER_RANK * SEQ * dp / step:>9.0f}", flush=True)
+            state = max(r["state"] for r in res.values()) / GIB if mode != "fsdp2" else float("nan")
+            print(f"{dp:>3} {mode:<7} {hwm:>24.3f} {state:>21.3f} {PER_RANK * SEQ * dp / step:>9.0f}", flush=True)
 
 
 if __name__ == "__main__":
