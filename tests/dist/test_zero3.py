@@ -134,7 +134,12 @@ def _check(results, name):
             # a block runs with its own weights whole (and, at a tied head's last block, the embedding's)
             assert res["full_bytes"] <= 2 * max(res["unit_bytes"]) + (4 * cfg.vocab_size * cfg.d_model
                                                                    if cfg.tied else 0), (rank, res["full_bytes"])
-        assert res["gathers"] > 0
+        # all-gathers per step: each unit once in forward and once in backward per microbatch (a forward right
+        # after a backward finds the first unit still gathered), or once per step when units stay gathered
+        # from their first forward to reduce_grads
+        mb, n = COMMON["microbatches"], res["units"]
+        low, high = (n, n) if "keep_gathered" in name else (2 * mb * n - (mb - 1), 2 * mb * n)
+        assert STEPS * low <= res["gathers"] <= STEPS * high, (rank, res["gathers"], n)
         assert res["bytes"] == res["formula"], (rank, res["bytes"], res["formula"])
         assert res["resumed_loss"] == res["losses"][-1] and res["resume_bitwise"], rank
         assert res["back_step"] == STEPS
