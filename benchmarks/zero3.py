@@ -8,8 +8,8 @@ Per rank it reports the peak resident memory of the worker process (VmHWM from /
 includes the ~0.3 GB of Python and torch every process carries), reset after a warm-up step so that it covers
 the measured steps and not initialisation (which builds every parameter whole), and the median step time
 after the warm-up, as tokens/s over the whole dp group. glibc's mmap threshold is pinned (64 KiB) so freed
-tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_shard (one per block and one at the root,
-reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
+tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_shard (one per block and
+one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
 group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
 each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
 gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments.

@@ -157,9 +157,10 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     full = sum(map(_numel, shapes))
     shard = sum(_rows_numel(s, dp) for s in shapes) if dp > 1 else full
     zero = p.zero if dp > 1 else 0
-    if zero == 3:  # parallel/data/zero3.py: rows of everything, plus the two largest units (block, embed, head) whole
-        units = [sum(map(_numel, param_shapes(recipe.model, p.tp, *args)))
-                 for args in ((layers[:1], False, False, False),) * 2 + (([], first, False, False), ([], False, last, copy))]
+    if zero == 3:  # parallel/data/zero3.py: rows of everything, plus the two largest units (block, embed, head)
+        block, embed, head = (([layers[0]] if layers else [], False, False, False), ([], first, False, False),
+                              ([], False, last, copy))
+        units = [sum(map(_numel, param_shapes(recipe.model, p.tp, *args))) for args in (block, block, embed, head)]
         return FP32 * (shard + sum(sorted(units)[-2:])), FP32 * shard, FP32 * MOMENTS * shard
     grads = shard if zero == 2 else full
     optim = shard if zero >= 1 else full

@@ -80,7 +80,8 @@ def _worker(rank, world_size, out, name):
             z3.checkpointer.save(z3)
     res = {"losses": [r["loss"] for r in records], "ref_losses": [r["loss"] for r in ref_records],
            "norms": [r["grad_norm"] for r in records], "ref_norms": [r["grad_norm"] for r in ref_records],
-           "peak": opt.gatherer.peak_gathered, "full_bytes": max(full_bytes), "unit_bytes": res_units, "units": len(opt.gatherer.units), "gathers": opt.gatherer.gathers}
+           "peak": opt.gatherer.peak_gathered, "full_bytes": max(full_bytes), "unit_bytes": res_units,
+           "units": len(opt.gatherer.units), "gathers": opt.gatherer.gathers}
     held = sum(p.untyped_storage().nbytes() for p in opt.params)  # gathered storage left after the step
     rows = sum(v.numel() * v.element_size() for v in opt.views.values())
     grads = sum(g.numel() * g.element_size() for g in opt._grad_shards.values())

@@ -119,8 +119,8 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, stage: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         if stage not in (1, 2, 3):  # 3: pipetrain.parallel.data.zero3.Zero3Optimizer, which adds the gathering
-            raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use pipetrain.optim.build.Optimizer "
-                             "for parallel.zero=0")
+            raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use "
+                             "pipetrain.optim.build.Optimizer for parallel.zero=0")
         if dims.dp_shard > 1 and dims.dp_shard_group is None:
             raise ValueError(f"{dims.coords} ZeroOptimizer: dp_shard={dims.dp_shard} but dims has no dp_shard_group; "
                              "build dims with "

@@ -112,17 +112,12 @@ class Zero3Optimizer(ZeroOptimizer):
         pass
 
     def zero_grad(self) -> None:
-        self.gatherer.free_all()  # an evaluation with reshard_after_forward false may have left units gathered
+        self.gatherer.free_all()  # units a failed step left gathered
         super().zero_grad()
 
     def reduce_grads(self) -> None:
         self.gatherer.free_all()  # backward is over: nothing needs the gathered weights
         super().reduce_grads()
-
-    @torch.no_grad()
-    def step(self, lr: float) -> None:
-        self.gatherer.free_all()
-        super().step(lr)
 
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now: its rows plus whatever unit storage is gathered."""
@@ -134,7 +129,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def param_items(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """(name, rows, global shape, offsets) of this rank's row shard of every parameter (the tied head
         copy on the last stage left out: the first stage's embed.weight holds the same values)."""
-        return [(name, view, shape, offsets) for name, view, shape, offsets in self._entries(include_tied_copy=False)]
+        return self._entries(include_tied_copy=False)
 
     def load_param_items(self, read: ReadBox) -> None:
         """Read this rank's rows of every parameter (the tied head copy from embed.weight's)."""
