@@ -34,3 +34,12 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 600):
         _run_ranks(world_size, _keep_rank0_result, fn, out_path, args, timeout_s=timeout_s)
         with open(out_path, "rb") as f:
             return pickle.load(f)
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; 0 where the kernel has none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0

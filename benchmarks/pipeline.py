@@ -81,6 +81,7 @@ from pipetrain.parallel.pipeline.schedules.builders import zbv_orders  # noqa: E
 from pipetrain.parallel.pipeline.schedules.placement import place  # noqa: E402
 from pipetrain.parallel.pipeline.schedules.replay import replay_computes  # noqa: E402
 from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion  # noqa: E402
+from common import proc_status_bytes  # noqa: E402  (benchmarks/common.py)
 from pipetrain.trainer import loss_sum  # noqa: E402
 
 CFG = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -357,14 +358,6 @@ def _timing_worker(dims: ParallelDims, rounds: int, cases_run: list, out_path: s
             json.dump({"steps": results, "parity": parity}, f)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _memory_worker(dims: ParallelDims, schedule: str, v: int, framework: str, out_path: str) -> None:
     """Peak RSS over the process's life up to the end of step 1 (which also allocates the gradients and,
     for torch, infers shapes), then of step 2 alone: writing 5 to /proc/self/clear_refs resets the
@@ -372,7 +365,7 @@ def _memory_worker(dims: ParallelDims, schedule: str, v: int, framework: str, ou
     clock = StepClock()
     model, steps = _build_case(dims, schedule, v, clock)
     gc.collect()
-    before = _rss_bytes()
+    before = proc_status_bytes("VmRSS")
     counter = SavedBytes(model.parameters())
     counter.count_deferred_weight_work()
     figures = []

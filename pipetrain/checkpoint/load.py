@@ -86,13 +86,11 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     adapters_only = "base" in manifest  # LoRA: the frozen base came from init_from or the seed
     if adapters_only:
         check_base(manifest, recipe.model.init_from, recipe.train.seed, ckpt_dir)
-    with torch.no_grad():
-        for name, (shape, slices) in param_layout(model).items():
-            if adapters_only and not params[name].requires_grad:
-                continue
-            saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
-            p = params[name]
-            p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype))
+    if hasattr(optimizer, "load_param_items"):  # ZeRO-3: only this rank's rows of each weight are held
+        optimizer.load_param_items(lambda name, global_shape, offsets, shape:
+                                   reader.read(f"model/{name}", offsets, shape))
+    else:
+        _load_params(model, params, reader, adapters_only)
     optimizer.load_state_items(lambda name, global_shape, offsets, shape:
                                reader.read(f"optim/{name}", offsets, shape))
     loader.load_state_dict(manifest["data"])
@@ -107,3 +105,14 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     else:
         torch.manual_seed(recipe.train.seed * 1_000_003 + manifest["step"] * 1009 + dims.rank)
     return manifest
+
+
+def _load_params(model, params: dict, reader: TensorReader, adapters_only: bool) -> None:
+    """Copy each parameter's box (its tp / pp slice) from the checkpoint into the model."""
+    with torch.no_grad():
+        for name, (shape, slices) in param_layout(model).items():
+            if adapters_only and not params[name].requires_grad:
+                continue
+            saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
+            p = params[name]
+            p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype))

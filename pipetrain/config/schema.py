@@ -91,7 +91,8 @@ class ParallelConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = 1          # model chunks per pp rank (interleaved-1f1b)
     stage_layers: Optional[list] = None  # explicit layers per stage; None = balanced by cost
-    zero: int = 0                    # 0 | 1 (shard optimizer state) | 2 (also gradients)
+    zero: int = 0                    # 0 | 1 (shard optimizer state) | 2 (also gradients) | 3 (also parameters)
+    reshard_after_forward: bool = True  # zero 3: free a unit's gathered parameters after its forward
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = None  # full recompute only for the first N layers of a stage
     sequence_parallel: bool = False

@@ -1,7 +1,7 @@
 """The optimizer the trainer drives, and the learning-rate schedule.
 
 build_optimizer returns replicated AdamW (Optimizer, parallel.zero = 0) or ZeRO-sharded AdamW
-(pipetrain.parallel.data.zero, parallel.zero = 1 | 2); both have the same interface: zero_grad();
+(pipetrain.parallel.data.zero, parallel.zero = 1 | 2; parallel.data.zero3 for 3); both have the same interface: zero_grad();
 backward...; reduce_grads(); clip_grad_norm(max_norm) -> global norm; step(lr); state_items() /
 load_state_items(read) for checkpoints (pipetrain.optim.adamw describes the state boxes).
 lr_at is the learning-rate schedule (train.lr_schedule, with warmup: pipetrain.lr_schedule).
@@ -24,6 +24,7 @@ from pipetrain.parallel.replicas.periodic import PeriodicSyncOptimizer
 from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
 from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer, needs_replica_sync, sync_mode
 from pipetrain.parallel.data.zero import ZeroOptimizer
+from pipetrain.parallel.data.zero3 import Zero3Optimizer
 
 
 class Optimizer:
@@ -81,12 +82,15 @@ REPLICA_SYNC = {"bsp": ReplicaOptimizer, "ssp": StaleSyncOptimizer, "dssp": Stal
 
 
 def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, parallel=None, start_step: int = 0):
-    """The optimizer for parallel.zero: replicated (0) or ZeRO-sharded across dp_shard (1, 2), train.optimizer
+    """The optimizer for parallel.zero: replicated (0) or ZeRO-sharded across dp_shard (1, 2, 3), train.optimizer
     inside; wrapped in REPLICA_SYNC's wrapper for parallel.dp_sync (pipetrain.parallel.replicas) when the mode is
     relaxed or the replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
     across = parallel is not None and needs_replica_sync(parallel, dims, zero)
     if zero == 0 or dims.dp_shard == 1:
         replica_opt = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if across else "dp")
+    elif zero == 3:
+        replica_opt = Zero3Optimizer(model, dims, cfg, reshard_after_forward=parallel is None or
+                                     parallel.reshard_after_forward)
     else:
         replica_opt = ZeroOptimizer(model, dims, cfg, stage=zero)
     if not across:

@@ -198,6 +198,11 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     block = param_shapes(m, p.tp, [0], False, False, False)
     full = sum(map(_numel, ends)) + len(layers) * sum(map(_numel, block))
     shard = sum(_rows_numel(s, shards) for s in ends) + len(layers) * sum(_rows_numel(s, shards) for s in block)
+    if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus the two largest units
+        blk = sum(map(_numel, block)) if layers else 0
+        embed = sum(map(_numel, param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0)))
+        head = sum(map(_numel, param_shapes(m, p.tp, [], False, last, copy)))
+        return FP32 * (shard + sum(sorted([blk, blk, embed, head])[-2:])), FP32 * shard, FP32 * MOMENTS * shard
     grads = shard if p.zero == 2 and shards > 1 else full
     optim = shard if shards > 1 else full
     return FP32 * full, FP32 * grads, FP32 * MOMENTS * optim

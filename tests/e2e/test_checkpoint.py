@@ -60,6 +60,7 @@ def test_resume_is_bitwise_identical(reference_run, tmp_path, token_cache):
 
 @pytest.mark.parametrize("overrides,nproc", [
     (["parallel.zero=2"], 2),                                                    # one process -> dp2 zero2
+    (["parallel.zero=3"], 2),                                                    # one process -> dp2 zero3
     pytest.param(["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4,  # -> tp2 x pp2
                  marks=pytest.mark.slow),
 ])

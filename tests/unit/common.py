@@ -13,6 +13,7 @@ from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, Tra
 from pipetrain.data import Loader, PackedData
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.data.zero import ZeroOptimizer
+from pipetrain.parallel.data.zero3 import Zero3Optimizer
 from pipetrain.trainer import Trainer
 
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -24,7 +25,8 @@ BF16_LOSS = dict(rtol=2e-2, atol=0.0)  # bf16 keeps 8 mantissa bits: ~0.4% per o
 def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | None = None, *, zero: int = 0,
                   bucket_bytes: int | None = None, learnable: bool = False, steps: int = 4, lr: float = 1e-2,
                   global_batch: int = 8, seq_len: int = 16, precision: str = "fp32", grad_clip: float = 1.0,
-                  fused_loss="auto", compile: bool = False, **parallel) -> Trainer:
+                  fused_loss="auto", compile: bool = False,
+                  resume: str | None = None, **parallel) -> Trainer:
     """pipetrain.build.build_trainer on synthetic tokens (random, or a fixed cycle a model learns in a
     few steps), with ZeRO buckets of bucket_bytes when given."""
     dims = dims or ParallelDims()
@@ -44,8 +46,11 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
     factory = None
     if zero and bucket_bytes is not None:
         def factory(model, dims, recipe):
+            if zero == 3:
+                return Zero3Optimizer(model, dims, recipe.train, recipe.parallel.reshard_after_forward,
+                                      bucket_bytes=bucket_bytes)
             return ZeroOptimizer(model, dims, recipe.train, stage=zero, bucket_bytes=bucket_bytes)
-    return build_run_trainer(recipe, dims, loader=loader, optimizer_factory=factory)
+    return build_run_trainer(recipe, dims, loader=loader, optimizer_factory=factory, resume=resume)
 
 
 def read_from(items) -> Callable[[str, tuple, tuple, tuple], torch.Tensor]:

@@ -63,12 +63,12 @@ def test_load_recipe_reports_the_parallel_rules_it_is_handed_with_its_own(tmp_pa
     """config may not import parallel: the CLI hands load_recipe the parallel rules, and one ConfigError
     lists their problems after config's own."""
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(_with(train={"warmup_steps": -1}, parallel={"tp": 0, "zero": 3})))
+    path.write_text(yaml.safe_dump(_with(train={"warmup_steps": -1}, parallel={"tp": 0, "zero": 4})))
     with pytest.raises(ConfigError) as info:
         load_recipe(str(path), ["parallel.ps_sync=async"], rules=parallel_problems)
     assert str(info.value) == ("train.warmup_steps=-1 must be >= 0; "
                                "parallel.tp=0 must be >= 1; "
-                               "parallel.zero=3 is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented); "
+                               "parallel.zero=4 is not offered; use 0, 1, 2 or 3; "
                                "parallel.ps_sync=async needs parameter servers; set parallel.ps_servers >= 1 or "
                                "drop parallel.ps_sync")
     with pytest.raises(ConfigError) as info:  # without them, only the keys config owns are checked
@@ -124,9 +124,10 @@ def test_missing_recipe_file_and_bad_yaml(tmp_path):
         load_recipe(str(bad))
 
 
-def test_zero3_is_not_offered():
-    with pytest.raises(ConfigError, match="ZeRO-3 is not implemented"):
-        build_recipe(_with(parallel={"zero": 3}), rules=parallel_problems)
+def test_zero_4_is_not_offered_and_zero_3_is():
+    with pytest.raises(ConfigError, match="parallel.zero=4 is not offered; use 0, 1, 2 or 3"):
+        build_recipe(_with(parallel={"zero": 4}), rules=parallel_problems)
+    assert build_recipe(_with(parallel={"zero": 3}), rules=parallel_problems).parallel.zero == 3
 
 
 def test_every_shipped_recipe_parses():

@@ -94,7 +94,7 @@ def test_lower_layers_assert_what_layout_problems_reports():
     (dict(tp=0), "parallel.tp=0 must be >= 1"),
     (dict(virtual_stages=0), "parallel.virtual_stages=0 must be >= 1"),
     (dict(dp=0), "parallel.dp=0 must be >= 1"),
-    (dict(zero=3), "parallel.zero=3 is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)"),
+    (dict(zero=4), "parallel.zero=4 is not offered; use 0, 1, 2 or 3"),
     (dict(ft_connect_timeout_s=0.0), "parallel.ft_connect_timeout_s=0.0 must be a positive number of seconds "
                                      "(torchft's default is 60)"),
     (dict(staleness_min=-1), "parallel.staleness_min: must be >= 0, got -1; use 0 or more"),
@@ -104,6 +104,35 @@ def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
     """The rules that moved out of config.validate report the same text (one problem each here)."""
     assert parallel_problems(Recipe(parallel=ParallelConfig(**parallel))) == [message]
     assert parallel_problems(Recipe()) == []
+
+
+@pytest.mark.parametrize("parallel, train, model, key", [
+    (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4), {}, {},
+     "parallel.schedule=interleaved-1f1b"),
+    (dict(pp=2, schedule="zbv", microbatches=4), {}, {}, "parallel.schedule=zbv"),
+    (dict(pp=2, split_backward=True), {}, {}, "parallel.split_backward"),
+    ({}, dict(precision="fp8"), {}, "train.precision=fp8"),
+    ({}, {}, dict(lora_rank=4), "model.lora_rank"),
+    (dict(dp_sync="diloco"), {}, {}, "parallel.dp_sync=diloco"),
+    (dict(dp_shard=2), {}, {}, "parallel.dp_shard=2"),
+    (dict(ps_servers=1), {}, dict(tie_embeddings=False), "parallel.ps_servers"),
+    (dict(dynamic_batch=True), {}, {}, "parallel.dynamic_batch"),
+])
+def test_zero3_refuses_what_it_does_not_compose_with_in_one_line(parallel, train, model, key):
+    recipe = Recipe(model=dataclasses.replace(LLAMA, **model), parallel=ParallelConfig(zero=3, **parallel),
+                    train=TrainConfig(global_batch=8, seq_len=16, **train))
+    problems = [p for p in parallel_problems(recipe) if "parallel.zero=3" in p]
+    assert len(problems) == 1 and problems[0].startswith(f"{key}") and "does not combine with parallel.zero=3" \
+        in problems[0], problems
+    # the same layout at zero 2 raises nothing about zero 3
+    assert not [p for p in parallel_problems(dataclasses.replace(recipe, parallel=dataclasses.replace(
+        recipe.parallel, zero=2))) if "zero=3" in p]
+
+
+def test_zero3_takes_1f1b_recompute_tp_bf16_and_keep_gathered():
+    recipe = _recipe(zero=3, pp=2, tp=2, microbatches=2, recompute="full", reshard_after_forward=False)
+    assert parallel_problems(dataclasses.replace(recipe, train=dataclasses.replace(recipe.train,
+                                                                                   precision="bf16"))) == []
 
 
 # -- one place for the rules on parallel keys -------------------------------------------------------------

@@ -138,3 +138,16 @@ def test_a_split_backward_holds_the_deferred_weight_gradient_operands_beyond_the
                   {"microbatches": 4, "schedule": "zbv", "virtual_stages": 2})
     assert deferred_w_bytes(zbv, 2, 0) > 0  # the V schedules always split
     assert rank_memory(split, 2)[0].total > rank_memory(joined, 2)[0].total
+
+
+def test_zero3_parameters_are_rows_plus_the_two_largest_units_whole():
+    """parallel.zero=3: every rank holds 1/dp of parameters, gradients and moments, plus two units (block,
+    embedding, norm + head) gathered whole; the units are counted here from a built model."""
+    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(zero=3), train=TrainConfig(global_batch=8, seq_len=16))
+    model = build(LLAMA, device="meta")
+    full = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    units = sorted([block, block, model.embed.weight.numel(), model.head.weight.numel() + model.norm.weight.numel()])
+    params, grads, optim = model_state_bytes(recipe, 2, 0)  # dp 2 divides every dim 0 of this model
+    assert params == 4 * (full // 2 + units[-1] + units[-2])
+    assert grads == 4 * full // 2 and optim == 8 * full // 2

@@ -118,9 +118,9 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, stage: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer: stage must be 1 or 2, got {stage}; use pipetrain.optim.build.Optimizer "
-                             "for parallel.zero=0")
+        if stage not in (1, 2, 3):  # 3: pipetrain.parallel.data.zero3.Zero3Optimizer, which adds the gathering
+            raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use "
+                             "pipetrain.optim.build.Optimizer for parallel.zero=0")
         if dims.dp_shard > 1 and dims.dp_shard_group is None:
             raise ValueError(f"{dims.coords} ZeroOptimizer: dp_shard={dims.dp_shard} but dims has no dp_shard_group; "
                              "build dims with "
@@ -248,10 +248,10 @@ class ZeroOptimizer:
         else:
             bucket.out = torch.empty(P, dtype=dtype, device=device)
             bucket.work = reduce_scatter_async(bucket.out, flat, self.dp_group)
-        if self.stage == 2:
+        if self.stage >= 2:
             for i in bucket.members:
                 self._had_grad[i] = self.params[i].grad is not None
-                self.params[i].grad = None  # stage 2 keeps only its rows, in bucket.out
+                self.params[i].grad = None  # stages 2 and 3 keep only their rows, in bucket.out
         while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers alive at once
             self._finish(self._in_flight.pop(0))
 
@@ -351,14 +351,19 @@ class ZeroOptimizer:
     def step(self, lr: float) -> None:
         """AdamW on this rank's rows (torch.optim.AdamW's own math), then all-gather the updated rows."""
         set_lr(self.torch_opt, lr)
+        self._bind_views()
         for i, view in self.views.items():
-            view.data = self._rows(self.params[i].detach(), i)  # re-point: parameters may have been reloaded
             view.grad = self._grad_shards.get(i)
         self.torch_opt.step()
         for view in self.views.values():
             view.grad = None
         self.steps_taken += 1
         self._all_gather_params()
+
+    def _bind_views(self) -> None:
+        """Re-point the AdamW views at the parameters' rows: parameters may have been reloaded."""
+        for i, view in self.views.items():
+            view.data = self._rows(self.params[i].detach(), i)
 
     def _all_gather_params(self) -> None:
         if self.dp_size == 1:

@@ -29,8 +29,8 @@ def parallel_problems(recipe: Recipe) -> list[str]:
     """Every problem with recipe's parallel keys that needs no world size (empty when consistent)."""
     p = recipe.parallel
     problems = [f"parallel.{name}={getattr(p, name)} must be >= 1" for name in DEGREES if getattr(p, name) < 1]
-    if p.zero not in (0, 1, 2):
-        problems.append(f"parallel.zero={p.zero} is not offered; use 0, 1 or 2 (ZeRO-3 is not implemented)")
+    if p.zero not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero={p.zero} is not offered; use 0, 1, 2 or 3")
     if p.dp is not None and p.dp < 1:
         problems.append(f"parallel.dp={p.dp} must be >= 1")
     if not 0 < p.ft_connect_timeout_s < float("inf"):
@@ -40,7 +40,31 @@ def parallel_problems(recipe: Recipe) -> list[str]:
         problems.append(f"train.precision=fp8: LoRA (model.lora_rank={recipe.model.lora_rank}) is not supported "
                         "with fp8 yet; use train.precision=bf16")
     return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
-            + context_problems(recipe))
+            + context_problems(recipe)
+            + zero3_problems(recipe))
+
+
+def zero3_problems(r: Recipe) -> list[str]:
+    """parallel.zero=3 (pipetrain.parallel.data.zero3): the compositions it does not support yet, one line each."""
+    p, t = r.parallel, r.train
+    if p.zero != 3:
+        return []
+    why = "parallel.zero=3"
+    refused = [
+        (p.schedule in ("interleaved-1f1b", "zbv", "dualpipev") and (p.pp > 1 or p.virtual_stages > 1),
+         f"parallel.schedule={p.schedule}", "use schedule 1f1b or gpipe"),
+        (p.split_backward, "parallel.split_backward (deferred weight gradients)", "set parallel.split_backward=false"),
+        (t.precision == "fp8", "train.precision=fp8 (float8 linears over gathered weights)",
+         "use train.precision=bf16 or parallel.zero=2"),
+        (r.model.lora_rank is not None, "model.lora_rank (frozen parameters)", "use parallel.zero=2 with LoRA"),
+        (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "use parallel.dp_sync=bsp or parallel.zero=2"),
+        (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (replicas of the shards)",
+         "drop parallel.dp_shard (zero 3 shards over all of dp)"),
+        (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
+         "set parallel.ps_servers=0"),
+        (p.dynamic_batch, "parallel.dynamic_batch", "set parallel.dynamic_batch=false"),
+    ]  # fault_tolerance=torchft refuses every zero stage (_fault_tolerance_problems)
+    return [f"{key}: does not combine with {why} yet; {fix}" for on, key, fix in refused if on]
 
 
 def _relaxed_key_problems(p: ParallelConfig) -> list[str]:

@@ -1,0 +1,150 @@
+"""ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
+
+    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp]
+
+Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
+its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
+Per rank it reports the peak resident memory of the worker process (VmHWM from /proc/self/status, which
+includes the ~0.3 GB of Python and torch every process carries), reset after a warm-up step so that it covers
+the measured steps and not initialisation (which builds every parameter whole), and the median step time
+after the warm-up, as tokens/s over the whole dp group. glibc's mmap threshold is pinned (64 KiB) so freed
+tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_shard (one per block and
+one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
+group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
+each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
+gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from common import proc_status_bytes  # benchmarks/common.py; puts the repository root on sys.path
+from pipetrain.config import ModelConfig  # noqa: E402
+from pipetrain.models import build, count_params, materialize  # noqa: E402
+from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
+from tests.unit.common import build_trainer  # noqa: E402
+
+MODEL = ModelConfig(family="llama", vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                    ffn_hidden=1408, max_seq_len=64)
+SEQ, PER_RANK = 64, 2  # tokens per sequence, sequences per dp rank per step
+GIB = 2 ** 30
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+
+
+def _pipetrain(dims, zero: int, steps: int, out: str) -> tuple[list[float], int]:
+    trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
+                            seq_len=SEQ, grad_clip=1.0)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            _reset_hwm()
+    return times[1:], _model_state_bytes(trainer)
+
+
+def _model_state_bytes(trainer) -> int:
+    """Parameter + gradient + AdamW bytes this rank holds after the last step, counted from the tensors."""
+    opt, params = trainer.optimizer, list(trainer.model.parameters())
+    held = opt.param_bytes() if hasattr(opt, "param_bytes") else sum(p.numel() * p.element_size() for p in params)
+    grads = opt.grad_bytes() if hasattr(opt, "grad_bytes") else sum(
+        p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return held + grads + opt.state_bytes()
+
+
+def _fsdp2(dp: int, steps: int) -> list[float]:
+    # torch's FSDP2 is the baseline being measured, imported only here
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dp,))
+    model = materialize(build(MODEL, device="meta"), MODEL, 0, "cpu")
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    times = []
+    for _ in range(steps + 1):
+        tokens = torch.randint(0, MODEL.vocab_size, (PER_RANK, SEQ + 1), generator=gen)
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            _reset_hwm()
+    return times[1:]
+
+
+def _worker(rank, dp, mode, steps, init_file, out, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
+                            timeout=timedelta(seconds=600))
+    try:
+        if mode == "fsdp2":
+            try:
+                times, state = _fsdp2(dp, steps), None
+            except Exception as exc:  # record why fully_shard does not run here
+                results[rank] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                return
+        else:
+            run_dir = os.path.join(out, f"rank{rank}")
+            os.makedirs(run_dir, exist_ok=True)
+            times, state = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir)
+        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM"), "state": state}
+    finally:
+        dist.destroy_process_group()
+
+
+def run(dp: int, mode: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results), nprocs=dp)
+        return dict(results)
+
+
+def main() -> None:
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned workers' glibc at start
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[2])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--no-fsdp", action="store_true")
+    args = parser.parse_args()
+    params = count_params(build(MODEL, device="meta"))
+    print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
+          f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
+          f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo")
+    print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9}")
+    modes = ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
+    for dp in args.dp:
+        for mode in modes:
+            res = run(dp, mode, args.steps)
+            if any("error" in r for r in res.values()):
+                print(f"{dp:>3} {mode:<7} does not run: {next(r['error'] for r in res.values() if 'error' in r)}")
+                continue
+            hwm = max(r["vm_hwm"] for r in res.values()) / GIB
+            step = max(r["step_s"] for r in res.values())
+            state = max(r["state"] for r in res.values()) / GIB if mode != "fsdp2" else float("nan")
+            print(f"{dp:>3} {mode:<7} {hwm:>24.3f} {state:>21.3f} {PER_RANK * SEQ * dp / step:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

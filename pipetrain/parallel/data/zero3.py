@@ -1,0 +1,276 @@
+"""ZeRO stage 3: parameters sharded across dp too, gathered one unit (a block, the embedding, the head) at a time.
+
+What a rank holds. Every parameter of this (tp, pp) rank keeps only its dp row shard (ZeRO-1/2's
+ParamShard rows, dp_row_ranges), in its own storage: that shard is the fp32 master the AdamW step
+updates. The parameter tensor the model sees keeps its full shape, but its storage is resized to zero
+bytes except while its unit is gathered. Gradients are reduce-scattered into the rank's rows
+(ZeroOptimizer's stage-2 buckets) and the AdamW moments cover only those rows, so parameters, gradients
+and optimizer state all cost 1/dp per rank.
+
+Units. The model stays blind: UnitGatherer wraps the stage's modules from outside, in forward order:
+the input embedding (with gpt2's position embedding), each transformer block, and the final norm with
+the head. A unit's parameters are all-gathered in their own dtype (fp32: under train.precision=bf16
+autocast casts them at each matmul, so fp32 travels, as with FSDP without a param_dtype).
+- forward: a pre-hook gathers the unit (waiting for its prefetch) and starts the next unit's gather
+  asynchronously, so that communication overlaps this unit's compute; a post-hook frees the unit unless
+  parallel.reshard_after_forward is false (then units stay gathered until the step's gradients are
+  reduced: pipeline stages run each unit once per microbatch). Without autograd (evaluation) units are
+  always freed after their forward.
+- backward: the post-hook wraps the unit's output in _Regather, an identity whose backward runs before the
+  unit's own backward nodes: it frees every other gathered unit (the unit after this one has finished its
+  backward: the gradient reaching this output is complete), gathers this unit and prefetches the one before.
+  It saves no tensor. Recomputation re-runs the forward inside the unit's backward, after the gather.
+At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
+counts them (peak_gathered) so tests can assert it.
+
+Freeing. A unit's parameters live in storages of their own (copied at construction if a parameter shares
+one); freeing resizes the storage to zero bytes, gathering resizes it back and copies the rows in, so
+tensors autograd saved in forward (the weights of a linear) see the gathered values again in backward.
+A parameter shared by two units (a tied embedding on a single stage) stays allocated while either is.
+
+Shapes: a unit's gather buffer is flat (dp * P,): part r holds rank r's rows of every member, P the
+largest rank's size (ZeroOptimizer's bucket layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from pipetrain.config import TrainConfig
+from pipetrain.optim.adamw import ReadBox
+from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
+from pipetrain.parallel.data.flat import copy_back_, flatten
+from pipetrain.parallel.data.grads import tied_copy_names
+from pipetrain.parallel.data.zero import ZeroOptimizer, _Bucket
+from pipetrain.parallel.mesh.comm import all_gather_async
+
+
+@dataclass
+class _Unit:
+    name: str
+    modules: list[nn.Module]               # in forward order: pre-hook on the first, post-hook on the last
+    layout: _Bucket                        # members (indices into ZeroOptimizer.params) and their rank-major places
+    flat: Optional[torch.Tensor] = field(default=None, repr=False)  # (dp * P,) while a gather is in flight
+    work: Optional[object] = field(default=None, repr=False)
+    gathered: bool = False
+
+
+def stage_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """(name, modules) of this stage's units in forward order: embedding (+ position embedding), each block,
+    final norm + head; a module pipeline parallelism removed (None) is left out."""
+    units = []
+    first = [m for m in (getattr(model, "embed", None), getattr(model, "pos_embed", None)) if m is not None]
+    if first:
+        units.append(("embed", first))
+    for name, block in model.layers.items():
+        units.append((f"layers.{name}", [block]))
+    last = [m for m in (getattr(model, "norm", None), getattr(model, "head", None)) if m is not None]
+    if last:
+        units.append(("head", last))
+    return units
+
+
+class _Regather(torch.autograd.Function):
+    """forward: identity; backward: gather the unit (freeing the others) before its backward nodes run."""
+
+    @staticmethod
+    def forward(ctx, x, gatherer, index):
+        ctx.gatherer, ctx.index = gatherer, index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.gatherer.before_backward(ctx.index)
+        return dy, None, None
+
+
+class Zero3Optimizer(ZeroOptimizer):
+    """ZeRO-3: ZeroOptimizer's stage-2 gradient reduction and sharded AdamW, with the parameters themselves
+    sharded (the rows are the masters) and gathered per unit by hooks (UnitGatherer, built here).
+    Same interface as ZeroOptimizer, plus param_items / load_param_items for checkpoints."""
+
+    def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"Zero3Optimizer: every parameter must train, got frozen {frozen[:3]}; "
+                             "use parallel.zero=2 with frozen parameters (LoRA)")
+        super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap)
+        for view in self.views.values():  # the rows become the masters, in storage of their own
+            view.data = view.data.clone()
+        self.gatherer = UnitGatherer(self, model, reshard_after_forward)
+        self.gatherer.free_all()
+
+    # the masters are the rows (views own their storage): nothing to re-point, nothing to gather after a step
+    def _bind_views(self) -> None:
+        pass
+
+    def _all_gather_params(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        self.gatherer.free_all()  # units a failed step left gathered
+        super().zero_grad()
+
+    def reduce_grads(self) -> None:
+        self.gatherer.free_all()  # backward is over: nothing needs the gathered weights
+        super().reduce_grads()
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters this rank holds now: its rows plus whatever unit storage is gathered."""
+        rows = sum(v.numel() * v.element_size() for v in self.views.values())
+        full = sum(p.untyped_storage().nbytes() for p in self.params)
+        return rows + full
+
+    # ---- checkpoints: the model's weights are row boxes from every dp rank, like the moments ----
+    def param_items(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """(name, rows, global shape, offsets) of this rank's row shard of every parameter (the tied head
+        copy on the last stage left out: the first stage's embed.weight holds the same values)."""
+        return self._entries(include_tied_copy=False)
+
+    def load_param_items(self, read: ReadBox) -> None:
+        """Read this rank's rows of every parameter (the tied head copy from embed.weight's)."""
+        tied = tied_copy_names(self.model)
+        with torch.no_grad():
+            for i, view in self.views.items():
+                shard = self.shards[i]
+                offsets, shape = shard.box(self.dp_rank)
+                saved = "embed.weight" if shard.name in tied else shard.name
+                view.copy_(read(saved, shard.global_shape, offsets, shape))
+
+
+class UnitGatherer:
+    """The forward / backward hooks that gather a unit's parameters from the dp ranks' rows and free them."""
+
+    def __init__(self, opt: Zero3Optimizer, model: nn.Module, reshard_after_forward: bool):
+        self.opt, self.reshard = opt, reshard_after_forward
+        index = {id(p): i for i, p in enumerate(opt.params)}
+        self.units: list[_Unit] = []
+        seen: set[int] = set()
+        for name, modules in stage_units(model):
+            members = sorted({index[id(p)] for m in modules for p in m.parameters()})
+            seen.update(members)
+            self.units.append(_Unit(name, modules, opt._new_bucket(members, late=False)))
+        missing = [opt.shards[i].name for i in range(len(opt.params)) if i not in seen]
+        assert not missing, f"UnitGatherer: parameters outside every unit: {missing}"
+        for p in opt.params:  # storage of its own, so that freeing it frees nothing else
+            storage = p.untyped_storage()
+            if p.storage_offset() or storage.nbytes() != p.numel() * p.element_size():
+                p.data = p.data.clone()
+        self.num_gathered = 0  # units gathered or being gathered now
+        self.peak_gathered = 0  # the most at once since reset_peak
+        self.gathers = 0  # all-gathers started
+        for k, unit in enumerate(self.units):
+            unit.modules[0].register_forward_pre_hook(self._pre_hook(k))
+            unit.modules[-1].register_forward_hook(self._post_hook(k))
+
+    # ---- hooks ----
+    def _pre_hook(self, k: int):
+        def hook(module, args):
+            if self.reshard:  # only this unit and the next are kept
+                for j, unit in enumerate(self.units):
+                    if j not in (k, k + 1):
+                        self._free(j)
+            self._wait(k)
+            if k + 1 < len(self.units):
+                self._start(k + 1)
+        return hook
+
+    def _post_hook(self, k: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                self._free(k)
+                return None
+            if self.reshard:
+                self._free(k)
+            return _Regather.apply(output, self, k)
+        return hook
+
+    def before_backward(self, k: int) -> None:
+        if self.reshard:
+            for j in range(len(self.units)):
+                if j not in (k, k - 1):
+                    self._free(j)
+        self._wait(k)
+        if k > 0:
+            self._start(k - 1)
+
+    # ---- gathering and freeing ----
+    def _count(self, delta: int) -> None:
+        self.num_gathered += delta
+        self.peak_gathered = max(self.peak_gathered, self.num_gathered)
+
+    @torch.no_grad()
+    def _start(self, k: int) -> None:
+        """Start the all-gather of unit k's rows (nothing when gathered or already started)."""
+        unit, opt = self.units[k], self.opt
+        if unit.gathered or unit.work is not None:
+            return
+        layout, dp = unit.layout, opt.dp_size
+        p0 = opt.params[layout.members[0]]
+        pieces = [opt.views.get(i) for i in layout.members]
+        offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
+        mine = flatten(pieces, p0.device, offsets=offsets, size=layout.part, dtype=p0.dtype)  # (P,)
+        unit.flat = torch.empty(dp * layout.part, dtype=p0.dtype, device=p0.device)  # (dp * P,)
+        unit.work = all_gather_async(unit.flat, mine, opt.dp_group)
+        self.gathers += 1
+        self._count(1)
+
+    def _wait(self, k: int) -> None:
+        """Finish unit k's gather (starting it first if needed) and copy the rows into its parameters."""
+        unit, opt = self.units[k], self.opt
+        if unit.gathered:
+            return
+        self._start(k)
+        # no autograd: gloo's all-gather writes its output through views made without grad, which a wait
+        # under grad mode (a forward hook) refuses
+        with torch.no_grad():
+            unit.work.wait()
+            for i in unit.layout.members:
+                p = opt.params[i]
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            # through .data, whose version counter is its own: the weights autograd saved in forward must not
+            # look modified in place when backward gathers them again
+            copy_back_(unit.flat, *opt._placed(unit.layout, lambda i: opt.params[i].data, range(opt.dp_size)))
+        unit.flat = unit.work = None
+        unit.gathered = True
+
+    def _free(self, k: int) -> None:
+        unit = self.units[k]
+        if unit.work is not None:  # a prefetch nobody used: finish it so its buffer can go
+            with torch.no_grad():
+                unit.work.wait()
+            unit.flat = unit.work = None
+            self._count(-1)
+            return
+        if not unit.gathered:
+            return
+        kept = {i for j, other in enumerate(self.units) if j != k and other.gathered for i in other.layout.members}
+        for i in unit.layout.members:
+            if i not in kept:
+                self.opt.params[i].untyped_storage().resize_(0)
+        unit.gathered = False
+        self._count(-1)
+
+    def free_all(self) -> None:
+        for k in range(len(self.units)):
+            self._free(k)
+        if self.num_gathered == 0:  # storage a constructor filled (materialize, a load) goes too
+            for p in self.opt.params:
+                p.untyped_storage().resize_(0)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter's whole local tensor, gathered one unit at a time (for inspection)."""
+        out = {}
+        for k, unit in enumerate(self.units):
+            self._wait(k)
+            for i in unit.layout.members:
+                out[self.opt.shards[i].name] = self.opt.params[i].detach().clone()
+            self._free(k)
+        return out
+
+    def reset_peak(self) -> None:
+        self.peak_gathered = self.num_gathered
