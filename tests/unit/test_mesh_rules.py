@@ -181,3 +181,21 @@ def test_fp8_refuses_lora_at_load_and_replicated_kv_heads_in_the_layout():
         "scales cannot match tp=1); use a tp that divides n_kv_heads, or train.precision=bf16"]
     bf16 = dataclasses.replace(kv, train=TrainConfig(precision="bf16", global_batch=8, seq_len=16))
     assert not [m for m in layout_problems(bf16, 2) if "fp8" in m]
+
+
+@pytest.mark.parametrize("parallel, expected", [
+    ({"zero": 3}, ["train.compile (gather hooks around compiled blocks are not built): does not combine with "
+                   "parallel.zero=3 yet; set train.compile=false",
+                   "train.fused_loss=true (it reads the head's weight outside the head's gathered unit): does not "
+                   "combine with parallel.zero=3 yet; set train.fused_loss=false"]),
+    ({"cp": 2}, ["train.compile: does not combine with parallel.cp=2 yet (the cp attention is not compiled yet; set "
+                 "train.compile=false)",
+                 "train.fused_loss=true: does not combine with parallel.cp=2 yet (the fused loss is not tested with "
+                 "cp; set train.fused_loss=false)"]),
+], ids=["zero3", "cp"])
+def test_compile_and_the_fused_loss_are_refused_where_their_composition_is_not_built(parallel, expected):
+    on = Recipe(model=LLAMA, parallel=ParallelConfig(**parallel),
+                train=TrainConfig(global_batch=8, seq_len=16, compile=True, fused_loss=True))
+    assert [m for m in parallel_problems(on) if "compile" in m or "fused_loss" in m] == expected
+    off = dataclasses.replace(on, train=TrainConfig(global_batch=8, seq_len=16, fused_loss="auto"))
+    assert not [m for m in parallel_problems(off) if "compile" in m or "fused_loss" in m]

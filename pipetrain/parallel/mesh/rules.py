@@ -63,6 +63,9 @@ def zero3_problems(r: Recipe) -> list[str]:
         (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
          "set parallel.ps_servers=0"),
         (p.dynamic_batch, "parallel.dynamic_batch", "set parallel.dynamic_batch=false"),
+        (t.compile, "train.compile (gather hooks around compiled blocks are not built)", "set train.compile=false"),
+        (t.fused_loss is True, "train.fused_loss=true (it reads the head's weight outside the head's gathered unit)",
+         "set train.fused_loss=false"),
     ]  # fault_tolerance=torchft refuses every zero stage (_fault_tolerance_problems)
     return [f"{key}: does not combine with {why} yet; {fix}" for on, key, fix in refused if on]
 
@@ -169,6 +172,8 @@ def context_problems(recipe: Recipe) -> list[str]:
          "torchft replica groups are not built with cp; set fault_tolerance=none"),
         (t.precision == "fp8", "train.precision=fp8", "fp8 is not tested with cp; use bf16"),
         (p.auto, "parallel.auto", "the planner has no cp term yet; give the layout by hand"),
+        (t.compile, "train.compile", "the cp attention is not compiled yet; set train.compile=false"),
+        (t.fused_loss is True, "train.fused_loss=true", "the fused loss is not tested with cp; set train.fused_loss=false"),
     ]
     out += [f"{key}: does not combine with {why} yet ({fix})" for used, key, fix in refused if used]
     return out
