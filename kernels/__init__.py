@@ -11,10 +11,19 @@ registered as its autograd formula), whose kernels launch through wrap_triton, s
 Triton kernels in its graph, schedules around them and derives their fake (meta) implementation by running
 the launcher on fake tensors. The torch reference stays the CPU path, compiled or not.
 """
+from . import rms_norm as _rms_norm_module, rope as _rope_module, swiglu as _swiglu_module
 from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import rms_norm
 from .rope import rope
 from .swiglu import swiglu
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "register_compile_ops", "rms_norm", "rope", "swiglu"]
+
+
+def register_compile_ops() -> None:
+    """Register the custom ops torch.compile traces (a no-op without triton, or the second time). Only runs
+    that compile call it (pipetrain.models.compile.apply_compile), before tracing: registering imports
+    torch._inductor, ~1 s that every other process would pay at import."""
+    for module in (_rms_norm_module, _rope_module, _swiglu_module):
+        module.register_compile_ops()

@@ -128,7 +128,15 @@ class RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
-if HAS_TRITON:
+rms_norm_op = rms_norm_backward_op = None  # registered by register_compile_ops (train.compile) only
+
+
+def register_compile_ops() -> None:
+    """Register pipetrain::rms_norm and its backward op once. Deferred to the runs that compile: registering
+    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
+    global rms_norm_op, rms_norm_backward_op
+    if rms_norm_op is not None or not HAS_TRITON:
+        return
     # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
     # wrappers); the fake implementations give the output shapes without launching anything.
     @torch.library.triton_op("pipetrain::rms_norm", mutates_args=())

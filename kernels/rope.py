@@ -140,7 +140,15 @@ class RoPEFn(torch.autograd.Function):
         return dq, dk, None, None
 
 
-if HAS_TRITON:
+rope_op = rope_backward_op = None  # registered by register_compile_ops (train.compile) only
+
+
+def register_compile_ops() -> None:
+    """Register pipetrain::rope and its backward op once. Deferred to the runs that compile: registering
+    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
+    global rope_op, rope_backward_op
+    if rope_op is not None or not HAS_TRITON:
+        return
     # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
     # wrappers); the fake implementations give the output shapes without launching anything.
     @torch.library.triton_op("pipetrain::rope", mutates_args=())

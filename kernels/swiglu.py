@@ -94,7 +94,15 @@ class SwiGLUFn(torch.autograd.Function):
         return swiglu_bwd(dy, *ctx.saved_tensors)
 
 
-if HAS_TRITON:
+swiglu_op = swiglu_backward_op = None  # registered by register_compile_ops (train.compile) only
+
+
+def register_compile_ops() -> None:
+    """Register pipetrain::swiglu and its backward op once. Deferred to the runs that compile: registering
+    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
+    global swiglu_op, swiglu_backward_op
+    if swiglu_op is not None or not HAS_TRITON:
+        return
     # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
     # wrappers); the fake implementations give the output shapes without launching anything.
     @torch.library.triton_op("pipetrain::swiglu", mutates_args=())

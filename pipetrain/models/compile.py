@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.config import ConfigError
+from pipetrain.kernels import register_compile_ops
 
 BACKEND_ENV = "PIPETRAIN_COMPILE_BACKEND"
 _BACKENDS = ("inductor", "aot_eager", "eager")
@@ -80,6 +81,7 @@ def apply_compile(model: nn.Module, backend: str | None = None) -> list[str]:
     """Compile each transformer block of model (a Decoder or a pipeline stage of one) in place with
     fullgraph=True; returns the compiled blocks' names. Call after every other wrapping (module docstring)."""
     backend = backend or compile_backend()
+    register_compile_ops()  # the Triton kernels' custom ops, before any trace (kernels/__init__.py)
     names = []
     for name, block in model.layers.items():
         for module in block.modules():

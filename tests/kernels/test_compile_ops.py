@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from pipetrain.kernels import rms_norm, rope, swiglu
-from pipetrain.kernels.rms_norm import rms_norm_backward_op, rms_norm_op, rms_norm_ref
-from pipetrain.kernels.rope import rope_backward_op, rope_op, rope_ref
-from pipetrain.kernels.swiglu import swiglu_backward_op, swiglu_op, swiglu_ref
+from pipetrain.kernels import register_compile_ops
+
+register_compile_ops()  # before the names below are read: apply_compile does the same in a run
+from pipetrain.kernels.rms_norm import rms_norm_backward_op, rms_norm_op, rms_norm_ref  # noqa: E402
+from pipetrain.kernels.rope import rope_backward_op, rope_op, rope_ref  # noqa: E402
+from pipetrain.kernels.swiglu import swiglu_backward_op, swiglu_op, swiglu_ref  # noqa: E402
 from tests.kernels.common import FP32, fresh_seed, randn
 
 # fake tensors, the schema and the autograd registration; the AOT checks need kernels wrap_triton can trace
