@@ -1,13 +1,15 @@
 """Run a function on several gloo processes on CPU, as STYLE.md section 6 describes.
 
-Rendezvous is through a file in a temporary directory: no ports, no retries. Any rank's exception
-fails the test (mp.spawn re-raises it with the rank's traceback). Also the tiny random Hugging Face
-models that the import/export tests in tests/unit and tests/dist share.
+Workers fork from a server that has already imported torch and pipetrain (_PRELOAD). Rendezvous is
+through a file in a temporary directory: no ports, no retries. Any rank's exception fails the test
+(start_processes re-raises it with the rank's traceback). Also the tiny random Hugging Face models that
+the import/export tests in tests/unit and tests/dist share.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import re
 import tempfile
@@ -33,7 +35,18 @@ TP_FP32 = dict(rtol=1e-4, atol=1e-5)     # tp splits reductions over D and F, ch
 DEFAULT_DEVICE_ENV = "PIPETRAIN_TEST_DEFAULT_DEVICE"
 
 
-def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, default_device, fn, args):
+# Workers start from a fork server that has already imported torch and pipetrain (the first run_ranks call
+# starts it): a spawned worker spends seconds importing them again, which summed over the suite's ~150
+# multi-process tests was minutes of its run time. The server forks clean processes (it never runs a test,
+# never touches CUDA), so each worker starts from freshly imported modules, as a spawned one does. Workers
+# take the environment run_ranks saw (a fork server keeps the one it started with): see _worker.
+_PRELOAD = ["torch", "torch.distributed", "pipetrain.build", "pipetrain.trainer", "tests.harness"]
+
+
+def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, default_device, fn, args, env=None):
+    if env is not None:  # the caller's environment at run_ranks time (tests set variables with monkeypatch)
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -52,8 +65,10 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300, default_device
     workers' torch default device ("meta": the wrong-device mode above); None reads DEFAULT_DEVICE_ENV."""
     default_device = default_device or os.environ.get(DEFAULT_DEVICE_ENV) or None
     with tempfile.TemporaryDirectory() as tmp, _without_gpu():
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, default_device, fn, args),
-                 nprocs=world_size)
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, default_device, fn,
+                                          args, dict(os.environ)),
+                           nprocs=world_size, start_method="forkserver")
 
 
 @contextlib.contextmanager
