@@ -7,7 +7,8 @@ reference otherwise. PIPETRAIN_KERNELS=triton|torch forces one path (see dispatc
 The Triton path has two wrappers around the same launchers: eager calls go through the autograd.Function
 (no operator dispatch per call), and code being traced by torch.compile (train.compile) calls the
 custom ops pipetrain::<op> and pipetrain::<op>_backward (torch.library.triton_op with the backward op
-registered as its autograd formula; each op module declares its op to compile_ops.py, the one registrar), whose kernels launch through wrap_triton, so inductor sees them as
+registered as its autograd formula; each op module declares its op to compile_ops.py, the one registrar),
+whose kernels launch through wrap_triton, so inductor sees them as
 Triton kernels in its graph, schedules around them and derives their fake (meta) implementation by running
 the launcher on fake tensors. The torch reference stays the CPU path, compiled or not.
 """

@@ -116,12 +116,14 @@ def _launch(kernel, q, k, cos, sin):
     return qo, ko
 
 
-def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_fwd(q: torch.Tensor, k: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: rotated (q, k)."""
     return _launch(_rope_fwd_kernel, q, k, cos, sin)
 
 
-def rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_bwd(dq: torch.Tensor, dk: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: gradients of q and k from those of the rotated outputs."""
     return _launch(_rope_bwd_kernel, dq, dk, cos, sin)
 
