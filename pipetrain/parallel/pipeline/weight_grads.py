@@ -23,7 +23,8 @@ WeightGradModules, in place, whose two modes are state of each module:
   pipelining. The layer has no graph edge to its weight or bias: the backward computes only dx and
   appends (weight, bias, x, dy) to the list; `apply_weight_grads(work)` later does the same in-place
   accumulation and fires the hooks, when the executor reaches the W action. Only the time moves
-  (tests/unit/test_linear.py). Embeddings ignore it: their backward is a scatter, done in B.
+  (tests/unit/test_linear.py). Embeddings ignore it: their backward is a scatter, done in B. Inside a
+  block compiled by train.compile, two custom ops do the same (see _compiled_linear below).
 
 Both modes are read at forward time and bound into the autograd node, so a backward needs no module
 state (CUDA runs backwards on other threads); activation recomputation re-runs the forward inside B,
