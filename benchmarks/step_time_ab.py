@@ -116,7 +116,7 @@ def _pipetrain_calls(profile_dir: str, tree: str) -> dict[tuple[str, str], tuple
     out = {}
     for name in sorted(os.listdir(profile_dir)):
         for (file, _, func), (_, calls, own, _, _) in pstats.Stats(os.path.join(profile_dir, name)).stats.items():
-            if file.startswith(tree):
+            if file.startswith(tree) and "site-packages" not in file:  # the tree's code, not a venv inside it
                 key = (os.path.relpath(os.path.realpath(file), os.path.realpath(tree)), func)
                 n, t = out.get(key, (0, 0.0))
                 out[key] = (n + calls, t + own)
