@@ -2,6 +2,7 @@
 
     python benchmarks/step_time_ab.py --ref 7803dd2 [--rounds 3] [--steps 8] [--layouts single,pp2,tp2]
     python benchmarks/step_time_ab.py --ref 7803dd2 --first-step [--rounds 3]
+    python benchmarks/step_time_ab.py --ref 7803dd2 --profile [--layouts pp2]
 
 The reference commit is checked out into a temporary git worktree; both trees run the same
 command (the tiny recipe, one process, or torchrun with 2 processes at pp 2 / tp 2), alternating
@@ -12,12 +13,17 @@ rounds, and the ratio is new / ref (below 1 is faster).
 --first-step: seconds from launching the tiny recipe (one process) to its first step line in
 metrics.jsonl, cold (an empty data cache: the corpus is tokenised / prepared in that launch) and warm
 (the same cache again), per tree.
+
+--profile: one run per tree and layout under cProfile (every rank), then the pipetrain functions whose
+calls per training step differ between the trees, and the largest own-time differences: a per-call
+cost shows up as a count that grows with the steps, whatever the machine's noise does to the clock.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -42,10 +48,13 @@ def _checkout(rev: str, where: str) -> str:
     return where
 
 
-def _run(tree: str, layout: str, steps: int, out: str, cache: str) -> float:
+def _run(tree: str, layout: str, steps: int, out: str, cache: str, profile_dir: str | None = None) -> float:
     nproc, sets = LAYOUTS[layout]
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc-per-node={nproc}"]
+    if profile_dir is not None:  # every rank under cProfile (profile_rank.py lives in this tree, not ref's)
+        os.makedirs(profile_dir, exist_ok=True)
+        launch += [os.path.join(ROOT, "benchmarks", "profile_rank.py"), profile_dir]
     args = ["--recipe", os.path.join(tree, RECIPE), "--set", f"train.steps={steps}", "--set", f"run.output_dir={out}",
             "--set", "run.sample_tokens=0", "--set", "run.eval_every=0", "--set", "run.eval_batches=1",
             "--set", "run.progress=false", "--set", "run.log_every=1", "--set", f"data.cache_dir={cache}"]
@@ -102,6 +111,43 @@ def first_step_main(ref_rev: str, rounds: int) -> None:
         print(f"| {kind} | {r:.2f} | {n:.2f} | {n / r:.3f} |")
 
 
+def _pipetrain_calls(profile_dir: str, tree: str) -> dict[tuple[str, str], tuple[int, float]]:
+    """(file inside the tree, function) -> (calls, own seconds) summed over ranks, pipetrain code only."""
+    out = {}
+    for name in sorted(os.listdir(profile_dir)):
+        for (file, _, func), (_, calls, own, _, _) in pstats.Stats(os.path.join(profile_dir, name)).stats.items():
+            if file.startswith(tree) and "site-packages" not in file:  # the tree's code, not a venv inside it
+                key = (os.path.relpath(os.path.realpath(file), os.path.realpath(tree)), func)
+                n, t = out.get(key, (0, 0.0))
+                out[key] = (n + calls, t + own)
+    return out
+
+
+def profile_main(ref_rev: str, layouts: list[str], steps: int) -> None:
+    """Calls per step of pipetrain functions, ref against new, from one profiled run of each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _checkout(ref_rev, os.path.join(tmp, "ref"))
+        try:
+            for lay in layouts:
+                got = {}
+                for name, tree in (("ref", ref), ("new", ROOT)):
+                    prof = os.path.join(tmp, f"prof-{name}-{lay}")
+                    _run(tree, lay, steps, os.path.join(tmp, f"{name}-{lay}"), os.path.join(tmp, f"cache-{name}"), prof)
+                    got[name] = _pipetrain_calls(prof, tree)
+                keys = set(got["ref"]) | set(got["new"])
+                calls = {k: (got["ref"].get(k, (0, 0))[0], got["new"].get(k, (0, 0))[0]) for k in keys}
+                print(f"\n{lay}: pipetrain functions whose call count differs (all ranks, {steps} steps + start-up)")
+                for k in sorted(keys, key=lambda k: -abs(calls[k][1] - calls[k][0]))[:15]:
+                    if calls[k][0] != calls[k][1]:
+                        print(f"  {calls[k][0]:>8} -> {calls[k][1]:>8}  {k[0]}:{k[1]}")
+                own = {k: got["new"].get(k, (0, 0.0))[1] - got["ref"].get(k, (0, 0.0))[1] for k in keys}
+                print(f"{lay}: largest own-time differences, new - ref (s, profiled)")
+                for k in sorted(keys, key=lambda k: -abs(own[k]))[:10]:
+                    print(f"  {own[k]:+8.3f}  {k[0]}:{k[1]}")
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", ref], capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref", required=True, help="the commit to compare with (e.g. the one before a change)")
@@ -109,9 +155,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layouts", default="single,pp2,tp2")
     ap.add_argument("--first-step", action="store_true", help="time from launch to the first step, cold and warm")
+    ap.add_argument("--profile", action="store_true", help="pipetrain calls per step under cProfile, ref vs new")
     a = ap.parse_args()
     if a.first_step:
         return first_step_main(a.ref, a.rounds)
+    if a.profile:
+        return profile_main(a.ref, a.layouts.split(","), a.steps)
     layouts = a.layouts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         ref = _checkout(a.ref, os.path.join(tmp, "ref"))

@@ -7,11 +7,12 @@ reference otherwise. PIPETRAIN_KERNELS=triton|torch forces one path (see dispatc
 The Triton path has two wrappers around the same launchers: eager calls go through the autograd.Function
 (no operator dispatch per call), and code being traced by torch.compile (train.compile) calls the
 custom ops pipetrain::<op> and pipetrain::<op>_backward (torch.library.triton_op with the backward op
-registered as its autograd formula), whose kernels launch through wrap_triton, so inductor sees them as
+registered as its autograd formula; each op module declares its op to compile_ops.py, the one registrar),
+whose kernels launch through wrap_triton, so inductor sees them as
 Triton kernels in its graph, schedules around them and derives their fake (meta) implementation by running
 the launcher on fake tensors. The torch reference stays the CPU path, compiled or not.
 """
-from . import rms_norm as _rms_norm_module, rope as _rope_module, swiglu as _swiglu_module
+from .compile_ops import register_all
 from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import rms_norm
@@ -25,5 +26,4 @@ def register_compile_ops() -> None:
     """Register the custom ops torch.compile traces (a no-op without triton, or the second time). Only runs
     that compile call it (pipetrain.models.compile.apply_compile), before tracing: registering imports
     torch._inductor, ~1 s that every other process would pay at import."""
-    for module in (_rms_norm_module, _rope_module, _swiglu_module):
-        module.register_compile_ops()
+    register_all()  # every op an imported module declared (rms_norm, rope, swiglu: imported above)

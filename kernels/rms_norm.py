@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .compile_ops import CompileOp, declare, forward_op
 from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES, num_warps_for
 
@@ -75,7 +76,7 @@ def _block(where: str, x: torch.Tensor) -> int:
     return block
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: x (..., D), weight (D,) -> y like x, rstd (N,) fp32."""
     check_dtype("rms_norm", x)
     check_dtype("rms_norm weight", weight)
@@ -94,7 +95,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
     return y.view(x.shape), rstd
 
 
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: dy, x (..., D), weight (D,), rstd (N,) -> dx like x, dw like weight."""
     D = x.shape[-1]
     x2 = x.contiguous().view(-1, D)
@@ -128,48 +130,20 @@ class RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
-rms_norm_op = rms_norm_backward_op = None  # registered by register_compile_ops (train.compile) only
-
-
-def register_compile_ops() -> None:
-    """Register pipetrain::rms_norm and its backward op once. Deferred to the runs that compile: registering
-    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
-    global rms_norm_op, rms_norm_backward_op
-    if rms_norm_op is not None or not HAS_TRITON:
-        return
-    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
-    # wrappers); the fake implementations give the output shapes without launching anything.
-    @torch.library.triton_op("pipetrain::rms_norm", mutates_args=())
-    def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y, rstd) = rms_norm_fwd(x, weight, eps)."""
-        return rms_norm_fwd(x, weight, eps)
-
-    @torch.library.triton_op("pipetrain::rms_norm_backward", mutates_args=())
-    def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                             rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dx, dw) = rms_norm_bwd(dy, x, weight, rstd)."""
-        return rms_norm_bwd(dy, x, weight, rstd)
-
-    @rms_norm_op.register_fake
-    def _(x, weight, eps):
-        return torch.empty_like(x), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
-
-    @rms_norm_backward_op.register_fake
-    def _(dy, x, weight, rstd):
-        return torch.empty_like(x), torch.empty_like(weight)
-
-    def _rms_norm_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], inputs[1], output[1])
-
-    def _rms_norm_backward(ctx, dy, _drstd):  # rstd is an output only for the backward: no gradient flows into it
-        dx, dw = rms_norm_backward_op(dy, *ctx.saved_tensors)
-        return dx, dw, None
-
-    rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+# pipetrain::rms_norm under torch.compile (kernels/compile_ops.py registers it when a run compiles)
+COMPILE_OP = declare(CompileOp(
+    name="rms_norm", forward=rms_norm_fwd, backward=rms_norm_bwd,
+    fake=lambda x, weight, eps: (torch.empty_like(x),
+                                 x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)),
+    backward_fake=lambda dy, x, weight, rstd: (torch.empty_like(x), torch.empty_like(weight)),
+    num_grads=1,  # rstd is an output only for the backward: no gradient flows into it
+    saved_inputs=(0, 1), saved_outputs=(1,)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x over its last dim, scaled by weight; Triton or reference per dispatch.use_triton."""
     if not use_triton(x):
         return rms_norm_ref(x, weight, eps)
-    return rms_norm_op(x, weight, eps)[0] if torch.compiler.is_compiling() else RMSNormFn.apply(x, weight, eps)
+    if torch.compiler.is_compiling():
+        return forward_op("rms_norm")(x, weight, eps)[0]
+    return RMSNormFn.apply(x, weight, eps)

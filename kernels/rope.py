@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .compile_ops import CompileOp, declare, forward_op
 from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES
 
@@ -115,12 +116,14 @@ def _launch(kernel, q, k, cos, sin):
     return qo, ko
 
 
-def rope_fwd(q, k, cos, sin):
+def rope_fwd(q: torch.Tensor, k: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: rotated (q, k)."""
     return _launch(_rope_fwd_kernel, q, k, cos, sin)
 
 
-def rope_bwd(dq, dk, cos, sin):
+def rope_bwd(dq: torch.Tensor, dk: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: gradients of q and k from those of the rotated outputs."""
     return _launch(_rope_bwd_kernel, dq, dk, cos, sin)
 
@@ -140,49 +143,17 @@ class RoPEFn(torch.autograd.Function):
         return dq, dk, None, None
 
 
-rope_op = rope_backward_op = None  # registered by register_compile_ops (train.compile) only
-
-
-def register_compile_ops() -> None:
-    """Register pipetrain::rope and its backward op once. Deferred to the runs that compile: registering
-    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
-    global rope_op, rope_backward_op
-    if rope_op is not None or not HAS_TRITON:
-        return
-    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
-    # wrappers); the fake implementations give the output shapes without launching anything.
-    @torch.library.triton_op("pipetrain::rope", mutates_args=())
-    def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_rot, k_rot) = rope_fwd(q, k, cos, sin)."""
-        return rope_fwd(q, k, cos, sin)
-
-    @torch.library.triton_op("pipetrain::rope_backward", mutates_args=())
-    def rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dq, dk) = rope_bwd(dq, dk, cos, sin): the transposed rotation."""
-        return rope_bwd(dq, dk, cos, sin)
-
-    @rope_op.register_fake
-    def _(q, k, cos, sin):
-        return torch.empty_like(q), torch.empty_like(k)
-
-    @rope_backward_op.register_fake
-    def _(dq, dk, cos, sin):
-        return torch.empty_like(dq), torch.empty_like(dk)
-
-    def _rope_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2], inputs[3])
-
-    def _rope_backward(ctx, dq, dk):  # no gradient for the position tables, as RoPEFn
-        dq, dk = rope_backward_op(dq, dk, *ctx.saved_tensors)
-        return dq, dk, None, None
-
-    rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+# pipetrain::rope under torch.compile (kernels/compile_ops.py registers it when a run compiles); no
+# gradient for the position tables, as RoPEFn
+COMPILE_OP = declare(CompileOp(
+    name="rope", forward=rope_fwd, backward=rope_bwd,
+    fake=lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)),
+    backward_fake=lambda dq, dk, cos, sin: (torch.empty_like(dq), torch.empty_like(dk)),
+    num_grads=2, saved_inputs=(2, 3)))
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate q and k by the position tables; returns (q_rot, k_rot). Triton or reference per use_triton."""
     if not use_triton(q):
         return rope_ref(q, k, cos, sin)
-    return rope_op(q, k, cos, sin) if torch.compiler.is_compiling() else RoPEFn.apply(q, k, cos, sin)
+    return forward_op("rope")(q, k, cos, sin) if torch.compiler.is_compiling() else RoPEFn.apply(q, k, cos, sin)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .compile_ops import CompileOp, declare, forward_op
 from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
 
 if HAS_TRITON:
@@ -72,7 +73,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: (dgate, dup) from dy, recomputing silu(gate)."""
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(up)
@@ -94,46 +95,17 @@ class SwiGLUFn(torch.autograd.Function):
         return swiglu_bwd(dy, *ctx.saved_tensors)
 
 
-swiglu_op = swiglu_backward_op = None  # registered by register_compile_ops (train.compile) only
-
-
-def register_compile_ops() -> None:
-    """Register pipetrain::swiglu and its backward op once. Deferred to the runs that compile: registering
-    a triton_op imports torch._inductor, which would cost every process ~1 s at import."""
-    global swiglu_op, swiglu_backward_op
-    if swiglu_op is not None or not HAS_TRITON:
-        return
-    # The same launchers as custom ops for torch.compile (train.compile; kernels/__init__.py says why two
-    # wrappers); the fake implementations give the output shapes without launching anything.
-    @torch.library.triton_op("pipetrain::swiglu", mutates_args=())
-    def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """swiglu_fwd(gate, up)."""
-        return swiglu_fwd(gate, up)
-
-    @torch.library.triton_op("pipetrain::swiglu_backward", mutates_args=())
-    def swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dgate, dup) = swiglu_bwd(dy, gate, up)."""
-        return swiglu_bwd(dy, gate, up)
-
-    @swiglu_op.register_fake
-    def _(gate, up):
-        return torch.empty_like(gate)
-
-    @swiglu_backward_op.register_fake
-    def _(dy, gate, up):
-        return torch.empty_like(gate), torch.empty_like(up)
-
-    def _swiglu_setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)  # not silu(gate): the backward recomputes it
-
-    def _swiglu_backward(ctx, dy):
-        return swiglu_backward_op(dy, *ctx.saved_tensors)
-
-    swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+# pipetrain::swiglu under torch.compile (kernels/compile_ops.py registers it when a run compiles); the
+# backward recomputes silu(gate) from the saved inputs
+COMPILE_OP = declare(CompileOp(
+    name="swiglu", forward=swiglu_fwd, backward=swiglu_bwd,
+    fake=lambda gate, up: torch.empty_like(gate),
+    backward_fake=lambda dy, gate, up: (torch.empty_like(gate), torch.empty_like(up)),
+    num_grads=1, saved_inputs=(0, 1)))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; Triton or reference per dispatch.use_triton."""
     if not use_triton(gate):
         return swiglu_ref(gate, up)
-    return swiglu_op(gate, up) if torch.compiler.is_compiling() else SwiGLUFn.apply(gate, up)
+    return forward_op("swiglu")(gate, up) if torch.compiler.is_compiling() else SwiGLUFn.apply(gate, up)

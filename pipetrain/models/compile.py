@@ -10,7 +10,8 @@ apply_compile runs last on the built stage, after everything that wraps a block'
 parallelism (its modules and the attn / mlp pre-hooks are traced into the graph, the collectives as
 functional collectives: pipetrain.parallel.mesh.comm), gradient-accumulation fusion (inside a
 compiled block linears are plain F.linear: the block's backward graph computes dW, see
-pipetrain.parallel.pipeline.weight_grads.linear), LoRA (the adapters are parameters of the block) and
+pipetrain.parallel.pipeline.weight_grads.linear; under a split backward two opaque ops still defer dW
+to the W action), LoRA (the adapters are parameters of the block) and
 activation recomputation (the checkpointed forward is traced as one checkpoint region).
 nn.Module.compile is lazy (the first call traces the block as it is then) and in place, so parameter
 names, checkpoints and the pipeline chunks' references do not change; it runs last because the

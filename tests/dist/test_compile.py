@@ -9,12 +9,15 @@ CPU; tests/e2e/test_compile.py runs inductor end to end.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from pipetrain.models.compile import BACKEND_ENV
+from pipetrain.parallel.pipeline import executor
+from pipetrain.parallel.pipeline.schedules import W
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
 from tests.unit.common import LLAMA, build_trainer
@@ -48,10 +51,18 @@ def _losses(rank: int, world_size: int, out: str, tp: int, pp: int, keys: dict, 
     model = _model(keys)
     dims = ParallelDims.from_degrees(tp=tp, pp=pp)
     trainer = build_trainer(model, out, dims, steps=STEPS, microbatches=4 if pp > 1 else 2, compile=compile_, **keys)
-    losses = [trainer.train_step()["loss"]]
-    first = dict(counters["stats"])
-    losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
-    return losses, first, dict(counters["stats"])
+    block_weights = {id(p) for p in trainer.model.layers.parameters()}
+    at_w = []  # dW of compiled blocks' weights that W actions added (the split backward's deferral)
+
+    def apply_at_w(work, apply=executor.apply_weight_grads):
+        at_w.extend(1 for weight, *_ in work if id(weight) in block_weights)
+        apply(work)
+    with mock.patch.object(executor, "apply_weight_grads", apply_at_w):
+        losses = [trainer.train_step()["loss"]]
+        first = dict(counters["stats"])
+        losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
+    has_w = any(a.kind == W for a in trainer.actions)  # a first stage's W may be merged into its B
+    return losses, first, dict(counters["stats"]), (has_w, len(at_w))
 
 
 def _reference(tmp_path, keys: dict) -> list[float]:
@@ -74,7 +85,11 @@ def check_layout(name: str, tmp_path, monkeypatch) -> None:
     world = max(tp * pp, 2)
     (tmp_path / "run").mkdir()
     results = rank_results(world, _losses, str(tmp_path / "run"), tp, pp, keys, True)
-    for rank, (losses, first, last) in enumerate(results):
+    split = keys.get("split_backward", False) or keys.get("schedule") == "zbv"
+    assert any(has_w for *_, (has_w, _) in results) == split, name
+    for rank, (losses, first, last, (has_w, at_w)) in enumerate(results):
+        # a rank with W actions defers its compiled blocks' dW to them (weight_grads._compiled_linear)
+        assert (at_w > 0) == has_w, f"{name} rank {rank}: {at_w} block weight gradients added at W"
         # every block of a rank has the same structure: one graph serves them all, compiled once. Under LoRA
         # the first block's input needs no gradient (the embedding is frozen): its graph has no dx, a second one
         assert first.get("unique_graphs") == (2 if name.endswith("lora") else 1), f"{name} rank {rank}: {first}"

@@ -10,14 +10,14 @@ formulas. On a GPU inductor traces through the same ops into their Triton kernel
 import pytest
 import torch
 
-from pipetrain.kernels import rms_norm, rope, swiglu
-from pipetrain.kernels import register_compile_ops
-
-register_compile_ops()  # before the names below are read: apply_compile does the same in a run
-from pipetrain.kernels.rms_norm import rms_norm_backward_op, rms_norm_op, rms_norm_ref  # noqa: E402
-from pipetrain.kernels.rope import rope_backward_op, rope_op, rope_ref  # noqa: E402
-from pipetrain.kernels.swiglu import swiglu_backward_op, swiglu_op, swiglu_ref  # noqa: E402
+from pipetrain.kernels import register_compile_ops, rms_norm, rope, swiglu
+from pipetrain.kernels.compile_ops import backward_op, declared, forward_op
+from pipetrain.kernels.rms_norm import rms_norm_ref
+from pipetrain.kernels.rope import rope_ref
+from pipetrain.kernels.swiglu import swiglu_ref
 from tests.kernels.common import FP32, fresh_seed, randn
+
+KERNELS = ("rms_norm", "rope", "swiglu")  # every kernel the model calls that has a Triton path
 
 # fake tensors, the schema and the autograd registration; the AOT checks need kernels wrap_triton can trace
 OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -43,8 +43,13 @@ def _value_and_grads(fn, tensors):
     return [out.detach(), *grads]
 
 
+def test_every_kernel_declares_its_compile_op():
+    assert declared() == sorted(KERNELS)
+
+
 @pytest.mark.triton
 def test_compiled_block_of_custom_ops_matches_reference_forward_and_backward(force_triton):
+    register_compile_ops()  # before any trace, as apply_compile does in a run
     seed = fresh_seed()
     graphs = []
 
@@ -64,12 +69,14 @@ def test_compiled_block_of_custom_ops_matches_reference_forward_and_backward(for
 
 @pytest.mark.triton
 def test_custom_ops_pass_opcheck(force_triton):
+    register_compile_ops()
     seed = fresh_seed()
     x, w, q, k, cos, sin, gate, up = _inputs(seed)
     dy = randn(seed + 9, *x.shape)
-    rstd = rms_norm_op(x, w, 1e-6)[1]
-    cases = [(rms_norm_op, (x, w, 1e-6)), (rms_norm_backward_op, (dy, x.detach(), w.detach(), rstd)),
-             (rope_op, (q, k, cos, sin)), (rope_backward_op, (q.detach(), k.detach(), cos, sin)),
-             (swiglu_op, (gate, up)), (swiglu_backward_op, (gate.detach(), gate.detach(), up.detach()))]
+    rstd = forward_op("rms_norm")(x, w, 1e-6)[1]
+    cases = [("rms_norm", (x, w, 1e-6), (dy, x.detach(), w.detach(), rstd)),
+             ("rope", (q, k, cos, sin), (q.detach(), k.detach(), cos, sin)),
+             ("swiglu", (gate, up), (gate.detach(), gate.detach(), up.detach()))]
+    cases = [(op, args) for name, fwd, bwd in cases for op, args in ((forward_op(name), fwd), (backward_op(name), bwd))]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=OPCHECKS)

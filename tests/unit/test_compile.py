@@ -9,7 +9,10 @@ from torch._dynamo.utils import counters
 
 from pipetrain.config import ConfigError
 from pipetrain.metrics import WARMUP_STEPS, steady_tokens_per_sec
-from pipetrain.models.compile import BACKEND_ENV, compile_backend, compile_problems
+from pipetrain.models import build
+from pipetrain.models.compile import BACKEND_ENV, apply_compile, compile_backend, compile_problems
+from pipetrain.parallel.pipeline.weight_grads import (apply_grad_accumulation_fusion, apply_weight_grads,
+                                                      assign_work_keys, deferring, weight_grad_modules)
 from tests.unit.common import LLAMA, build_trainer
 
 
@@ -70,3 +73,49 @@ def test_fp8_linears_stay_fp8_inside_compiled_blocks(tmp_path, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert bf16[0] != eager[0], "the fp8 forward must differ from bf16's for this test to mean anything"
     assert compiled[0] == eager[0] and compiled == pytest.approx(eager, rel=1e-3), (compiled, eager)
+
+
+def _blocks_backward(model, x, dy, modules=None, work=None, autocast=False):
+    """Run model.layers on x and backward dy, inside deferring(modules, work) when given."""
+    with deferring(modules, work) if modules is not None else torch.enable_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h = x
+            for block in model.layers.values():
+                h = block(h)
+        h.backward(dy.to(h.dtype))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_split_backward_defers_dw_out_of_compiled_blocks_to_the_w_action(autocast):
+    """Under a split backward a compiled block's linears defer dW as eager ones do: B computes no dW (.grad
+    stays empty; the graph's edge to each weight fires its hook with nothing added), the W action
+    (apply_weight_grads) adds dW and fires each hook once with it; gradients equal the eager blocks' bit
+    for bit (aot_eager; fp32 and bf16 autocast), and every block shares one graph."""
+    torch.manual_seed(0)
+    eager, compiled = build(LLAMA, "cpu"), build(LLAMA, "cpu")
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_grad_accumulation_fusion(model, None)  # WeightGradLinears, fusion off, as build_trainer does
+    counters.clear()
+    apply_compile(compiled, backend="aot_eager")
+    modules = assign_work_keys(weight_grad_modules(compiled.layers))  # the executor does this under a split
+    x, dy = torch.randn(2, 8, LLAMA.d_model), torch.randn(2, 8, LLAMA.d_model)
+    _blocks_backward(eager, x.clone().requires_grad_(), dy, autocast=autocast)
+    linears = {n: p for n, p in compiled.layers.named_parameters() if "norm" not in n}
+    fired = []
+    for name, p in linears.items():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append((name, p.grad is not None)))
+    work = []
+    _blocks_backward(compiled, x.clone().requires_grad_(), dy, modules, work, autocast)  # B
+    assert len(work) == 7 * LLAMA.n_layers, len(work)  # every linear of every block deferred
+    assert all(p.grad is None for p in linears.values()) and not any(has for _, has in fired), fired
+    fired.clear()
+    apply_weight_grads(work)  # W
+    assert sorted(fired) == sorted((name, True) for name in linears), fired
+    for (name, p), (_, q) in zip(compiled.layers.named_parameters(), eager.layers.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    # no deferral around it (a microbatch without a W action): dW is added in B, to the same sum again
+    _blocks_backward(compiled, x.clone().requires_grad_(), dy, autocast=autocast)
+    for (name, p), (_, q) in zip(compiled.layers.named_parameters(), eager.layers.named_parameters()):
+        assert torch.equal(p.grad, 2 * q.grad), name
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # deferring() caused no recompile

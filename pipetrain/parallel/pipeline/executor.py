@@ -39,7 +39,8 @@ import torch.nn as nn
 
 from pipetrain.parallel.mesh.comm import batches_p2p_by_default, post_p2p
 from pipetrain.parallel.pipeline.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
-from pipetrain.parallel.pipeline.weight_grads import apply_weight_grads, deferring, weight_grad_modules
+from pipetrain.parallel.pipeline.weight_grads import (apply_weight_grads, assign_work_keys, deferring,
+                                                      weight_grad_modules)
 
 
 class Executor:
@@ -78,7 +79,8 @@ class Executor:
         total = torch.zeros((), device=device)
         posted, pending_recvs = [], {}  # every Work of the step, kept alive to its end so ids stay unique
 
-        deferrable = [weight_grad_modules(chunk) for chunk in self.chunks] if split else None
+        # keyed: a compiled block's linears can then defer too (weight_grads.assign_work_keys; once per module)
+        deferrable = [assign_work_keys(weight_grad_modules(chunk)) for chunk in self.chunks] if split else None
 
         def deferral(key):  # F and B of a split (microbatch, chunk): linears record their weight work
             if key not in split:

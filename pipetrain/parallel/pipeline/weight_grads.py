@@ -23,7 +23,8 @@ WeightGradModules, in place, whose two modes are state of each module:
   pipelining. The layer has no graph edge to its weight or bias: the backward computes only dx and
   appends (weight, bias, x, dy) to the list; `apply_weight_grads(work)` later does the same in-place
   accumulation and fires the hooks, when the executor reaches the W action. Only the time moves
-  (tests/unit/test_linear.py). Embeddings ignore it: their backward is a scatter, done in B.
+  (tests/unit/test_linear.py). Embeddings ignore it: their backward is a scatter, done in B. Inside a
+  block compiled by train.compile, two custom ops do the same (see _compiled_linear below).
 
 Both modes are read at forward time and bound into the autograd node, so a backward needs no module
 state (CUDA runs backwards on other threads); activation recomputation re-runs the forward inside B,
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from typing import Iterable, Iterator
 
 import torch
@@ -143,23 +145,106 @@ class _LinearFn(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fuse: bool = False,
-           work: WeightGradWork | None = None, fp8=None) -> torch.Tensor:
+           work: WeightGradWork | None = None, fp8=None, work_key: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the weight gradients accumulated in place (fuse) or deferred into work (module docstring).
-    fp8: the module's pipetrain.parallel.tensor.fp8.Fp8Linear, which computes it instead (dW through autograd)."""
+    fp8: the module's pipetrain.parallel.tensor.fp8.Fp8Linear, which computes it instead (dW through autograd).
+    work_key: the module's key for a split backward inside a compiled block (assign_work_keys)."""
     if fp8 is not None:
         return fp8(x, weight, bias)
     if torch.compiler.is_compiling():
-        # Inside a compiled block (train.compile, pipetrain.models.compile) the block's one backward graph
-        # computes dW; a backward that writes .grad or a Python list in place cannot be traced.
+        # Inside a compiled block (train.compile, pipetrain.models.compile) a backward that writes .grad or a
+        # Python list cannot be traced: the block's backward graph computes dW, unless the executor may defer
+        # this module (a split backward), where two opaque ops do what _LinearFn does (_compiled_linear).
+        # `work` is never read here: a guard on it would recompile the block whenever deferring() sets it.
+        if work_key is not None and x.requires_grad and _leaves_need_grad(weight, bias):
+            return _compiled_linear(x, weight, bias, work_key)
         return F.linear(x, weight, bias)
-    if (work is None and not fuse) or not torch.is_grad_enabled() \
-            or not (weight.requires_grad and weight.is_leaf) or not (bias is None or (bias.requires_grad and bias.is_leaf)):
+    if (work is None and not fuse) or not torch.is_grad_enabled() or not _leaves_need_grad(weight, bias):
         return F.linear(x, weight, bias)
     if work is not None and x.requires_grad:
         return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), work)
     if fuse:
         return _LinearFn.apply(x, weight, bias, (weight, bias), None)
     return F.linear(x, weight, bias)
+
+
+def _leaves_need_grad(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return weight.requires_grad and weight.is_leaf and (bias is None or (bias.requires_grad and bias.is_leaf))
+
+
+# ---- the split backward inside a compiled block ----
+# Under train.compile with a split backward (zbv, parallel.split_backward) a deferrable linear inside a
+# compiled block is the custom op pipetrain::deferrable_linear (y = x W^T + b), whose autograd formula is a
+# second op, pipetrain::linear_dx_weight_work: it returns dx = dy W and, like _LinearFn's backward, records
+# (W, b, x, dy) in the module's `deferred` list when the executor is deferring it, or adds dW, db into .grad
+# at once (apply_weight_grads) when not. Both are opaque to the graph (the second one's side effect is
+# why: a traced backward cannot write a Python list), and W, b enter them detached, so the block's graph
+# has no edge to the leaves and their hooks fire when apply_weight_grads runs (at W), as in eager. An op
+# sees only tensors and numbers: the module comes from its work_key, a CPU int64 scalar naming it in
+# _KEYED (a tensor, not an int, so that every block of a rank still shares one graph: dynamo specialises
+# on ints). Module state on purpose: the op's implementation is global.
+_KEYED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # work_key value -> WeightGradModule
+
+
+def assign_work_keys(modules: Iterable["WeightGradModule"]) -> list["WeightGradModule"]:
+    """Give each module a work_key (once) so a compiled block can defer its weight gradients; returns them."""
+    modules = list(modules)
+    for m in modules:
+        if m.work_key is None:
+            m.work_key = torch.tensor(id(m), dtype=torch.int64)
+            _KEYED[id(m)] = m
+    return modules
+
+
+@torch.library.custom_op("pipetrain::deferrable_linear", mutates_args=())
+def _deferrable_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          work_key: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@_deferrable_linear_op.register_fake
+def _(x, weight, bias, work_key):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("pipetrain::linear_dx_weight_work", mutates_args=())
+def _linear_dx_weight_work_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              work_key: torch.Tensor) -> torch.Tensor:
+    module = _KEYED[int(work_key)]
+    dy2, x2 = dy.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1])
+    if module.deferred is None:  # this microbatch has no W action: now, as fusion does
+        apply_weight_grads([(module.weight, module.bias, x2, dy2)])
+    else:
+        # copies: inductor may reuse an input's buffer once the graph has no further use for it
+        module.deferred.append((module.weight, module.bias, x2.clone(), dy2.clone()))
+    return dy2.mm(weight).view(*dy.shape[:-1], weight.shape[1])
+
+
+@_linear_dx_weight_work_op.register_fake
+def _(dy, x, weight, work_key):
+    return dy.new_empty(*dy.shape[:-1], weight.shape[1])
+
+
+def _deferrable_linear_setup(ctx, inputs, output):
+    x, weight, _, work_key = inputs
+    ctx.save_for_backward(x, weight, work_key)
+
+
+def _deferrable_linear_backward(ctx, dy):
+    x, weight, work_key = ctx.saved_tensors
+    return _linear_dx_weight_work_op(dy, x, weight, work_key), None, None, None
+
+
+_deferrable_linear_op.register_autograd(_deferrable_linear_backward, setup_context=_deferrable_linear_setup)
+
+
+def _compiled_linear(x, weight, bias, work_key):
+    """The deferrable linear as traced: autocast's casts done here (custom ops get none), x saved cast."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return _deferrable_linear_op(x, weight.detach(), None if bias is None else bias.detach(), work_key)
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -197,13 +282,14 @@ class WeightGradModule:
     fuse: bool = False
     deferred: WeightGradWork | None = None
     fp8 = None  # an Fp8Linear under train.precision=fp8 (pipetrain.parallel.tensor.fp8.apply_fp8)
+    work_key: torch.Tensor | None = None  # set by assign_work_keys: deferrable inside a compiled block
 
 
 class WeightGradLinear(WeightGradModule, nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose weight gradients can be fused or deferred."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fuse, self.deferred, self.fp8)
+        return linear(x, self.weight, self.bias, self.fuse, self.deferred, self.fp8, self.work_key)
 
 
 class WeightGradEmbedding(WeightGradModule, nn.Embedding):

@@ -131,7 +131,8 @@ class ColumnParallelLinear(_FromLinear, WeightGradModule, nn.Module):
         return x
 
     def forward(self, x):
-        return linear(self.enter(x), self.weight, self.bias, self.fuse, self.deferred, self.fp8)  # (B, T, D_out/tp)
+        return linear(self.enter(x), self.weight, self.bias, self.fuse, self.deferred, self.fp8,
+                      self.work_key)  # (B, T, D_out/tp)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}/tp, sp={self.sequence_parallel}"
@@ -154,7 +155,8 @@ class RowParallelLinear(_FromLinear, WeightGradModule, nn.Module):
         self.tp_partial_grads = ("bias",) if bias and sequence_parallel else ()
 
     def forward(self, x):  # x (B, T, D_in/tp)
-        y = linear(x, self.weight, None, self.fuse, self.deferred, self.fp8)  # (B, T, D_out): this rank's partial sum
+        # (B, T, D_out): this rank's partial sum
+        y = linear(x, self.weight, None, self.fuse, self.deferred, self.fp8, self.work_key)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp_group)  # (B, T/tp, D_out)
         else:
@@ -187,7 +189,7 @@ class ReplicatedKVLinear(_FromLinear, WeightGradModule, nn.Module):
     def forward(self, x):  # x (B, T, D), already in the tp region
         lo, hi = self.rows
         bias = None if self.bias is None else self.bias[lo:hi]
-        return linear(x, self.weight[lo:hi], bias, self.fuse, self.deferred, self.fp8)  # (B, T, K)
+        return linear(x, self.weight[lo:hi], bias, self.fuse, self.deferred, self.fp8, self.work_key)  # (B, T, K)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
