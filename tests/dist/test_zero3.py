@@ -64,6 +64,8 @@ def _worker(rank, world_size, out, name):
     _, cfg, tp, pp, extra = LAYOUTS[name]
     extra = {**COMMON, **extra}  # a layout may run more microbatches (dualpipev needs 2 * pp)
     dims = ParallelDims.from_degrees(tp=tp, pp=pp, dp_shard=extra.get("dp_shard"))
+    # HSDP: build_optimizer wraps zero 3 in the exchange across replicas, which a bucket-size factory would skip
+    buckets = None if "dp_shard" in extra else BUCKET_BYTES
     own = os.path.join(out, f"rank{rank}")  # the single-process runs' metrics (each is its own rank 0)
     shared = os.path.join(out, "zero3")
     os.makedirs(own, exist_ok=True)
@@ -72,7 +74,7 @@ def _worker(rank, world_size, out, name):
     ref_records = [ref.train_step() for _ in range(STEPS)]
     ref_params = dict(ref.model.named_parameters())
 
-    z3 = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=BUCKET_BYTES, steps=STEPS, **extra)
+    z3 = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=buckets, steps=STEPS, **extra)
     opt = z3.optimizer
     local_shapes = [(tuple(p.shape), p.requires_grad) for p in z3.model.parameters()]
     opt.gatherer.reset_peak()
@@ -108,7 +110,7 @@ def _worker(rank, world_size, out, name):
         for n, (_, sl) in layout.items())
 
     # resume in its own layout: the last step again, bitwise
-    resumed = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=BUCKET_BYTES, steps=STEPS, resume="auto",
+    resumed = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=buckets, steps=STEPS, resume="auto",
                             **extra)
     res["resumed_loss"] = resumed.train_step()["loss"]
     again = resumed.optimizer.gatherer.full_params()
@@ -130,7 +132,7 @@ def _worker(rank, world_size, out, name):
         single.checkpointer.save(single)
         res["single_params"] = {n: p.detach().clone() for n, p in single.model.named_parameters()}
     dist.barrier()
-    back = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=BUCKET_BYTES, steps=STEPS + 1,
+    back = build_trainer(cfg, shared, dims, zero=3, bucket_bytes=buckets, steps=STEPS + 1,
                          resume=os.path.join(single_out, "checkpoints", f"step-{STEPS:08d}"), **extra)
     res["back_step"] = back.step
     res["back_params"] = {n: (t, layout[n][1]) for n, t in back.optimizer.gatherer.full_params().items()}

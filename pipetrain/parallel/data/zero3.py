@@ -34,6 +34,7 @@ largest rank's size (ZeroOptimizer's bucket layout).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -198,6 +199,8 @@ class UnitGatherer:
         self.unused_prefetches = 0  # of them, freed before any pass waited for them
         # (phase, unit) whose prefetch of its neighbour was once unused: the schedule runs another chunk next
         self._no_prefetch: set[tuple[str, int]] = set()
+        # the timeline (benchmarks/zero3.py --timeline): None, or a list the hooks append (time, event, unit) to
+        self.events: Optional[list[tuple[float, str, int]]] = None
         # all-gathers started per unit, by the pass that started them (a prefetch counts for the pass it serves)
         self.unit_gathers = {"forward": [0] * len(self.units), "backward": [0] * len(self.units)}
         for k, unit in enumerate(self.units):
@@ -214,10 +217,12 @@ class UnitGatherer:
             self._wait(k, "forward")
             if self._adjacent(k, k + 1) and ("forward", k) not in self._no_prefetch:
                 self._start(k + 1, "forward", prefetched_by=k)
+            self._log("forward", k)
         return hook
 
     def _post_hook(self, k: int):
         def hook(module, args, output):
+            self._log("forward_end", k)
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 self.units[k].has_backward = not torch.is_grad_enabled()  # evaluation says nothing of training
                 self._free(k)
@@ -236,6 +241,7 @@ class UnitGatherer:
         self._wait(k, "backward")
         if self._adjacent(k - 1, k) and self.units[k - 1].has_backward and ("backward", k) not in self._no_prefetch:
             self._start(k - 1, "backward", prefetched_by=k)
+        self._log("backward", k)
 
     def _adjacent(self, j: int, k: int) -> bool:
         """Whether unit k follows unit j in the whole model. A rank's pipeline chunks run in the schedule's order,
@@ -243,6 +249,20 @@ class UnitGatherer:
         rank pp - 1 holds two adjacent stages, and a prefetch between them that went unused is not repeated
         (_no_prefetch)."""
         return 0 <= j and k < len(self.units) and self.units[k].position == self.units[j].position + 1
+
+    def _log(self, event: str, k: int) -> None:
+        """Record an event when a timeline is kept: "gather <pass>" (issued for a forward or backward pass, or
+        "gather " outside one), wait / gathered (the wait for it ends),
+        forward / backward (unit k's compute starts), forward_end, and done (at any of those or a wait, a gather
+        in flight found already complete: it ran behind compute)."""
+        if self.events is None:
+            return
+        now = time.perf_counter()
+        if event in ("forward", "forward_end", "backward", "wait"):
+            for j, unit in enumerate(self.units):
+                if unit.work is not None and unit.work.is_completed():
+                    self.events.append((now, "done", j))
+        self.events.append((now, event, k))
 
     # ---- gathering and freeing ----
     def _count(self, delta: int) -> None:
@@ -263,6 +283,7 @@ class UnitGatherer:
         unit.flat = torch.empty(dp * layout.part, dtype=p0.dtype, device=p0.device)  # (dp * P,)
         unit.work = all_gather_async(unit.flat, mine, opt.dp_group)
         unit.prefetched_by = None if prefetched_by is None else (phase, prefetched_by)
+        self._log(f"gather {phase}", k)
         self.gathers += 1
         if phase:
             self.unit_gathers[phase][k] += 1
@@ -277,7 +298,9 @@ class UnitGatherer:
         # no autograd: gloo's all-gather writes its output through views made without grad, which a wait
         # under grad mode (a forward hook) refuses
         with torch.no_grad():
+            self._log("wait", k)
             unit.work.wait()
+            self._log("gathered", k)
             for i in unit.layout.members:
                 p = opt.params[i]
                 p.untyped_storage().resize_(p.numel() * p.element_size())
