@@ -1,6 +1,6 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
-    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp]
+    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--timeline zero3-trace.json]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -13,10 +13,16 @@ one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor 
 group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
 each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
 gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments.
+
+--timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
+writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
+from issue to the first moment the hooks saw it complete) and prints, per pass, how many prefetched gathers
+had completed before the compute they were issued behind ended, and the time spent waiting for gathers.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -45,17 +51,66 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _pipetrain(dims, zero: int, steps: int, out: str) -> tuple[list[float], int]:
+def _pipetrain(dims, zero: int, steps: int, out: str, timeline: bool = False) -> tuple[list[float], int, tuple]:
     trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
                             seq_len=SEQ, grad_clip=1.0)
-    times = []
-    for _ in range(steps + 1):
+    times, events = [], []
+    for step in range(steps + 1):
+        if timeline and step == steps:
+            trainer.optimizer.gatherer.events = events
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
         if len(times) == 1:
             _reset_hwm()
-    return times[1:], _model_state_bytes(trainer)
+    names = [u.name for u in trainer.optimizer.gatherer.units] if timeline else []
+    return times[1:], _model_state_bytes(trainer), (events, names)
+
+
+def _spans(events: list) -> tuple[list, list]:
+    """(compute spans (unit, pass, start, end), gathers (unit, pass, issued, complete, waited, done_before_wait))
+    from a UnitGatherer event log: a unit's forward runs from its pre-hook to its post-hook, its backward
+    until the next hook event; a gather is complete at the first sign of it (a hook saw it done, or its wait
+    returned), and waited is how long the main thread blocked on it."""
+    compute, gathers, flight, wait_start = [], [], {}, {}
+    for n, (t, event, k) in enumerate(events):
+        if event == "forward":
+            end = next(e[0] for e in events[n:] if e[1] == "forward_end" and e[2] == k)
+            compute.append((k, "forward", t, end))
+        elif event == "backward":
+            end = next((e[0] for e in events[n + 1:] if e[1] in ("forward", "backward")), events[-1][0])
+            compute.append((k, "backward", t, end))
+        elif event.startswith("gather "):  # "gather forward" / "gather backward": the pass it serves
+            flight[k] = [event.split()[1], t, None, False]
+        elif event == "done" and k in flight and flight[k][2] is None:
+            flight[k][2:] = [t, k not in wait_start]
+        elif event == "wait":
+            wait_start[k] = t
+        elif event == "gathered" and k in flight:
+            phase, issued, complete, hidden = flight.pop(k)
+            gathers.append((k, phase, issued, complete or t, t - wait_start.pop(k), hidden))
+    return compute, gathers
+
+
+def _write_timeline(events: list, path: str, names: list[str]) -> None:
+    """A Chrome trace of rank 0's last step, and a summary of the overlap per pass."""
+    compute, gathers = _spans(events)
+    t0 = events[0][0]
+    trace = [{"name": f"{p} {names[k]}", "ph": "X", "pid": 0, "tid": "compute", "ts": (a - t0) * 1e6,
+              "dur": (b - a) * 1e6} for k, p, a, b in compute]
+    trace += [{"name": f"all-gather {names[k]}", "ph": "X", "pid": 0, "tid": "all-gather", "ts": (a - t0) * 1e6,
+               "dur": (b - a) * 1e6} for k, _, a, b, _, _ in gathers]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace}, f)
+    for phase in ("forward", "backward"):
+        mine = [g for g in gathers if g[1] == phase]
+        work = sum(b - a for _, p, a, b in compute if p == phase)
+        flight = sum(g[3] - g[2] for g in mine)
+        waited = sum(g[4] for g in mine)
+        print(f"timeline {phase}: {work * 1e3:.0f} ms of unit compute; {len(mine)} all-gathers, "
+              f"{sum(g[5] for g in mine)} complete before their wait; {flight * 1e3:.0f} ms in flight, "
+              f"{waited * 1e3:.0f} ms of it waited for (exposed), {(flight - waited) * 1e3:.0f} ms behind compute")
+    print(f"timeline: trace of rank 0's last step written to {path}")
 
 
 def _model_state_bytes(trainer) -> int:
@@ -94,7 +149,7 @@ def _fsdp2(dp: int, steps: int) -> list[float]:
     return times[1:]
 
 
-def _worker(rank, dp, mode, steps, init_file, out, results):
+def _worker(rank, dp, mode, steps, init_file, out, results, timeline=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
@@ -108,16 +163,19 @@ def _worker(rank, dp, mode, steps, init_file, out, results):
         else:
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
-            times, state = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir)
+            times, state, (events, names) = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir,
+                                                       timeline is not None and mode == "zero3")
+            if events and rank == 0:
+                _write_timeline(events, timeline, names)
         results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM"), "state": state}
     finally:
         dist.destroy_process_group()
 
 
-def run(dp: int, mode: str, steps: int) -> dict:
+def run(dp: int, mode: str, steps: int, timeline: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results), nprocs=dp)
+        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, timeline), nprocs=dp)
         return dict(results)
 
 
@@ -127,16 +185,18 @@ def main() -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-fsdp", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=None, help="a subset of zero0 zero1 zero2 zero3 fsdp2")
+    parser.add_argument("--timeline", default=None, help="write zero 3's last step (rank 0) as a Chrome trace here")
     args = parser.parse_args()
     params = count_params(build(MODEL, device="meta"))
     print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
           f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
           f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo")
     print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9}")
-    modes = ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
+    modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
     for dp in args.dp:
         for mode in modes:
-            res = run(dp, mode, args.steps)
+            res = run(dp, mode, args.steps, args.timeline)
             if any("error" in r for r in res.values()):
                 print(f"{dp:>3} {mode:<7} does not run: {next(r['error'] for r in res.values() if 'error' in r)}")
                 continue

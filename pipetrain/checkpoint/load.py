@@ -88,7 +88,7 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
         check_base(manifest, recipe.model.init_from, recipe.train.seed, ckpt_dir)
     if hasattr(optimizer, "load_param_items"):  # ZeRO-3: only this rank's rows of each weight are held
         optimizer.load_param_items(lambda name, global_shape, offsets, shape:
-                                   reader.read(f"model/{name}", offsets, shape))
+                                   reader.read(f"model/{name}", offsets, shape), adapters_only)
     else:
         _load_params(model, params, reader, adapters_only)
     optimizer.load_state_items(lambda name, global_shape, offsets, shape:

@@ -8,7 +8,10 @@
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
                 last microbatch's backward (parallel/data/zero.py, data/allreduce.py launch buckets then), the rest
-                exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed
+                exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed; ZeRO 3 has none after
+                the step but gathers every unit's parameters in each microbatch's forward and again in its
+                backward (once per step with reshard_after_forward false), prefetched one unit ahead, so
+                on devices they hide behind compute up to its length (on a CPU profile they are exposed)
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
                 memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth
 A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
@@ -23,6 +26,7 @@ chunk's pipeline send and receive is charged to its F and B.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from pipetrain.config import Recipe
@@ -141,16 +145,26 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     if states is None:
         states = model_state_bytes(recipe, world_size, busiest)
     grad_bytes = states[0]
+    if p.zero == 3 and dp > 1:  # states[0] is the rank's rows plus two units: the collectives move every parameter
+        grad_bytes = model_state_bytes(dataclasses.replace(recipe, parallel=dataclasses.replace(p, zero=0)),
+                                       world_size, busiest)[0]
     optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
     zero = p.zero if dp > 1 else 0
-    if zero == 2:
+    if zero >= 2:
         reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.reduce_scatter_ratio
     else:
         reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 2)
     gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.all_gather_ratio if zero >= 1 else 0.0
     # on a CPU profile gloo's reductions run on the ranks' own cores: nothing hides behind the backward
-    exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + gather
+    exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + (gather if zero < 3 else 0.0)
+    if zero == 3:  # parallel/data/zero3.py: each unit gathered in every forward and backward pass, prefetched
+        gather *= 2 * p.microbatches if p.reshard_after_forward else 1
+        if profile.cores:
+            exposed = reduce + gather
+        else:  # a pass's first unit waits for its own gather; the rest, and the reduce-scatter, share the link
+            layers, first, last, _ = rank_stages(recipe, busiest)  # behind the step's compute
+            exposed = gather / max(1, len(layers) + first + last) + max(0.0, reduce + gather - busy)
     total = pipeline + exposed + optimizer
     compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
     return StepTime(compute=compute, tp_comm=busy - compute, pp_comm=pp_comm, bubble=bubble,

@@ -6,7 +6,8 @@ The space (space()): tp and pp range over the divisors of the world size (dp = w
 schedules.SCHEDULES when pp > 1 (new schedules join by being listed there); virtual_stages over the divisors
 of n_layers / pp, up to MAX_VIRTUAL, when pp > 1; split_backward over both values when pp > 1; microbatches over
 the divisors of global_batch / dp (at most MICROBATCHES_PER_STAGE x pp when pp > 1: past that the bubble is
-under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2 when dp > 1; recompute over none, selective, full;
+under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2, 3 when dp > 1 (3 pays two
+parameter all-gathers per microbatch, so it ranks first only where nothing less sharded fits); recompute over none, selective, full;
 sequence_parallel over both values when tp > 1. Keys the user fixed (`fixed`, parallel key -> value) stay at
 their value. Candidates that layout_problems or the schedule builder refuse are rejected "does not divide";
 those whose busiest rank exceeds the device memory "does not fit". Ranking: tokens/s descending, then lower
@@ -119,7 +120,7 @@ def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[di
                         options("split_backward", [False, True] if multi else [False]),
                         options("microbatches", [d for d in _divisors(batch)
                                                  if not multi or d <= MICROBATCHES_PER_STAGE * pp]),
-                        options("zero", [0, 1, 2] if dp_value > 1 else [0]),
+                        options("zero", [0, 1, 2, 3] if dp_value > 1 else [0]),
                         options("recompute", RECOMPUTE),
                         options("sequence_parallel", [False, True] if tp > 1 else [False])):
                     out.append({"dp": dp_value, "tp": tp, "pp": pp, "schedule": schedule, "virtual_stages": v,

@@ -2,7 +2,7 @@
 
 One world of 4 runs every case once; each test checks one claim: with bsp the loss at every step is the
 single process's while the split moves (4 replicas, one slowed by injected faults; pp 2 inside each of 2
-replicas; ZeRO 1 and 2 over dp_shard 2 inside each of 2 replicas), and a run resumed mid-way continues
+replicas; ZeRO 1, 2 and 3 over dp_shard 2 inside each of 2 replicas), and a run resumed mid-way continues
 the saved split and the uninterrupted run's losses.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _worker(rank, world_size, out):
                            faults=FaultsConfig(slow_ranks=[2, 3], slow_factor=4.0, slow_prob=1.0)), STEPS)
     res["pp2"] = {"loss": [r["loss"] for r in records], "shares": [r["dbs_shares"] for r in records]}
     hsdp = ParallelDims.from_degrees(dp_shard=2)  # 2 replicas x dp_shard 2: ZeRO shards inside each replica
-    for zero in (1, 2):  # the overlapped reduction waits for each step's own microbatch count
+    for zero in (1, 2, 3):  # the overlapped reduction waits for each step's own microbatch count
         records = _steps(_make(out, hsdp, microbatches=2, dp_shard=2, zero=zero, dynamic_batch=True,
                                dynamic_batch_every=2, faults=SLOW), STEPS)
         res[f"zero{zero}"] = {"loss": [r["loss"] for r in records], "shares": [r["dbs_shares"] for r in records]}
@@ -78,11 +78,12 @@ def world4(tmp_path_factory):
     return rank_results(4, _worker, str(tmp_path_factory.mktemp("dbs-world4")))
 
 
-@pytest.mark.parametrize("case", ["four", "pp2", "zero1", "zero2"])
+@pytest.mark.parametrize("case", ["four", "pp2", "zero1", "zero2", "zero3"])
 def test_bsp_with_a_moving_split_gives_the_single_process_loss_at_every_step(world4, case):
-    """zero1 / zero2: 2 replicas x dp_shard 2 with ZeRO inside each; the split moves from 2 + 2 microbatches
-    per rank to 3 + 1, so each replica's backward count changes mid-run under overlapped reduction."""
-    even = {"four": [2, 2, 2, 2], "pp2": [4, 4], "zero1": [4, 4], "zero2": [4, 4]}[case]
+    """zero1 / zero2 / zero3: 2 replicas x dp_shard 2 with ZeRO inside each; the split moves from 2 + 2
+    microbatches per rank to 3 + 1, so each replica's backward count changes mid-run under overlapped reduction
+    (zero 3: and each replica gathers its parameters as many times as it runs microbatches)."""
+    even = {"four": [2, 2, 2, 2], "pp2": [4, 4], "zero1": [4, 4], "zero2": [4, 4], "zero3": [4, 4]}[case]
     for res in world4:
         got = res[case]
         torch.testing.assert_close(got["loss"][0], res["ref"][0], **EXACT_FP32)

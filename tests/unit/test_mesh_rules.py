@@ -107,16 +107,9 @@ def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
 
 
 @pytest.mark.parametrize("parallel, train, model, key", [
-    (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4), {}, {},
-     "parallel.schedule=interleaved-1f1b"),
-    (dict(pp=2, schedule="zbv", microbatches=4), {}, {}, "parallel.schedule=zbv"),
-    (dict(pp=2, split_backward=True), {}, {}, "parallel.split_backward"),
     ({}, dict(precision="fp8"), {}, "train.precision=fp8"),
-    ({}, {}, dict(lora_rank=4), "model.lora_rank"),
     (dict(dp_sync="diloco"), {}, {}, "parallel.dp_sync=diloco"),
-    (dict(dp_shard=2), {}, {}, "parallel.dp_shard=2"),
     (dict(ps_servers=1), {}, dict(tie_embeddings=False), "parallel.ps_servers"),
-    (dict(dynamic_batch=True), {}, {}, "parallel.dynamic_batch"),
 ])
 def test_zero3_refuses_what_it_does_not_compose_with_in_one_line(parallel, train, model, key):
     recipe = Recipe(model=dataclasses.replace(LLAMA, **model), parallel=ParallelConfig(zero=3, **parallel),
@@ -129,10 +122,18 @@ def test_zero3_refuses_what_it_does_not_compose_with_in_one_line(parallel, train
         recipe.parallel, zero=2))) if "zero=3" in p]
 
 
-def test_zero3_takes_1f1b_recompute_tp_bf16_and_keep_gathered():
-    recipe = _recipe(zero=3, pp=2, tp=2, microbatches=2, recompute="full", reshard_after_forward=False)
-    assert parallel_problems(dataclasses.replace(recipe, train=dataclasses.replace(recipe.train,
-                                                                                   precision="bf16"))) == []
+@pytest.mark.parametrize("parallel, model", [
+    (dict(pp=2, tp=2, microbatches=2, recompute="full", reshard_after_forward=False), {}),
+    (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4), {}),
+    (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=4, split_backward=True), {}),
+    (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=4), {}),
+    (dict(pp=2, split_backward=True), {}),
+    (dict(dp_shard=2, dynamic_batch=True, microbatches=4), dict(lora_rank=4)),
+], ids=["1f1b_tp_keep_gathered", "interleaved", "zbv", "dualpipev", "split_backward", "hsdp_dbs_lora"])
+def test_zero3_takes_every_schedule_split_backward_lora_hsdp_dbs_and_bf16(parallel, model):
+    recipe = Recipe(model=dataclasses.replace(LLAMA, **model), parallel=ParallelConfig(zero=3, **parallel),
+                    train=TrainConfig(global_batch=8, seq_len=16, precision="bf16"))
+    assert parallel_problems(recipe) == []
 
 
 # -- one place for the rules on parallel keys -------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.unit.common import LLAMA
 RECIPES = [
     ("plain", {}, 1),
     ("zero1", {"dp": 2, "zero": 1}, 2),
+    ("zero3", {"dp": 2, "zero": 3}, 2),  # rows of everything plus two units whole (plan.memory.model_state_bytes)
     ("ssp", {"dp": 2, "dp_sync": "ssp", "staleness": 2}, 2),
     ("diloco", {"dp": 2, "dp_sync": "diloco", "sync_every": 2, "outer_momentum": 0.9}, 2),
     ("ps", {"dp": 2, "ps_servers": 2}, 2),

@@ -31,7 +31,7 @@ def _brute_force(recipe: Recipe, world: int) -> set[tuple]:
     for dp, tp, pp in itertools.product(range(1, world + 1), repeat=3):
         for schedule, v, split, mb, zero, rc, sp in itertools.product(
                 SCHEDULES, range(1, MAX_VIRTUAL + 1), (False, True), range(1, recipe.train.global_batch + 1),
-                (0, 1, 2), ("none", "selective", "full"), (False, True)):
+                (0, 1, 2, 3), ("none", "selective", "full"), (False, True)):
             layout = dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, split_backward=split,
                           microbatches=mb, zero=zero, recompute=rc, sequence_parallel=sp)
             canonical = ((pp > 1 or (schedule == ParallelConfig.schedule and v == 1 and not split))
@@ -111,3 +111,26 @@ def test_every_v_schedule_layout_the_layout_check_accepts_is_planned():
     result = search(RECIPE, 4, HUGE)
     assert not [reason for _, reason in result.rejected if reason.startswith("schedule")]
     assert {"zbv", "dualpipev"} <= {p.layout["schedule"] for p in result.plans}
+
+
+def test_auto_chooses_zero3_when_only_it_fits_and_charges_its_gathers():
+    """A model whose parameters dominate: with dp 4 (tp and pp fixed at 1) zero 3's rank holds a quarter of
+    the parameters plus two units, less than any other stage, so on a device between the two parallel.auto
+    picks it. Its step pays a parameter all-gather per unit in every forward and backward pass: where gloo
+    overlaps nothing (a CPU profile with cores) that is two gathers per microbatch against zero 2's one."""
+    big = dataclasses.replace(RECIPE, model=dataclasses.replace(MODEL, d_model=256, n_heads=8, n_kv_heads=4,
+                                                                 ffn_hidden=1024, n_layers=8, vocab_size=4096))
+    fixed = {"tp": 1, "pp": 1}
+    plans = search(big, 4, HUGE, fixed).plans
+    peak = {z: min(p.peak_bytes for p in plans if p.layout["zero"] == z) for z in (0, 1, 2, 3)}
+    others = min(peak[z] for z in (0, 1, 2))
+    assert peak[3] < others, peak
+    device = dataclasses.replace(DEVICES["cpu"], memory_bytes=(peak[3] + others) / 2)
+    resolved, plan = resolve_auto(dataclasses.replace(big, parallel=ParallelConfig(auto=True)), 4, fixed, device)
+    assert resolved.parallel.zero == 3 and plan.layout["zero"] == 3 and not layout_problems(resolved, 4)
+
+    gloo = dataclasses.replace(HUGE, cores=16)
+    layout = {**fixed, "microbatches": 2, "recompute": "none"}
+    time = {z: search(big, 4, gloo, {**layout, "zero": z}).plans[0].time for z in (2, 3)}
+    assert time[3].dp_comm > time[2].dp_comm and time[3].total > time[2].total
+    assert time[3].dp_exposed == time[3].dp_comm  # gloo: the gathers run on the cores the compute needs

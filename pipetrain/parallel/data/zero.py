@@ -131,13 +131,7 @@ class ZeroOptimizer:
         layout = param_layout(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.shards = []
-        for name, p in named:
-            shape, slices = layout[name]
-            if p.dim() == 0:
-                raise ValueError(f"ZeroOptimizer: parameter {name} is a scalar; ZeRO shards along dim 0")
-            self.shards.append(ParamShard(name, tuple(shape), tuple(s.start or 0 for s in slices), tuple(p.shape),
-                                          tuple(dp_row_ranges(p.shape[0], self.dp_size))))
+        self.shards = [self._param_shard(name, p, layout) for name, p in named]
         late = {id(p) for p in model_parallel_synced_params(model, dims)}
         self.buckets = self._build_buckets(bucket_bytes, late)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
@@ -165,6 +159,14 @@ class ZeroOptimizer:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # ---- layout ----
+    def _param_shard(self, name: str, p: torch.Tensor, layout) -> ParamShard:
+        """Where p (global name, param_layout's entry in layout) and its dp row shards sit."""
+        shape, slices = layout[name]
+        if p.dim() == 0:
+            raise ValueError(f"ZeroOptimizer: parameter {name} is a scalar; ZeRO shards along dim 0")
+        return ParamShard(name, tuple(shape), tuple(s.start or 0 for s in slices), tuple(p.shape),
+                          tuple(dp_row_ranges(p.shape[0], self.dp_size)))
+
     def _rows(self, t: torch.Tensor, i: int, dp_rank: int | None = None) -> torch.Tensor:
         start, end = self.shards[i].rows[self.dp_rank if dp_rank is None else dp_rank]
         return t[start:end]

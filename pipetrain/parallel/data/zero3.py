@@ -12,7 +12,8 @@ the input embedding (with gpt2's position embedding), each transformer block, an
 the head. A unit's parameters are all-gathered in their own dtype (fp32: under train.precision=bf16
 autocast casts them at each matmul, so fp32 travels, as with FSDP without a param_dtype).
 - forward: a pre-hook gathers the unit (waiting for its prefetch) and starts the next unit's gather
-  asynchronously, so that communication overlaps this unit's compute; a post-hook frees the unit unless
+  asynchronously, so that communication overlaps this unit's compute (only the next unit in the whole
+  model: a rank's pipeline chunks, interleaved or in a V, run in the schedule's order, not the model's); a post-hook frees the unit unless
   parallel.reshard_after_forward is false (then units stay gathered until the step's gradients are
   reduced: pipeline stages run each unit once per microbatch). Without autograd (evaluation) units are
   always freed after their forward.
@@ -33,6 +34,7 @@ largest rank's size (ZeroOptimizer's bucket layout).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.config import TrainConfig
+from pipetrain.models.init import param_layout
 from pipetrain.optim.adamw import ReadBox
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.flat import copy_back_, flatten
@@ -51,25 +54,30 @@ from pipetrain.parallel.mesh.comm import all_gather_async
 @dataclass
 class _Unit:
     name: str
+    position: int                          # in the whole model: embed -1, block i at i, head n_layers
     modules: list[nn.Module]               # in forward order: pre-hook on the first, post-hook on the last
     layout: _Bucket                        # members (indices into ZeroOptimizer.params) and their rank-major places
     flat: Optional[torch.Tensor] = field(default=None, repr=False)  # (dp * P,) while a gather is in flight
     work: Optional[object] = field(default=None, repr=False)
+    prefetched_by: Optional[tuple[str, int]] = None  # (phase, unit) whose hook started the gather in flight
     gathered: bool = False
+    has_backward: bool = True              # its last forward's output needed a gradient (not so for a frozen
+                                           # embedding under LoRA): only then does backward gather it
 
 
-def stage_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """(name, modules) of this stage's units in forward order: embedding (+ position embedding), each block,
-    final norm + head; a module pipeline parallelism removed (None) is left out."""
+def stage_units(model: nn.Module) -> list[tuple[str, int, list[nn.Module]]]:
+    """(name, position in the whole model, modules) of this stage's units in forward order: embedding (+ position
+    embedding) at -1, block i at i, final norm + head at n_layers; a module pipeline parallelism removed (None)
+    is left out."""
     units = []
     first = [m for m in (getattr(model, "embed", None), getattr(model, "pos_embed", None)) if m is not None]
     if first:
-        units.append(("embed", first))
+        units.append(("embed", -1, first))
     for name, block in model.layers.items():
-        units.append((f"layers.{name}", [block]))
+        units.append((f"layers.{name}", int(name), [block]))
     last = [m for m in (getattr(model, "norm", None), getattr(model, "head", None)) if m is not None]
     if last:
-        units.append(("head", last))
+        units.append(("head", model.cfg.n_layers, last))
     return units
 
 
@@ -94,13 +102,23 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"Zero3Optimizer: every parameter must train, got frozen {frozen[:3]}; "
-                             "use parallel.zero=2 with frozen parameters (LoRA)")
         super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap)
         for view in self.views.values():  # the rows become the masters, in storage of their own
             view.data = view.data.clone()
+        # Frozen parameters (LoRA's base) are sharded and gathered too, but carry no gradient and no AdamW
+        # state: they follow the trainable ones in self.params / self.shards (no bucket, no hook), their
+        # rows live in self.rows only.
+        self.num_trainable = len(self.params)
+        self.rows: dict[int, torch.Tensor] = dict(self.views)
+        layout = param_layout(model)
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                i = len(self.params)
+                self.params.append(p)
+                self.shards.append(self._param_shard(name, p, layout))
+                if self.shards[i].numel(self.dp_rank):
+                    self.rows[i] = self._rows(p.detach(), i).clone()
+        self.reduce_scatters = 0
         self.gatherer = UnitGatherer(self, model, reshard_after_forward)
         self.gatherer.free_all()
 
@@ -110,6 +128,10 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _all_gather_params(self) -> None:
         pass
+
+    def _launch(self, bucket) -> None:
+        self.reduce_scatters += 1  # tests count them against the buckets: each gradient row reduced once a step
+        super()._launch(bucket)
 
     def zero_grad(self) -> None:
         self.gatherer.free_all()  # units a failed step left gathered
@@ -121,25 +143,36 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now: its rows plus whatever unit storage is gathered."""
-        rows = sum(v.numel() * v.element_size() for v in self.views.values())
+        rows = sum(v.numel() * v.element_size() for v in self.rows.values())
         full = sum(p.untyped_storage().nbytes() for p in self.params)
         return rows + full
 
     # ---- checkpoints: the model's weights are row boxes from every dp rank, like the moments ----
-    def param_items(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """(name, rows, global shape, offsets) of this rank's row shard of every parameter (the tied head
-        copy on the last stage left out: the first stage's embed.weight holds the same values)."""
-        return self._entries(include_tied_copy=False)
+    def param_items(self, trainable_only: bool = False) -> list[tuple[str, torch.Tensor, tuple[int, ...],
+                                                                       tuple[int, ...]]]:
+        """(name, rows, global shape, offsets) of this rank's row shard of every parameter (trainable_only:
+        LoRA's adapters, not the frozen base); the tied head copy on the last stage is left out (the first
+        stage's embed.weight holds the same values)."""
+        skip = tied_copy_names(self.model)
+        out = []
+        for i, rows in self.rows.items():
+            shard = self.shards[i]
+            if shard.name not in skip and not (trainable_only and i >= self.num_trainable):
+                out.append((shard.name, rows, shard.global_shape, shard.box(self.dp_rank)[0]))
+        return out
 
-    def load_param_items(self, read: ReadBox) -> None:
-        """Read this rank's rows of every parameter (the tied head copy from embed.weight's)."""
+    def load_param_items(self, read: ReadBox, trainable_only: bool = False) -> None:
+        """Read this rank's rows of every parameter (trainable_only: an adapter checkpoint, whose frozen base
+        came from init_from or the seed); the tied head copy reads embed.weight's."""
         tied = tied_copy_names(self.model)
         with torch.no_grad():
-            for i, view in self.views.items():
+            for i, rows in self.rows.items():
+                if trainable_only and i >= self.num_trainable:
+                    continue
                 shard = self.shards[i]
                 offsets, shape = shard.box(self.dp_rank)
                 saved = "embed.weight" if shard.name in tied else shard.name
-                view.copy_(read(saved, shard.global_shape, offsets, shape))
+                rows.copy_(read(saved, shard.global_shape, offsets, shape))
 
 
 class UnitGatherer:
@@ -150,10 +183,10 @@ class UnitGatherer:
         index = {id(p): i for i, p in enumerate(opt.params)}
         self.units: list[_Unit] = []
         seen: set[int] = set()
-        for name, modules in stage_units(model):
+        for name, position, modules in stage_units(model):
             members = sorted({index[id(p)] for m in modules for p in m.parameters()})
             seen.update(members)
-            self.units.append(_Unit(name, modules, opt._new_bucket(members, late=False)))
+            self.units.append(_Unit(name, position, modules, opt._new_bucket(members, late=False)))
         missing = [opt.shards[i].name for i in range(len(opt.params)) if i not in seen]
         assert not missing, f"UnitGatherer: parameters outside every unit: {missing}"
         for p in opt.params:  # storage of its own, so that freeing it frees nothing else
@@ -163,6 +196,13 @@ class UnitGatherer:
         self.num_gathered = 0  # units gathered or being gathered now
         self.peak_gathered = 0  # the most at once since reset_peak
         self.gathers = 0  # all-gathers started
+        self.unused_prefetches = 0  # of them, freed before any pass waited for them
+        # (phase, unit) whose prefetch of its neighbour was once unused: the schedule runs another chunk next
+        self._no_prefetch: set[tuple[str, int]] = set()
+        # the timeline (benchmarks/zero3.py --timeline): None, or a list the hooks append (time, event, unit) to
+        self.events: Optional[list[tuple[float, str, int]]] = None
+        # all-gathers started per unit, by the pass that started them (a prefetch counts for the pass it serves)
+        self.unit_gathers = {"forward": [0] * len(self.units), "backward": [0] * len(self.units)}
         for k, unit in enumerate(self.units):
             unit.modules[0].register_forward_pre_hook(self._pre_hook(k))
             unit.modules[-1].register_forward_hook(self._post_hook(k))
@@ -174,16 +214,20 @@ class UnitGatherer:
                 for j, unit in enumerate(self.units):
                     if j not in (k, k + 1):
                         self._free(j)
-            self._wait(k)
-            if k + 1 < len(self.units):
-                self._start(k + 1)
+            self._wait(k, "forward")
+            if self._adjacent(k, k + 1) and ("forward", k) not in self._no_prefetch:
+                self._start(k + 1, "forward", prefetched_by=k)
+            self._log("forward", k)
         return hook
 
     def _post_hook(self, k: int):
         def hook(module, args, output):
+            self._log("forward_end", k)
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                self.units[k].has_backward = not torch.is_grad_enabled()  # evaluation says nothing of training
                 self._free(k)
                 return None
+            self.units[k].has_backward = True
             if self.reshard:
                 self._free(k)
             return _Regather.apply(output, self, k)
@@ -194,9 +238,31 @@ class UnitGatherer:
             for j in range(len(self.units)):
                 if j not in (k, k - 1):
                     self._free(j)
-        self._wait(k)
-        if k > 0:
-            self._start(k - 1)
+        self._wait(k, "backward")
+        if self._adjacent(k - 1, k) and self.units[k - 1].has_backward and ("backward", k) not in self._no_prefetch:
+            self._start(k - 1, "backward", prefetched_by=k)
+        self._log("backward", k)
+
+    def _adjacent(self, j: int, k: int) -> bool:
+        """Whether unit k follows unit j in the whole model. A rank's pipeline chunks run in the schedule's order,
+        so a prefetch across an interleaved chunk boundary would gather a unit that runs later; the V placement's
+        rank pp - 1 holds two adjacent stages, and a prefetch between them that went unused is not repeated
+        (_no_prefetch)."""
+        return 0 <= j and k < len(self.units) and self.units[k].position == self.units[j].position + 1
+
+    def _log(self, event: str, k: int) -> None:
+        """Record an event when a timeline is kept: "gather <pass>" (issued for a forward or backward pass, or
+        "gather " outside one), wait / gathered (the wait for it ends),
+        forward / backward (unit k's compute starts), forward_end, and done (at any of those or a wait, a gather
+        in flight found already complete: it ran behind compute)."""
+        if self.events is None:
+            return
+        now = time.perf_counter()
+        if event in ("forward", "forward_end", "backward", "wait"):
+            for j, unit in enumerate(self.units):
+                if unit.work is not None and unit.work.is_completed():
+                    self.events.append((now, "done", j))
+        self.events.append((now, event, k))
 
     # ---- gathering and freeing ----
     def _count(self, delta: int) -> None:
@@ -204,31 +270,37 @@ class UnitGatherer:
         self.peak_gathered = max(self.peak_gathered, self.num_gathered)
 
     @torch.no_grad()
-    def _start(self, k: int) -> None:
+    def _start(self, k: int, phase: str = "", prefetched_by: int | None = None) -> None:
         """Start the all-gather of unit k's rows (nothing when gathered or already started)."""
         unit, opt = self.units[k], self.opt
         if unit.gathered or unit.work is not None:
             return
         layout, dp = unit.layout, opt.dp_size
         p0 = opt.params[layout.members[0]]
-        pieces = [opt.views.get(i) for i in layout.members]
+        pieces = [opt.rows.get(i) for i in layout.members]
         offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
         mine = flatten(pieces, p0.device, offsets=offsets, size=layout.part, dtype=p0.dtype)  # (P,)
         unit.flat = torch.empty(dp * layout.part, dtype=p0.dtype, device=p0.device)  # (dp * P,)
         unit.work = all_gather_async(unit.flat, mine, opt.dp_group)
+        unit.prefetched_by = None if prefetched_by is None else (phase, prefetched_by)
+        self._log(f"gather {phase}", k)
         self.gathers += 1
+        if phase:
+            self.unit_gathers[phase][k] += 1
         self._count(1)
 
-    def _wait(self, k: int) -> None:
+    def _wait(self, k: int, phase: str = "") -> None:
         """Finish unit k's gather (starting it first if needed) and copy the rows into its parameters."""
         unit, opt = self.units[k], self.opt
         if unit.gathered:
             return
-        self._start(k)
+        self._start(k, phase)
         # no autograd: gloo's all-gather writes its output through views made without grad, which a wait
         # under grad mode (a forward hook) refuses
         with torch.no_grad():
+            self._log("wait", k)
             unit.work.wait()
+            self._log("gathered", k)
             for i in unit.layout.members:
                 p = opt.params[i]
                 p.untyped_storage().resize_(p.numel() * p.element_size())
@@ -241,6 +313,8 @@ class UnitGatherer:
     def _free(self, k: int) -> None:
         unit = self.units[k]
         if unit.work is not None:  # a prefetch nobody used: finish it so its buffer can go
+            self.unused_prefetches += 1
+            self._no_prefetch.add(unit.prefetched_by)
             with torch.no_grad():
                 unit.work.wait()
             unit.flat = unit.work = None

@@ -51,18 +51,11 @@ def zero3_problems(r: Recipe) -> list[str]:
         return []
     why = "parallel.zero=3"
     refused = [
-        (p.schedule in ("interleaved-1f1b", "zbv", "dualpipev") and (p.pp > 1 or p.virtual_stages > 1),
-         f"parallel.schedule={p.schedule}", "use schedule 1f1b or gpipe"),
-        (p.split_backward, "parallel.split_backward (deferred weight gradients)", "set parallel.split_backward=false"),
         (t.precision == "fp8", "train.precision=fp8 (float8 linears over gathered weights)",
          "use train.precision=bf16 or parallel.zero=2"),
-        (r.model.lora_rank is not None, "model.lora_rank (frozen parameters)", "use parallel.zero=2 with LoRA"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "use parallel.dp_sync=bsp or parallel.zero=2"),
-        (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (replicas of the shards)",
-         "drop parallel.dp_shard (zero 3 shards over all of dp)"),
         (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
          "set parallel.ps_servers=0"),
-        (p.dynamic_batch, "parallel.dynamic_batch", "set parallel.dynamic_batch=false"),
         (t.compile, "train.compile (gather hooks around compiled blocks are not built)", "set train.compile=false"),
         (t.fused_loss is True, "train.fused_loss=true (it reads the head's weight outside the head's gathered unit)",
          "set train.fused_loss=false"),
