@@ -3,8 +3,9 @@
 Every case trains a few fp32 steps and checks the loss and the global gradient norm at every step, then the
 validation loss (the loader slices validation batches too), against the single-process run (the norm catches
 a wrong gradient at the first step, before the loss could drift).
-One spawn in the default run (cp 2: plain causal llama, and a mistral sliding window with document masks);
-the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp) is marked slow.
+Two spawns in the default run (cp 2: plain causal llama, and a mistral sliding window with document masks;
+cp 2 with ZeRO 1/2/3 and LoRA); the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp, cp x dp with ZeRO)
+is marked slow.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_hea
 MISTRAL = ModelConfig(family="mistral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       ffn_hidden=64, max_seq_len=64, sliding_window=6)  # window shorter than a cp chunk at cp 2
 GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)  # learned positions
-MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2}
+LORA = ModelConfig(**{**LLAMA.__dict__, "lora_rank": 4, "lora_alpha": 8.0})  # adapters train, the base is frozen
+MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2, "lora": LORA}
 
 
 def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask: bool = False, steps: int = STEPS,
@@ -70,8 +72,10 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
     for (model, document_mask, parallel), want in zip(cases, expected):
         name = f"{model}-docs{int(document_mask)}"
         os.makedirs(os.path.join(out, name), exist_ok=True)
-        got = losses_and_norms(cp_trainer(MODELS[model], os.path.join(out, name), dims, document_mask=document_mask,
-                                          **parallel), evaluate=True)
+        trainer = cp_trainer(MODELS[model], os.path.join(out, name), dims, document_mask=document_mask, **parallel)
+        if parallel.get("zero"):  # ZeRO shards over dp x cp: a parity that held with no sharding proves nothing
+            assert trainer.optimizer.dp_size == dims.dp * dims.cp, (dims.coords, trainer.optimizer.dp_size)
+        got = losses_and_norms(trainer, evaluate=True)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TP_FP32,
                                    msg=lambda m: f"{dims.coords} {name} {degrees} (loss, grad norm) per step, then "
                                              f"the validation loss: {m}")
@@ -112,6 +116,20 @@ def test_cp2_dp2_matches_single_process(tmp_path):
 def test_cp2_pp2_matches_single_process_with_selective_recompute(tmp_path):
     check_cases(tmp_path, {"cp": 2, "pp": 2}, [("llama", True, {"microbatches": 2, "recompute": "selective"}),
                                                 ("gpt2", False, {"microbatches": 2})])
+
+
+# ---- ZeRO and LoRA: ZeRO shards over dp x cp (ParallelDims.zero_shard), one reduce-scatter summing over both ----
+def test_cp2_with_zero_1_2_3_and_lora_matches_single_process(tmp_path):
+    """dp 1: the ZeRO shard group is the cp group itself (each cp rank owns half the rows)."""
+    check_cases(tmp_path, {"cp": 2}, [("llama", False, {"zero": 1}), ("mistral", True, {"zero": 2}),
+                                      ("llama", True, {"zero": 3}), ("lora", False, {})])
+
+
+@pytest.mark.slow
+def test_cp2_dp2_with_zero_and_lora_matches_single_process(tmp_path):
+    """dp 2 x cp 2: the shard group is all four ranks (dp_cp_group)."""
+    check_cases(tmp_path, {"cp": 2, "dp": 2}, [("llama", True, {"zero": 1}), ("mistral", False, {"zero": 2}),
+                                                ("llama", False, {"zero": 3}), ("lora", True, {"zero": 2})])
 
 
 # ---- activation memory falls with cp ----

@@ -121,13 +121,14 @@ class ZeroOptimizer:
         if stage not in (1, 2, 3):  # 3: pipetrain.parallel.data.zero3.Zero3Optimizer, which adds the gathering
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use "
                              "pipetrain.optim.build.Optimizer for parallel.zero=0")
-        if dims.dp_shard > 1 and dims.dp_shard_group is None:
-            raise ValueError(f"{dims.coords} ZeroOptimizer: dp_shard={dims.dp_shard} but dims has no dp_shard_group; "
-                             "build dims with "
+        if dims.zero_shard > 1 and dims.zero_shard_group is None:
+            raise ValueError(f"{dims.coords} ZeroOptimizer: shards over {dims.zero_shard} ranks but dims has no "
+                             "dp_shard / dp_cp group; build dims with "
                              "ParallelDims.init / from_degrees after init_process_group")
         self.model, self.dims, self.cfg, self.stage, self.overlap = model, dims, cfg, stage, overlap
-        # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas; see parallel/mesh/dims.py)
-        self.dp_size, self.dp_rank, self.dp_group = dims.dp_shard, dims.dp_shard_rank, dims.dp_shard_group
+        # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas), times cp under context
+        # parallelism (dims.zero_shard says why); "dp" below names that shard group
+        self.dp_size, self.dp_rank, self.dp_group = dims.zero_shard, dims.zero_shard_rank, dims.zero_shard_group
         layout = param_layout(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
