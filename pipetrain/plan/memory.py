@@ -94,7 +94,7 @@ class RankMemory:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
 
 
-def _kv_rows(m: ModelConfig, tp: int) -> int:
+def kv_rows(m: ModelConfig, tp: int) -> int:
     """Rows of wk / wv a tp rank holds: its share of the kv heads, or all of them when replicated."""
     return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.kv_heads * m.head_dim
 
@@ -108,9 +108,9 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     gpt2 = m.family == "gpt2"
     qkv_bias = m.has_qkv_bias or gpt2
     norm = [(D,), (D,)] if gpt2 else [(D,)]
-    q_rows, kv_rows = m.n_heads * K // tp, _kv_rows(m, tp)
-    block = norm + [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, m.n_heads * K // tp)]
-    block += [(q_rows,), (kv_rows,), (kv_rows,)] if qkv_bias else []
+    q_rows, kv_local = m.n_heads * K // tp, kv_rows(m, tp)
+    block = norm + [(q_rows, D), (kv_local, D), (kv_local, D), (D, m.n_heads * K // tp)]
+    block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
     block += [(D,)] if gpt2 else []  # wo bias, replicated
     block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
     block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
@@ -232,7 +232,7 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     sp = tp if sequence_parallel and tp > 1 else 1
     stats = 2 if gpt2 else 1                       # LayerNorm: mean and rstd; RMSNorm: rstd
     norm_group = (D + stats + (0 if gpt2 else D)) / sp + D  # x, stats, (RMSNorm output), flattened input
-    q, kv = m.n_heads * K / tp, _kv_rows(m, tp)
+    q, kv = m.n_heads * K / tp, kv_rows(m, tp)
     lse = m.n_heads / tp
     if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp (the chunks are checkpointed)
         kv, lse = kv * cp, 0
@@ -362,7 +362,7 @@ def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
     shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
     output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
     D, Fh = m.d_model, m.ffn
-    q, kv = m.n_heads * m.head_dim / tp, _kv_rows(m, tp)
+    q, kv = m.n_heads * m.head_dim / tp, kv_rows(m, tp)
     hidden = Fh / tp
     inputs = D + D + q + hidden
     grads = q + 2 * kv + D + (hidden if m.family == "gpt2" else 2 * hidden) + D

@@ -110,7 +110,6 @@ def test_world_must_cover_dp_cp_tp_pp():
     (dict(dynamic_batch=True), "parallel.dynamic_batch: does not combine"),
     (dict(ps_servers=1), "parallel.ps_servers=1: does not combine"),
     (dict(fault_tolerance="torchft", dp=2), "parallel.fault_tolerance=torchft: does not combine"),
-    (dict(auto=True), "parallel.auto: does not combine"),
 ])
 def test_compositions_not_built_with_cp_are_refused(keys, fragment):
     assert any(p.startswith(fragment) for p in parallel_problems(_recipe(cp=2, **keys))), \

@@ -170,7 +170,6 @@ def context_problems(recipe: Recipe) -> list[str]:
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}",
          "torchft replica groups are not built with cp; set fault_tolerance=none"),
         (t.precision == "fp8", "train.precision=fp8", "fp8 is not tested with cp; use bf16"),
-        (p.auto, "parallel.auto", "the planner has no cp term yet; give the layout by hand"),
         (t.compile, "train.compile", "the cp attention is not compiled yet; set train.compile=false"),
         (t.fused_loss is True, "train.fused_loss=true", "the fused loss is not tested with cp; set train.fused_loss=false"),
     ]
