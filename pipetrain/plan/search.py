@@ -1,14 +1,14 @@
-"""Exhaustive layout search: every (dp, tp, pp, cp, schedule, virtual_stages, split_backward, microbatches, zero,
-recompute, sequence_parallel) the recipe leaves open, checked by layout_problems (and context_problems), scored by the memory and cost
-models, ranked by predicted tokens/s.
+"""Exhaustive layout search: every (dp, tp, pp, cp, schedule, virtual_stages, split_backward, microbatches,
+zero, recompute, sequence_parallel) the recipe leaves open, checked by layout_problems (and context_problems),
+scored by the memory and cost models, ranked by predicted tokens/s.
 
 The space (space()): tp, pp and cp range over the divisors of the world size (dp = world / (tp pp cp); cp only
 where 2 cp divides seq_len, parallel/context/slicing.py's head and tail chunks); schedule over
 schedules.SCHEDULES when pp > 1 (new schedules join by being listed there); virtual_stages over the divisors
 of n_layers / pp, up to MAX_VIRTUAL, when pp > 1; split_backward over both values when pp > 1; microbatches over
 the divisors of global_batch / dp (at most MICROBATCHES_PER_STAGE x pp when pp > 1: past that the bubble is
-under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2 when dp x cp > 1 (ZeRO shards over both); recompute over none, selective, full;
-sequence_parallel over both values when tp > 1. Keys the user fixed (`fixed`, parallel key -> value) stay at
+under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2 when dp x cp > 1 (ZeRO shards over
+both); recompute over none, selective, full; sequence_parallel over both values when tp > 1. Keys the user fixed (`fixed`, parallel key -> value) stay at
 their value. Candidates that layout_problems or the schedule builder refuse are rejected "does not divide";
 those whose busiest rank exceeds the device memory "does not fit". Ranking: tokens/s descending, then lower
 peak memory, then the layout tuple, so it is deterministic.
@@ -123,8 +123,8 @@ def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[di
                     options("recompute", RECOMPUTE),
                     options("sequence_parallel", [False, True] if tp > 1 else [False])):
                 out.append({"dp": dp_value, "tp": tp, "pp": pp, "cp": cp, "schedule": schedule,
-                            "virtual_stages": v, "split_backward": split, "microbatches": mb, "zero": zero, "recompute": rc,
-                            "sequence_parallel": sp})
+                            "virtual_stages": v, "split_backward": split, "microbatches": mb, "zero": zero,
+                            "recompute": rc, "sequence_parallel": sp})
     return out
 
 
