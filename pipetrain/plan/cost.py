@@ -166,8 +166,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + gather
     total = pipeline + exposed + optimizer
     cp_comm = p.microbatches * (cp_fwd + cp_bwd) * share
-    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share - cp_comm
-    return StepTime(compute=compute, tp_comm=busy - compute - cp_comm, pp_comm=pp_comm, bubble=bubble,
+    tp_comm = p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
+    return StepTime(compute=busy - tp_comm - cp_comm, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
                     bubble_fraction=bubble / pipeline if pipeline else 0.0, cp_comm=cp_comm, dp_comm=reduce + gather,
                     dp_exposed=exposed, optimizer=optimizer, total=total,
                     tokens_per_s=t.global_batch * t.seq_len / total)

@@ -141,3 +141,20 @@ def test_a_resume_counts_cp_in_the_saved_world_and_the_launch():
     assert not is_elastic(_recipe(cp=2), saved, 2)
     assert is_elastic(_recipe(), saved, 1)
     assert is_elastic(_recipe(cp=2, dp=1), SavedLayout(path="c", dp=2, tp=1, pp=1, microbatches=1, global_batch=8), 4)
+
+
+def test_the_long_context_recipe_dry_runs_on_8_ranks_and_fits_80gb_cards(capsys, monkeypatch):
+    """recipes/long-context.yaml (a 1.2B llama at 32k tokens, cp 4 x tp 2): the dry run accepts the layout
+    and the planner's per-rank peak fits the card PIPETRAIN_DEVICE names (an 80 GB H100), not this host."""
+    monkeypatch.setenv("PIPETRAIN_DEVICE", "h100-sxm-80gb")
+    code = cli.main(["--recipe", os.path.join(ROOT, "recipes", "long-context.yaml"), "--dry-run", "--nproc", "8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cp=4" in out and "tp=2" in out and "8 x 32768" in out
+    (verdict,) = [line for line in out.splitlines() if "largest predicted peak" in line]
+    assert verdict.startswith("fits:") and "h100-sxm-80gb, from PIPETRAIN_DEVICE" in verdict, verdict
+    # 8x the sequence on the same cards: refused in one line, against the same device
+    code = cli.main(["--recipe", os.path.join(ROOT, "recipes", "long-context.yaml"), "--dry-run", "--nproc", "8",
+                     "--set", "train.seq_len=262144", "--set", "model.max_seq_len=262144"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "80.0 GB is available (h100-sxm-80gb" in err[0], (code, err)
