@@ -14,10 +14,12 @@ import os
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from pipetrain.build import build_trainer
 from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
+from pipetrain.models.compile import BACKEND_ENV
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.plan.memory import activation_bytes as planned_activation_bytes
 from tests.harness import TP_FP32, run_ranks, saved_activation_bytes
@@ -36,9 +38,10 @@ def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask:
                seq_len: int = SEQ, resume: str | None = None, **parallel):
     """build_trainer on random tokens cut into documents of 3..20 tokens (several boundaries in every window
     and in every cp chunk), with data.document_mask when asked."""
+    train = {k: parallel.pop(k) for k in ("compile",) if k in parallel}  # train keys a case may set
     recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
                     train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
-                                      warmup_steps=1, grad_clip=1.0),
+                                      warmup_steps=1, grad_clip=1.0, **train),
                     data=DataConfig(document_mask=document_mask),
                     run=RunConfig(output_dir=out, progress=False, eval_batches=1))
     rng = np.random.default_rng(0)
@@ -76,7 +79,12 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
         trainer = cp_trainer(MODELS[model], os.path.join(out, name), dims, document_mask=document_mask, **parallel)
         if parallel.get("zero"):  # ZeRO shards over dp x cp: a parity that held with no sharding proves nothing
             assert trainer.optimizer.dp_size == dims.dp * dims.cp, (dims.coords, trainer.optimizer.dp_size)
+        graphs = counters["stats"]["unique_graphs"]
         got = losses_and_norms(trainer, evaluate=True)
+        if parallel.get("compile"):  # the blocks (and the cp core in them) ran compiled, one graph serving both
+            # blocks in training and one the no-grad evaluation: no recompilation from step to step
+            after = counters["stats"]["unique_graphs"]
+            assert graphs < after <= graphs + 2, f"{dims.coords} {name}: {after - graphs} graph(s) compiled"
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TP_FP32,
                                    msg=lambda m: f"{dims.coords} {name} {degrees} (loss, grad norm) per step, then "
                                              f"the validation loss: {m}")
@@ -131,6 +139,12 @@ def test_cp2_dp2_with_zero_and_lora_matches_single_process(tmp_path):
     """dp 2 x cp 2: the shard group is all four ranks (dp_cp_group)."""
     check_cases(tmp_path, {"cp": 2, "dp": 2}, [("llama", True, {"zero": 1}), ("mistral", False, {"zero": 2}),
                                                 ("llama", False, {"zero": 3}), ("lora", True, {"zero": 2})])
+
+
+# ---- compile: the cp attention core traced with fullgraph (aot_eager: inductor's trace, eager kernels) ----
+def test_cp2_compiled_matches_single_process(tmp_path, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # spawned ranks inherit it
+    check_cases(tmp_path, {"cp": 2}, [("llama", True, {"compile": True}), ("mistral", False, {"compile": True})])
 
 
 # ---- activation memory falls with cp ----
