@@ -20,6 +20,8 @@ Usage: python benchmarks/context_parallel.py [--seq 4096] [--cp 1 2 4] [--steps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import time
 
@@ -49,9 +51,11 @@ def config(seq: int) -> ModelConfig:
 
 def predicted(seq: int, cp: int) -> tuple[int, float]:
     """The planner's (activation bytes per rank, tokens/s) for this run: plan.memory and plan.cost on the
-    uncalibrated "cpu" profile (2 cores), the figures parallel.auto ranks layouts by."""
+    uncalibrated "cpu" profile with this machine's cores (ranks beyond them share them), the figures
+    parallel.auto ranks layouts by."""
     recipe = Recipe(model=config(seq), parallel=ParallelConfig(cp=cp), train=TrainConfig(global_batch=1, seq_len=seq))
-    return activation_bytes(recipe, cp, 0, in_flight=1), step_time(recipe, cp, DEVICES["cpu"]).tokens_per_s
+    profile = dataclasses.replace(DEVICES["cpu"], cores=os.cpu_count() or 1)
+    return activation_bytes(recipe, cp, 0, in_flight=1), step_time(recipe, cp, profile).tokens_per_s
 
 
 def _status_kib(field: str) -> int:

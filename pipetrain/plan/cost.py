@@ -18,12 +18,12 @@
 A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
 gather) and pays its latency 2 (n-1) or (n-1) times; the profile's reduce_scatter_ratio and all_gather_ratio
 scale the latter two where the backend's are no rings (gloo). A group whose ranks span nodes uses the inter-node
-link (mesh order dp, pp, cp, tp: tp is innermost). A rank's tokens are seq_len / cp of each sequence.
-On a CPU profile with `cores`, ranks beyond the node's cores share them: a rank's work runs at one core's speed, but the node's ranks together get only `cores` cores, so
-a step takes at least the node's busy time / cores (ranks_per_node / cores x one rank's) -- and a pipeline's
-bubble costs less than on devices of their own, as an idle rank yields its core to a busy one; and the
-data-parallel reduction is not overlapped (gloo reduces on the same cores the backward needs), and each
-chunk's pipeline send and receive is charged to its F and B.
+link (mesh order dp, pp, cp, tp: tp is innermost). A rank's tokens are seq_len / cp of each sequence. On a CPU
+profile with `cores`, ranks beyond the node's cores share them: a rank's work runs at one core's speed, but the
+node's ranks together get only `cores` cores, so a step takes at least the node's busy time / cores
+(ranks_per_node / cores x one rank's) -- and a pipeline's bubble costs less than on devices of their own, as an
+idle rank yields its core to a busy one; and the data-parallel reduction is not overlapped (gloo reduces on the
+same cores the backward needs), and each chunk's pipeline send and receive is charged to its F and B.
 """
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ schedules.SCHEDULES when pp > 1 (new schedules join by being listed there); virt
 of n_layers / pp, up to MAX_VIRTUAL, when pp > 1; split_backward over both values when pp > 1; microbatches over
 the divisors of global_batch / dp (at most MICROBATCHES_PER_STAGE x pp when pp > 1: past that the bubble is
 under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2 when dp x cp > 1 (ZeRO shards over
-both); recompute over none, selective, full; sequence_parallel over both values when tp > 1. Keys the user fixed (`fixed`, parallel key -> value) stay at
-their value. Candidates that layout_problems or the schedule builder refuse are rejected "does not divide";
-those whose busiest rank exceeds the device memory "does not fit". Ranking: tokens/s descending, then lower
-peak memory, then the layout tuple, so it is deterministic.
+both); recompute over none, selective, full; sequence_parallel over both values when tp > 1. Keys the user fixed
+(`fixed`, parallel key -> value) stay at their value. Candidates that layout_problems or the schedule builder
+refuse are rejected "does not divide"; those whose busiest rank exceeds the device memory "does not fit".
+Ranking: tokens/s descending, then lower peak memory, then the layout tuple, so it is deterministic.
 """
 from __future__ import annotations
 

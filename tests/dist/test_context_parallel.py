@@ -21,7 +21,7 @@ from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, Ru
 from pipetrain.data import Loader, PackedData
 from pipetrain.models.compile import BACKEND_ENV
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.plan.memory import activation_bytes as planned_activation_bytes
+from pipetrain.plan.memory import activation_bytes as planned_activation_bytes, model_state_bytes
 from tests.harness import TP_FP32, run_ranks, saved_activation_bytes
 
 STEPS, SEQ, BATCH = 3, 32, 4
@@ -81,6 +81,9 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
             assert trainer.optimizer.dp_size == dims.dp * dims.cp, (dims.coords, trainer.optimizer.dp_size)
         graphs = counters["stats"]["unique_graphs"]
         got = losses_and_norms(trainer, evaluate=True)
+        if parallel.get("zero") and dims.zero_shard_rank == 0:  # the planner's ZeRO state: rows of dp x cp shards
+            predicted = model_state_bytes(trainer.recipe, dims.world_size, dims.pp_rank)[2]
+            assert trainer.optimizer.state_bytes() == predicted, (dims.coords, name, predicted)
         if parallel.get("compile"):  # the blocks (and the cp core in them) ran compiled, one graph serving both
             # blocks in training and one the no-grad evaluation: no recompilation from step to step
             after = counters["stats"]["unique_graphs"]
@@ -198,30 +201,34 @@ def test_planned_activation_bytes_at_cp2_within_15_percent_of_saved_tensors(tmp_
 
 
 # ---- checkpoints are cp-free ----
-def save_after_two_steps(out: str, dims: ParallelDims) -> None:
+def save_after_two_steps(out: str, dims: ParallelDims, **parallel) -> None:
     """Train steps 1-2 of the 4-step run (the LR schedule is the 4-step one) and save at step 2."""
-    trainer = cp_trainer(LLAMA, out, dims, steps=4, document_mask=True)
+    trainer = cp_trainer(LLAMA, out, dims, steps=4, document_mask=True, **parallel)
     losses_and_norms(trainer, 2)
     trainer.logger.save_checkpoint(trainer.checkpointer, trainer)
     trainer.checkpointer.wait()
 
 
-def _resume_worker(rank, world_size, out, expected):
+def _resume_worker(rank, world_size, out, expected, zero):
     dims = ParallelDims.from_degrees(cp=2)
-    save_after_two_steps(os.path.join(out, "saved_at_cp2"), dims)
-    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp1"), dims, steps=4, document_mask=True, resume="auto")
+    save_after_two_steps(os.path.join(out, "saved_at_cp2"), dims, zero=zero)
+    resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp1"), dims, steps=4, document_mask=True, resume="auto",
+                         zero=zero)
     assert resumed.step == 2, f"{dims.coords} resumed at step {resumed.step}"
     torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
                                msg=lambda m: f"{dims.coords} cp 2 resuming a cp 1 checkpoint: {m}")
 
 
-def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_losses(tmp_path):
+@pytest.mark.parametrize("zero", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_losses(tmp_path, zero):
+    """zero: the cp 2 side's ZeRO stage (its AdamW moments, and at 3 its weights, are row shards over the cp
+    pair); the cp 1 side runs zero 0."""
     out = str(tmp_path)
     expected = reference(os.path.join(out, "uninterrupted"), "llama", True, steps=4)
     os.makedirs(os.path.join(out, "saved_at_cp1"))
     os.makedirs(os.path.join(out, "saved_at_cp2"))
     save_after_two_steps(os.path.join(out, "saved_at_cp1"), ParallelDims())
-    run_ranks(2, _resume_worker, out, expected)
+    run_ranks(2, _resume_worker, out, expected, zero)
     resumed = cp_trainer(LLAMA, os.path.join(out, "saved_at_cp2"), ParallelDims(), steps=4, document_mask=True,
                          resume="auto")
     assert resumed.step == 2

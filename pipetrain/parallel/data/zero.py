@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2: AdamW whose state (stage 1) and gradients (stage 2) are sharded across dp.
 
-Sharding. Every parameter of this (tp, pp) rank is split along its local dim 0 into dp row ranges
+Sharding. Every parameter of this (tp, pp) rank is split along its local dim 0 into dp row ranges (under
+context parallelism dp x cp ranges over dims.zero_shard_group: "dp" below means that shard group)
 with torch.tensor_split semantics (dp_row_ranges: the first rows % dp ranks get one row more, a
 parameter with fewer rows than dp leaves some ranks empty). A rank's shard is therefore a box of the
 global tensor: the tp slice from param_layout, narrowed on dim 0. Checkpoints read and write these
