@@ -8,7 +8,9 @@ reduce-scattered). Measured per rank 0:
   left out), i.e. what grows with the sequence;
 - peak resident memory growth during the timed steps (VmHWM after - VmRSS before), a coarse allocator view;
 - tokens/s: the whole sequence's tokens / median step time over --steps steps after a warm-up step, each
-  step starting at a barrier.
+  step starting at a barrier;
+- beside them the planner's predictions (plan.memory's activation bytes, plan.cost's tokens/s on the "cpu"
+  profile): what parallel.auto and --dry-run would say of this layout.
 Then it tries torch.distributed.tensor.experimental.context_parallel (ring attention by patching SDPA) on
 the same shapes and prints its error if it cannot run here (on CPU it does not: the CPU flash-attention op has
 no sharding strategy; it needs CUDA, and cp needs several GPUs).
@@ -18,6 +20,8 @@ Usage: python benchmarks/context_parallel.py [--seq 4096] [--cp 1 2 4] [--steps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import time
 
@@ -27,19 +31,31 @@ import torch.nn.functional as F
 from common import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipetrain.config import ModelConfig
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.kernels import cross_entropy
 from pipetrain.models import build, materialize
 from pipetrain.parallel.context.attention import apply_context_parallel
 from pipetrain.parallel.context.slicing import chunk_index
 from pipetrain.parallel.mesh import comm
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.plan.cost import step_time
+from pipetrain.plan.devices import DEVICES
+from pipetrain.plan.memory import activation_bytes
 from tests.harness import saved_activation_bytes
 
 
 def config(seq: int) -> ModelConfig:
     return ModelConfig(family="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
                        ffn_hidden=128, max_seq_len=seq)
+
+
+def predicted(seq: int, cp: int) -> tuple[int, float]:
+    """The planner's (activation bytes per rank, tokens/s) for this run: plan.memory and plan.cost on the
+    uncalibrated "cpu" profile with this machine's cores (ranks beyond them share them), the figures
+    parallel.auto ranks layouts by."""
+    recipe = Recipe(model=config(seq), parallel=ParallelConfig(cp=cp), train=TrainConfig(global_batch=1, seq_len=seq))
+    profile = dataclasses.replace(DEVICES["cpu"], cores=os.cpu_count() or 1)
+    return activation_bytes(recipe, cp, 0, in_flight=1), step_time(recipe, cp, profile).tokens_per_s
 
 
 def _status_kib(field: str) -> int:
@@ -112,13 +128,16 @@ def main() -> None:
     args = ap.parse_args()
     base = None
     print(f"llama D 64, 2 layers, 4/1 heads, one sequence of {args.seq} tokens; gloo on CPU, one thread per rank")
-    print("| cp | activation MiB / rank | vs cp 1 | RSS growth MiB / rank | step s | tokens/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| cp | activation MiB / rank | vs cp 1 | planner MiB | RSS growth MiB / rank | step s | tokens/s | "
+          "planner tokens/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for cp in args.cp:
         r = run_ranks(cp, _pipetrain, args.seq, args.steps)
         base = base or r["activation_bytes"]
+        planned_bytes, planned_speed = predicted(args.seq, cp)
         print(f"| {cp} | {r['activation_bytes'] / 2**20:.1f} | {r['activation_bytes'] / base:.2f}x | "
-              f"{r['rss_growth_kib'] / 1024:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} |", flush=True)
+              f"{planned_bytes / 2**20:.1f} | {r['rss_growth_kib'] / 1024:.1f} | {r['step_s']:.3f} | "
+              f"{r['tokens_per_s']:,.0f} | {planned_speed:,.0f} |", flush=True)
     print("torch context_parallel (cp 2):", run_ranks(2, _torch_cp, args.seq))
 
 

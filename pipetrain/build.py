@@ -100,7 +100,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     """
     torch.manual_seed(recipe.train.seed)
     dims = dims or ParallelDims.init(replica.local_parallel(recipe.parallel) if replica else recipe.parallel)
-    if recipe.parallel.zero >= 1 and dims.dp == 1 and dims.rank == 0:
+    if recipe.parallel.zero >= 1 and dims.dp == 1 and dims.cp == 1 and dims.rank == 0:  # cp: ZeRO shards over dp x cp
         print(f"warning: parallel.zero={recipe.parallel.zero} has no effect with dp=1 (nothing to shard across); "
               "launch more data-parallel ranks or set parallel.zero=0", file=sys.stderr)
     tokenizer = None

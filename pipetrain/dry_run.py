@@ -17,7 +17,7 @@ from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
 from pipetrain.plan.memory import RankMemory, model_params, rank_stages
-from pipetrain.preflight import check_model_fits
+from pipetrain.preflight import check_model_fits, device_memory
 
 GIB = 2 ** 30
 
@@ -37,7 +37,7 @@ def dry_run_details(recipe: Recipe, world_size: int) -> tuple[str, list[RankMemo
     dp = resolve_dp(recipe, world_size)
     params = model_params(recipe.model)
     lines = [f"dry run: recipe and layout are valid for {world_size} process(es): dp={dp} tp={p.tp} pp={p.pp} "
-             f"{f'cp={p.cp} (activations below not divided by cp: the planner has no cp term) ' if p.cp > 1 else ''}"
+             f"{f'cp={p.cp} ' if p.cp > 1 else ''}"
              f"schedule={p.schedule} virtual_stages={p.virtual_stages} microbatches={p.microbatches} "
              f"zero={p.zero} recompute={p.recompute} sequence_parallel={p.sequence_parallel}",
              f"model: {params / 1e6:.2f}M parameters; {t.global_batch} x {t.seq_len} = "
@@ -65,6 +65,11 @@ def dry_run_details(recipe: Recipe, world_size: int) -> tuple[str, list[RankMemo
             if value)
         lines.append(f"  {who}: {m.params / GIB:.3f} / {m.grads / GIB:.3f} / {m.optim / GIB:.3f} / "
                      f"{m.activations / GIB:.3f} / {m.comm / GIB:.3f}{extra}; peak {m.total / GIB:.3f}")
+    available, source = device_memory(world_size + p.ps_servers)
+    peak = max(m.total for m in memory if m.role == "worker")
+    verdict = "fits" if peak <= available else "may not fit (the pre-flight check refuses only beyond its margin)"
+    lines.append(f"{verdict}: largest predicted peak {peak / GIB:.2f} GiB per rank against {available / GIB:.2f} GiB "
+                 f"({source})")
     return "\n".join(lines), memory
 
 

@@ -21,6 +21,7 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
+from pipetrain.plan.devices import load_profile
 from pipetrain.plan.memory import RankMemory, model_params, run_memory
 from pipetrain.plan.search import state_floor
 
@@ -42,7 +43,12 @@ def host_memory(world_size: int) -> tuple[float, str]:
 
 
 def device_memory(world_size: int) -> tuple[float, str]:
-    """(bytes one worker rank may use, where the number comes from)."""
+    """(bytes one worker rank may use, where the number comes from). PIPETRAIN_DEVICE (a DEVICES name or
+    profile file) overrides the device, as it does for parallel.auto (plan.auto.launch_profile): a dry run
+    on a laptop then checks the layout against the cards it is meant for."""
+    if os.environ.get("PIPETRAIN_DEVICE"):
+        profile = load_profile(os.environ["PIPETRAIN_DEVICE"])
+        return profile.memory_bytes, f"{profile.name}, from PIPETRAIN_DEVICE"
     if torch.cuda.is_available():
         index = int(os.environ.get("LOCAL_RANK", 0))
         return float(torch.cuda.get_device_properties(index).total_memory), f"CUDA device {index} total memory"
@@ -92,7 +98,7 @@ def check_model_fits(recipe: Recipe, world_size: int) -> list[RankMemory]:
                               f"peak ({r.activations / GB:,.1f} GB of activations on top of "
                               f"{r.model_states / GB:,.1f} GB of weights and optimizer state), but "
                               f"{available / GB:,.1f} GB is available ({source}); lower train.global_batch or "
-                              "train.seq_len, or raise parallel.microbatches")
+                              "train.seq_len, or raise parallel.microbatches or parallel.cp")
     return estimate
 
 

@@ -86,7 +86,7 @@ def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, par
     inside; wrapped in REPLICA_SYNC's wrapper for parallel.dp_sync (pipetrain.parallel.replicas) when the mode is
     relaxed or the replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
     across = parallel is not None and needs_replica_sync(parallel, dims, zero)
-    if zero == 0 or dims.dp_shard == 1:
+    if zero == 0 or dims.zero_shard == 1:
         replica_opt = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if across else "dp")
     elif zero == 3:
         replica_opt = Zero3Optimizer(model, dims, cfg, reshard_after_forward=parallel is None or

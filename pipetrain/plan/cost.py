@@ -4,6 +4,9 @@
                 plus one more block forward under full recompute) / (tp x peak x efficiency)
     tp comm     per block, 2 all-reduces of the (B, T, D) activation forward and 2 backward (sequence
                 parallel: reduce-scatter + all-gather, the same bytes); exposed: they sit between matmuls
+    cp comm     per block, the all-gather of K and V over cp forward (parallel/context/attention.py) and the
+                reduce-scatter of their gradients backward: each (cp-1)/cp x 2 x B x T x Hkv/tp x K x dtype
+                bytes; exposed (the attention waits for them); recompute gathers again in the backward
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
@@ -11,18 +14,19 @@
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed; ZeRO 3 has none after
                 the step but gathers every unit's parameters in each microbatch's forward and again in its
                 backward (once per step with reshard_after_forward false), prefetched one unit ahead, so
-                on devices they hide behind compute up to its length (on a CPU profile they are exposed)
+                on devices they hide behind compute up to its length (on a CPU profile they are exposed).
+                Under cp the group is dp x cp (every cp rank holds the gradient of its own tokens)
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
                 memory-bound: OPTIMIZER_BYTES per parameter / the profile's memory bandwidth
 A ring collective over n ranks moves 2 (n-1)/n x the bytes (all-reduce) or (n-1)/n (reduce-scatter, all-
 gather) and pays its latency 2 (n-1) or (n-1) times; the profile's reduce_scatter_ratio and all_gather_ratio
 scale the latter two where the backend's are no rings (gloo). A group whose ranks span nodes uses the inter-node
-link (mesh order dp, pp, tp: tp is innermost). On a CPU profile with `cores`, ranks beyond the node's cores
-share them: a rank's work runs at one core's speed, but the node's ranks together get only `cores` cores, so
-a step takes at least the node's busy time / cores (ranks_per_node / cores x one rank's) -- and a pipeline's
-bubble costs less than on devices of their own, as an idle rank yields its core to a busy one; and the
-data-parallel reduction is not overlapped (gloo reduces on the same cores the backward needs), and each
-chunk's pipeline send and receive is charged to its F and B.
+link (mesh order dp, pp, cp, tp: tp is innermost). A rank's tokens are seq_len / cp of each sequence. On a CPU
+profile with `cores`, ranks beyond the node's cores share them: a rank's work runs at one core's speed, but the
+node's ranks together get only `cores` cores, so a step takes at least the node's busy time / cores
+(ranks_per_node / cores x one rank's) -- and a pipeline's bubble costs less than on devices of their own, as an
+idle rank yields its core to a busy one; and the data-parallel reduction is not overlapped (gloo reduces on the
+same cores the backward needs), and each chunk's pipeline send and receive is charged to its F and B.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from pipetrain.models import flops_per_token
 from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_stages, schedule_shape
+from pipetrain.plan.memory import FP32, MOMENTS, kv_rows, model_state_bytes, rank_stages, rank_tokens, schedule_shape
 
 
 # Bytes of memory traffic per updated parameter in one step: the gradient-norm read (4), AdamW's reads of
@@ -49,6 +53,7 @@ class StepTime:
     pp_comm: float        # p2p transfers on the fill / drain path
     bubble: float         # seconds idle in the pipeline (from the simulator)
     bubble_fraction: float
+    cp_comm: float        # exposed K/V all-gathers and gradient reduce-scatters over cp
     dp_comm: float        # total dp collective time
     dp_exposed: float     # the part not hidden behind the last backward
     optimizer: float      # gradient norm and AdamW update of this rank's shard
@@ -85,8 +90,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     m, p, t = recipe.model, recipe.parallel, recipe.train
     ranks_per_node = ranks_per_node or world_size
     dp = resolve_dp(recipe, world_size)
-    tp, pp, v = p.tp, p.pp, p.virtual_stages
-    micro_tokens = t.global_batch // (dp * p.microbatches) * t.seq_len
+    tp, pp, v, cp = p.tp, p.pp, p.virtual_stages, p.cp
+    micro_tokens = rank_tokens(recipe, world_size)
     # CPU ranks beyond the node's cores time-share them (a calibrated profile's figures are per core)
     share = max(1.0, ranks_per_node / profile.cores) if profile.cores else 1.0
     peak = profile.flops(t.precision) * profile.efficiency
@@ -115,8 +120,15 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
     launch = 20 * layers_busiest * profile.op_overhead
     fwd += launch
-    f_cost = fwd + tp_fwd
-    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)
+    # cp: K and V of the whole sequence gathered per block (B x T = cp x this rank's tokens), their
+    # gradients reduce-scattered backward; a recompute reruns the gather inside the backward
+    kv_bytes = 2 * micro_tokens * cp * kv_rows(m, tp) * (2 if t.precision == "bf16" else FP32)
+    bw_cp, lat_cp = _link(profile, tp * cp, ranks_per_node)
+    cp_fwd = layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.all_gather_ratio
+    cp_bwd = (layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.reduce_scatter_ratio
+              + (cp_fwd if p.recompute != "none" else 0.0))
+    f_cost = fwd + tp_fwd + cp_fwd
+    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0) + cp_bwd
 
     if pp > 1:
         bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
@@ -141,7 +153,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
         bubble = max(0.0, pipeline - pp_comm - busy * share)
         busy *= share
 
-    # dp: this rank's gradients, reduced once per step
+    # dp: this rank's gradients, reduced once per step over dp x cp
     if states is None:
         states = model_state_bytes(recipe, world_size, busiest)
     grad_bytes = states[0]
@@ -150,6 +162,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
                                        world_size, busiest)[0]
     optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
+    dp *= cp  # the gradient group (ParallelDims.dp_cp_group), and ZeRO's shard group
     zero = p.zero if dp > 1 else 0
     if zero >= 2:
         reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.reduce_scatter_ratio
@@ -166,8 +179,9 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
             layers, first, last, _ = rank_stages(recipe, busiest)  # behind the step's compute
             exposed = gather / max(1, len(layers) + first + last) + max(0.0, reduce + gather - busy)
     total = pipeline + exposed + optimizer
-    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
-    return StepTime(compute=compute, tp_comm=busy - compute, pp_comm=pp_comm, bubble=bubble,
-                    bubble_fraction=bubble / pipeline if pipeline else 0.0, dp_comm=reduce + gather,
+    cp_comm = p.microbatches * (cp_fwd + cp_bwd) * share
+    tp_comm = p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
+    return StepTime(compute=busy - tp_comm - cp_comm, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
+                    bubble_fraction=bubble / pipeline if pipeline else 0.0, cp_comm=cp_comm, dp_comm=reduce + gather,
                     dp_exposed=exposed, optimizer=optimizer, total=total,
                     tokens_per_s=t.global_batch * t.seq_len / total)

@@ -94,7 +94,7 @@ class RankMemory:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
 
 
-def _kv_rows(m: ModelConfig, tp: int) -> int:
+def kv_rows(m: ModelConfig, tp: int) -> int:
     """Rows of wk / wv a tp rank holds: its share of the kv heads, or all of them when replicated."""
     return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.kv_heads * m.head_dim
 
@@ -108,9 +108,9 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     gpt2 = m.family == "gpt2"
     qkv_bias = m.has_qkv_bias or gpt2
     norm = [(D,), (D,)] if gpt2 else [(D,)]
-    q_rows, kv_rows = m.n_heads * K // tp, _kv_rows(m, tp)
-    block = norm + [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, m.n_heads * K // tp)]
-    block += [(q_rows,), (kv_rows,), (kv_rows,)] if qkv_bias else []
+    q_rows, kv_local = m.n_heads * K // tp, kv_rows(m, tp)
+    block = norm + [(q_rows, D), (kv_local, D), (kv_local, D), (D, m.n_heads * K // tp)]
+    block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
     block += [(D,)] if gpt2 else []  # wo bias, replicated
     block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
     block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
@@ -181,11 +181,18 @@ def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bo
 
 
 def zero_shards(recipe: Recipe, world_size: int) -> int:
-    """The ranks ZeRO shards model states over: dp_shard (all of dp by default) when parallel.zero >= 1 and
-    it exceeds 1 (build_optimizer's rule), else 1."""
+    """The ranks ZeRO shards model states over: dp_shard (all of dp by default) times cp
+    (ParallelDims.zero_shard) when parallel.zero >= 1 and that exceeds 1 (build_optimizer's rule), else 1."""
     p = recipe.parallel
-    shard = resolve_dp_shard(p, resolve_dp(recipe, world_size))
+    shard = resolve_dp_shard(p, resolve_dp(recipe, world_size)) * p.cp
     return shard if p.zero >= 1 and shard > 1 else 1
+
+
+def rank_tokens(recipe: Recipe, world_size: int) -> int:
+    """Tokens of one microbatch on one rank: its sequences times seq_len, over cp (each cp rank holds a
+    T/cp slice of every sequence; parallel/context/slicing.py)."""
+    p, t = recipe.parallel, recipe.train
+    return max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len // p.cp
 
 
 def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[int, int, int]:
@@ -209,21 +216,26 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
 
 
 def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool,
-                          recompute: str) -> tuple[float, float, float]:
+                          recompute: str, cp: int = 1) -> tuple[float, float, float]:
     """(one block, the first stage's extras, the last stage's extras) bytes saved for backward per token.
 
     Per block (fp32 elements per token, none): the norm's input, statistics and output and the flattened
     copy its linear saves; q, k, v (after RoPE), the attention output and its log-sum-exp; the same norm
     group before the MLP; gate, up, their SwiGLU product and its flattened copy (gpt2: the GELU input and
     its output). RoPE's cos/sin tables (T x K each) are saved per block and per sequence position.
-    selective drops the log-sum-exp (the attention core's own saved state); full keeps the block input."""
+    selective drops the log-sum-exp (the attention core's own saved state); full keeps the block input.
+    cp > 1 (per token of a rank's slice): the cp attention core (parallel/context/attention.py) checkpoints
+    its chunks, so no log-sum-exp, and keeps the all-gathered K and V of the whole sequence, cp x the slice's;
+    under selective recompute the core's own checkpoint keeps only the slice's q, k, v, as without cp."""
     D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
     gpt2 = m.family == "gpt2"
     sp = tp if sequence_parallel and tp > 1 else 1
     stats = 2 if gpt2 else 1                       # LayerNorm: mean and rstd; RMSNorm: rstd
     norm_group = (D + stats + (0 if gpt2 else D)) / sp + D  # x, stats, (RMSNorm output), flattened input
-    q, kv = m.n_heads * K / tp, _kv_rows(m, tp)
+    q, kv = m.n_heads * K / tp, kv_rows(m, tp)
     lse = m.n_heads / tp
+    if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp (the chunks are checkpointed)
+        kv, lse = kv * cp, 0
     attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
     mlp = norm_group + (2 * Fh / tp if gpt2 else 4 * Fh / tp)
     if recompute == "full":
@@ -242,10 +254,9 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     times the (microbatch, chunk) units in flight. in_flight None: from the schedule. bf16 halves the
     block's tensors and adds the autocast weight copies (an estimate the tests check only in fp32)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    dp = resolve_dp(recipe, world_size)
-    micro = max(1, t.global_batch // (dp * p.microbatches))
-    tokens = micro * t.seq_len
-    block, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute)
+    tokens = rank_tokens(recipe, world_size)
+    block, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute,
+                                                           p.cp if p.recompute != "selective" else 1)
     weight_casts = 0
     if t.precision == "bf16":  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
         block /= 2
@@ -253,7 +264,7 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
             params = model_state_bytes(recipe, world_size, pp_rank)[0]
             weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence
-    if p.recompute == "full":
+    if p.recompute == "full" or p.cp > 1:  # cp: RoPE reads rows of the tables by position, saved per token
         rope = 0
     layers, first, last, _ = rank_stages(recipe, pp_rank)
     per_chunk_layers = len(layers) / p.virtual_stages
@@ -305,17 +316,15 @@ def schedule_shape(schedule: str, pp: int, microbatches: int, virtual_stages: in
 def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
     """Transient communication buffers: gradient reduction buckets in flight (dp > 1; never more than the
     gradients they hold) and the p2p send and receive buffers of activations and gradients (pp > 1)."""
-    p, t, m = recipe.parallel, recipe.train, recipe.model
-    dp = resolve_dp(recipe, world_size)
+    p, m = recipe.parallel, recipe.model
     reduce_dp = _reduce_ranks(recipe, world_size)
     total = 0
     if reduce_dp > 1:
         buckets = min(MAX_IN_FLIGHT * DEFAULT_BUCKET_BYTES, grad_bytes)
         total += buckets + (buckets // reduce_dp if p.zero == 2 else 0)  # ZeRO 2: the reduce-scatter's output
     if p.pp > 1:
-        micro = max(1, t.global_batch // (dp * p.microbatches))
-        seq = t.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-        total += 4 * FP32 * micro * seq * m.d_model  # send/recv x activation/gradient
+        tokens = rank_tokens(recipe, world_size) // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+        total += 4 * FP32 * tokens * m.d_model  # send/recv x activation/gradient
     return total
 
 
@@ -326,9 +335,9 @@ def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
         return 0
     m, t = recipe.model, recipe.train
-    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
-    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none")[0]
-    rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim
+    tokens = rank_tokens(recipe, world_size)
+    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none", p.cp)[0]
+    rope = 0 if m.family == "gpt2" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
     return int((tokens * block + rope) / (2 if t.precision == "bf16" else 1))
 
 
@@ -342,7 +351,7 @@ def deferred_w_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     if not layers or p.pp == 1 or not (p.split_backward or placement_of(p.schedule) == "v"):
         return 0
     m, t = recipe.model, recipe.train
-    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
+    tokens = rank_tokens(recipe, world_size)
     inputs, grads = weight_grad_operand_bytes(m, p.tp)
     per_token = grads + (inputs if p.recompute == "full" else 0)
     return int(tokens * per_token * len(layers) / p.virtual_stages / (2 if t.precision == "bf16" else 1))
@@ -353,7 +362,7 @@ def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
     shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
     output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
     D, Fh = m.d_model, m.ffn
-    q, kv = m.n_heads * m.head_dim / tp, _kv_rows(m, tp)
+    q, kv = m.n_heads * m.head_dim / tp, kv_rows(m, tp)
     hidden = Fh / tp
     inputs = D + D + q + hidden
     grads = q + 2 * kv + D + (hidden if m.family == "gpt2" else 2 * hidden) + D
@@ -413,8 +422,8 @@ def loss_backward_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     such tensors) above the model without this term, 23% (docs/benchmarks.md, issue 33)."""
     if not rank_stages(recipe, pp_rank)[2]:
         return 0
-    m, p, t = recipe.model, recipe.parallel, recipe.train
-    tokens = max(1, t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches)) * t.seq_len
+    m, p = recipe.model, recipe.parallel
+    tokens = rank_tokens(recipe, world_size)
     return 3 * FP32 * tokens * (m.vocab_size // p.tp)
 
 
@@ -435,9 +444,9 @@ def _wrapped(recipe: Recipe, world_size: int) -> bool:
 
 def _reduce_ranks(recipe: Recipe, world_size: int) -> int:
     """The ranks the bucketed gradient reduction spans: dp_shard when the replica wrapper exchanges across
-    replicas itself, else all of dp."""
+    replicas itself, else all of dp, times cp (each cp rank holds the gradient of its own tokens)."""
     dp = resolve_dp(recipe, world_size)
-    return resolve_dp_shard(recipe.parallel, dp) if _wrapped(recipe, world_size) else dp
+    return (resolve_dp_shard(recipe.parallel, dp) if _wrapped(recipe, world_size) else dp) * recipe.parallel.cp
 
 
 def replica_bytes(recipe: Recipe, world_size: int, param_bytes: int, row_bytes: int) -> dict:

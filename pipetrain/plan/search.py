@@ -1,17 +1,18 @@
-"""Exhaustive layout search: every (dp, tp, pp, schedule, virtual_stages, split_backward, microbatches, zero,
-recompute, sequence_parallel) the recipe leaves open, checked by layout_problems, scored by the memory and cost
-models, ranked by predicted tokens/s.
+"""Exhaustive layout search: every (dp, tp, pp, cp, schedule, virtual_stages, split_backward, microbatches,
+zero, recompute, sequence_parallel) the recipe leaves open, checked by layout_problems (and context_problems),
+scored by the memory and cost models, ranked by predicted tokens/s.
 
-The space (space()): tp and pp range over the divisors of the world size (dp = world / (tp pp)); schedule over
+The space (space()): tp, pp and cp range over the divisors of the world size (dp = world / (tp pp cp); cp only
+where 2 cp divides seq_len, parallel/context/slicing.py's head and tail chunks); schedule over
 schedules.SCHEDULES when pp > 1 (new schedules join by being listed there); virtual_stages over the divisors
 of n_layers / pp, up to MAX_VIRTUAL, when pp > 1; split_backward over both values when pp > 1; microbatches over
 the divisors of global_batch / dp (at most MICROBATCHES_PER_STAGE x pp when pp > 1: past that the bubble is
-under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2, 3 when dp > 1 (3 pays two
-parameter all-gathers per microbatch, so it ranks first only where nothing less sharded fits); recompute over none, selective, full;
-sequence_parallel over both values when tp > 1. Keys the user fixed (`fixed`, parallel key -> value) stay at
-their value. Candidates that layout_problems or the schedule builder refuse are rejected "does not divide";
-those whose busiest rank exceeds the device memory "does not fit". Ranking: tokens/s descending, then lower
-peak memory, then the layout tuple, so it is deterministic.
+under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2, 3 when dp x cp > 1 (ZeRO shards
+over both; 3 pays two parameter all-gathers per microbatch, so it ranks first only where nothing less sharded
+fits); recompute over none, selective, full; sequence_parallel over both values when tp > 1. Keys the user fixed
+(`fixed`, parallel key -> value) stay at their value. Candidates that layout_problems or the schedule builder
+refuse are rejected "does not divide"; those whose busiest rank exceeds the device memory "does not fit".
+Ranking: tokens/s descending, then lower peak memory, then the layout tuple, so it is deterministic.
 """
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from pipetrain.config import ParallelConfig, Recipe
-from pipetrain.parallel.mesh.rules import layout_problems
+from pipetrain.parallel.mesh.rules import context_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
 from pipetrain.plan.memory import RankMemory, model_params, rank_memory, run_memory
 
-KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "split_backward", "microbatches", "zero", "recompute",
+KEYS = ("dp", "tp", "pp", "cp", "schedule", "virtual_stages", "split_backward", "microbatches", "zero", "recompute",
         "sequence_parallel")
 MAX_VIRTUAL = 4
 MICROBATCHES_PER_STAGE = 8
@@ -78,11 +79,11 @@ def world_problem(recipe: Recipe, world_size: int, memory_bytes: float) -> str:
     none is found): more ranks than dp <= global_batch, tp <= n_heads and pp <= n_layers allow, or a model
     whose weights, gradients and AdamW state cannot fit even spread evenly over every rank."""
     m, t = recipe.model, recipe.train
-    usable = t.global_batch * m.n_heads * m.n_layers
+    usable = t.global_batch * m.n_heads * m.n_layers * max(1, t.seq_len // 2)
     if world_size > usable:
         return (f"world size {world_size} exceeds the {usable:,} ranks this recipe can use (dp <= train.global_batch="
-                f"{t.global_batch}, tp <= model.n_heads={m.n_heads}, pp <= model.n_layers={m.n_layers}); plan for "
-                "fewer processes or a larger batch")
+                f"{t.global_batch}, tp <= model.n_heads={m.n_heads}, pp <= model.n_layers={m.n_layers}, cp <= "
+                f"train.seq_len/2={t.seq_len // 2}); plan for fewer processes or a larger batch")
     floor = state_floor(recipe, world_size)
     if floor > memory_bytes:
         return (f"model: {model_params(m):,} parameters need at least {floor / 2**30:,.1f} GiB per rank even spread "
@@ -106,26 +107,36 @@ def space(recipe: Recipe, world_size: int, fixed: dict | None = None) -> list[di
         return [fixed[key]] if key in fixed else list(values)
 
     out = []
+    for tp, pp, cp in _meshes(world_size, t.seq_len, options):
+        dp = world_size // (tp * pp * cp) if world_size % (tp * pp * cp) == 0 else 1
+        for dp_value in options("dp", [dp]):
+            multi = pp > 1
+            schedules = options("schedule", SCHEDULES if multi else [ParallelConfig.schedule])
+            per_rank = m.n_layers // pp if m.n_layers % pp == 0 else 1
+            virtuals = [d for d in _divisors(per_rank) if d <= MAX_VIRTUAL] if multi else [1]
+            batch = t.global_batch // dp_value if t.global_batch % dp_value == 0 else 1
+            for schedule, v, split, mb, zero, rc, sp in itertools.product(
+                    schedules, options("virtual_stages", virtuals),
+                    options("split_backward", [False, True] if multi else [False]),
+                    options("microbatches", [d for d in _divisors(batch)
+                                             if not multi or d <= MICROBATCHES_PER_STAGE * pp]),
+                    options("zero", [0, 1, 2, 3] if dp_value * cp > 1 else [0]),
+                    options("recompute", RECOMPUTE),
+                    options("sequence_parallel", [False, True] if tp > 1 else [False])):
+                out.append({"dp": dp_value, "tp": tp, "pp": pp, "cp": cp, "schedule": schedule,
+                            "virtual_stages": v, "split_backward": split, "microbatches": mb, "zero": zero,
+                            "recompute": rc, "sequence_parallel": sp})
+    return out
+
+
+def _meshes(world_size: int, seq_len: int, options) -> list[tuple[int, int, int]]:
+    """(tp, pp, cp) of the space: divisors of the world, cp only where seq_len splits into 2 cp chunks."""
+    out = []
     for tp in options("tp", _divisors(world_size)):
-        for pp in options("pp", _divisors(world_size // tp) if world_size % tp == 0 else [1]):
-            dp = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 1
-            for dp_value in options("dp", [dp]):
-                multi = pp > 1
-                schedules = options("schedule", SCHEDULES if multi else [ParallelConfig.schedule])
-                per_rank = m.n_layers // pp if m.n_layers % pp == 0 else 1
-                virtuals = [d for d in _divisors(per_rank) if d <= MAX_VIRTUAL] if multi else [1]
-                batch = t.global_batch // dp_value if t.global_batch % dp_value == 0 else 1
-                for schedule, v, split, mb, zero, rc, sp in itertools.product(
-                        schedules, options("virtual_stages", virtuals),
-                        options("split_backward", [False, True] if multi else [False]),
-                        options("microbatches", [d for d in _divisors(batch)
-                                                 if not multi or d <= MICROBATCHES_PER_STAGE * pp]),
-                        options("zero", [0, 1, 2, 3] if dp_value > 1 else [0]),
-                        options("recompute", RECOMPUTE),
-                        options("sequence_parallel", [False, True] if tp > 1 else [False])):
-                    out.append({"dp": dp_value, "tp": tp, "pp": pp, "schedule": schedule, "virtual_stages": v,
-                                "split_backward": split, "microbatches": mb, "zero": zero, "recompute": rc,
-                                "sequence_parallel": sp})
+        rest = world_size // tp if world_size % tp == 0 else 1
+        for pp in options("pp", _divisors(rest)):
+            cps = [c for c in _divisors(rest // pp if rest % pp == 0 else 1) if seq_len % (2 * c) == 0] or [1]
+            out += [(tp, pp, cp) for cp in options("cp", cps)]
     return out
 
 
@@ -138,7 +149,7 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
              ranks_per_node: int | None = None) -> Plan | str:
     """The Plan of one layout, or the reason it is rejected."""
     candidate = apply_layout(recipe, layout)
-    problems = layout_problems(candidate, world_size)
+    problems = layout_problems(candidate, world_size) + context_problems(candidate)
     if problems:
         return "does not divide: " + problems[0]
     try:

@@ -13,7 +13,7 @@ from pipetrain.models.decoder import document_mask
 from pipetrain.parallel.context.attention import context_mask
 from pipetrain.parallel.context.slicing import chunk_index, gathered_index
 from pipetrain.elastic import SavedLayout, is_elastic
-from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims, mesh_rank_lists
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,6 +72,16 @@ def test_dims_place_cp_between_pp_and_tp():
     assert ParallelDims(dp=2, tp=2, rank=3).group_rank_lists()["dp_cp"] == []  # cp 1: dp_group itself
 
 
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2), (2, 4), (3, 1)])
+def test_zero_shards_over_dp_x_cp_in_the_dp_cp_groups_rank_order(dp, cp):
+    """ZeRO's shard index is this rank's place in its dp x cp group (sorted global ranks, as new_group
+    numbers them), so the row ranges the ranks own tile every parameter once."""
+    for rank in range(dp * 2 * cp):  # tp 2: the shard group skips the tp peers
+        dims = ParallelDims(dp=dp, cp=cp, tp=2, rank=rank)
+        group = next(g for g in mesh_rank_lists(dims.mesh_shape, ("dp", "cp")) if rank in g)
+        assert dims.zero_shard == dp * cp and dims.zero_shard_rank == sorted(group).index(rank), (dp, cp, rank)
+
+
 def _recipe(seq_len=32, model=LLAMA, **parallel) -> Recipe:
     return Recipe(model=model, parallel=ParallelConfig(**parallel), train=TrainConfig(global_batch=8, seq_len=seq_len))
 
@@ -95,21 +105,23 @@ def test_world_must_cover_dp_cp_tp_pp():
 
 
 @pytest.mark.parametrize("keys, fragment", [
-    (dict(zero=1), "parallel.zero=1: does not combine with parallel.cp=2"),
+    (dict(zero=1, dp_shard=1), "parallel.dp_shard=1: does not combine with parallel.cp=2"),
     (dict(dp_sync="local_sgd"), "parallel.dp_sync=local_sgd: does not combine"),
     (dict(dynamic_batch=True), "parallel.dynamic_batch: does not combine"),
     (dict(ps_servers=1), "parallel.ps_servers=1: does not combine"),
     (dict(fault_tolerance="torchft", dp=2), "parallel.fault_tolerance=torchft: does not combine"),
-    (dict(auto=True), "parallel.auto: does not combine"),
 ])
 def test_compositions_not_built_with_cp_are_refused(keys, fragment):
     assert any(p.startswith(fragment) for p in parallel_problems(_recipe(cp=2, **keys))), \
         parallel_problems(_recipe(cp=2, **keys))
 
 
-def test_lora_and_fp8_are_refused_with_cp():
+def test_zero_lora_and_compile_are_accepted_with_cp_and_fp8_is_refused():
     lora = _recipe(cp=2, model=ModelConfig(**{**LLAMA.__dict__, "lora_rank": 4}))
-    assert any(p.startswith("model.lora_rank=4: does not combine with parallel.cp=2") for p in parallel_problems(lora))
+    assert parallel_problems(lora) == []
+    assert all(parallel_problems(_recipe(cp=2, zero=z)) == [] for z in (1, 2, 3))
+    compiled = Recipe(model=LLAMA, parallel=ParallelConfig(cp=2), train=TrainConfig(seq_len=32, compile=True))
+    assert parallel_problems(compiled) == []
     fp8 = Recipe(model=LLAMA, parallel=ParallelConfig(cp=2), train=TrainConfig(seq_len=32, precision="fp8"))
     assert any(p.startswith("train.precision=fp8: does not combine with parallel.cp=2") for p in parallel_problems(fp8))
 
@@ -131,3 +143,20 @@ def test_a_resume_counts_cp_in_the_saved_world_and_the_launch():
     assert not is_elastic(_recipe(cp=2), saved, 2)
     assert is_elastic(_recipe(), saved, 1)
     assert is_elastic(_recipe(cp=2, dp=1), SavedLayout(path="c", dp=2, tp=1, pp=1, microbatches=1, global_batch=8), 4)
+
+
+def test_the_long_context_recipe_dry_runs_on_8_ranks_and_fits_80gb_cards(capsys, monkeypatch):
+    """recipes/long-context.yaml (a 1.2B llama at 32k tokens, cp 4 x tp 2): the dry run accepts the layout
+    and the planner's per-rank peak fits the card PIPETRAIN_DEVICE names (an 80 GB H100), not this host."""
+    monkeypatch.setenv("PIPETRAIN_DEVICE", "h100-sxm-80gb")
+    code = cli.main(["--recipe", os.path.join(ROOT, "recipes", "long-context.yaml"), "--dry-run", "--nproc", "8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cp=4" in out and "tp=2" in out and "8 x 32768" in out
+    (verdict,) = [line for line in out.splitlines() if "largest predicted peak" in line]
+    assert verdict.startswith("fits:") and "h100-sxm-80gb, from PIPETRAIN_DEVICE" in verdict, verdict
+    # 8x the sequence on the same cards: refused in one line, against the same device
+    code = cli.main(["--recipe", os.path.join(ROOT, "recipes", "long-context.yaml"), "--dry-run", "--nproc", "8",
+                     "--set", "train.seq_len=262144", "--set", "model.max_seq_len=262144"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "80.0 GB is available (h100-sxm-80gb" in err[0], (code, err)

@@ -10,11 +10,12 @@ import os
 import pytest
 
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, load_recipe
-from pipetrain.parallel.mesh.rules import layout_problems
+from pipetrain.parallel.mesh.rules import context_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main
 from pipetrain.plan.auto import fixed_parallel_keys, resolve_auto
 from pipetrain.plan.devices import DEVICES, load_profile
+from pipetrain.plan.cost import step_time
 from pipetrain.plan.search import KEYS, MAX_VIRTUAL, MICROBATCHES_PER_STAGE, nothing_fits, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,17 +29,19 @@ def _brute_force(recipe: Recipe, world: int) -> set[tuple]:
     """Every layout of plain ranges that layout_problems accepts, in the search's canonical form (keys that
     do nothing at degree 1 at their default; microbatches capped per stage)."""
     out = set()
-    for dp, tp, pp in itertools.product(range(1, world + 1), repeat=3):
+    for dp, tp, pp, cp in itertools.product(range(1, world + 1), repeat=4):
+        if dp * tp * pp * cp > world:  # never a mesh of this world (saves layout_problems most of the product)
+            continue
         for schedule, v, split, mb, zero, rc, sp in itertools.product(
                 SCHEDULES, range(1, MAX_VIRTUAL + 1), (False, True), range(1, recipe.train.global_batch + 1),
                 (0, 1, 2, 3), ("none", "selective", "full"), (False, True)):
-            layout = dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, split_backward=split,
+            layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, schedule=schedule, virtual_stages=v, split_backward=split,
                           microbatches=mb, zero=zero, recompute=rc, sequence_parallel=sp)
             canonical = ((pp > 1 or (schedule == ParallelConfig.schedule and v == 1 and not split))
-                         and (dp > 1 or zero == 0) and (tp > 1 or not sp)
+                         and (dp * cp > 1 or zero == 0) and (tp > 1 or not sp)
                          and (pp == 1 or mb <= MICROBATCHES_PER_STAGE * pp))
             candidate = dataclasses.replace(recipe, parallel=ParallelConfig(**layout))
-            if canonical and not layout_problems(candidate, world):
+            if canonical and not layout_problems(candidate, world) and not context_problems(candidate):
                 out.add(tuple(layout[k] for k in KEYS))
     return out
 
@@ -134,3 +137,41 @@ def test_auto_chooses_zero3_when_only_it_fits_and_charges_its_gathers():
     time = {z: search(big, 4, gloo, {**layout, "zero": z}).plans[0].time for z in (2, 3)}
     assert time[3].dp_comm > time[2].dp_comm and time[3].total > time[2].total
     assert time[3].dp_exposed == time[3].dp_comm  # gloo: the gathers run on the cores the compute needs
+
+
+LONG = Recipe(model=dataclasses.replace(MODEL, vocab_size=512, d_model=64, ffn_hidden=128, max_seq_len=4096),
+              train=TrainConfig(global_batch=1, seq_len=4096))
+
+
+def test_a_sequence_that_fits_only_with_cp_gets_cp_from_the_planner():
+    """One 4096-token sequence on 4 ranks: dp cannot help (one sequence), and the leanest tp / pp layout
+    still holds more than a device; cp's slices fit, and parallel.auto picks one of them."""
+    lean = search(LONG, 4, HUGE, {"cp": 1}).plans
+    least = min(p.peak_bytes for p in lean)
+    device = dataclasses.replace(DEVICES["cpu"], memory_bytes=least * 0.95)
+    result = search(LONG, 4, device)
+    assert lean and result.plans and all(p.layout["cp"] > 1 for p in result.plans)  # every cp 1 layout: too big
+    resolved, plan = resolve_auto(dataclasses.replace(LONG, parallel=ParallelConfig(auto=True)), 4, {}, device)
+    assert resolved.parallel.cp > 1 and plan.peak_bytes <= device.memory_bytes
+    assert not layout_problems(resolved, 4) and not context_problems(resolved)
+
+
+def test_cp_is_left_out_when_data_parallelism_fits():
+    """cp costs a K/V exchange per layer that dp does not: with enough sequences for dp, the best is cp 1."""
+    recipe = dataclasses.replace(LONG, train=TrainConfig(global_batch=4, seq_len=1024))
+    assert search(recipe, 4, HUGE).plans[0].layout["cp"] == 1
+
+
+@pytest.mark.parametrize("cp, recompute", [(2, "none"), (4, "none"), (2, "selective")])
+def test_step_time_charges_the_kv_all_gather_and_its_reduce_scatter(cp, recompute):
+    """Per layer and microbatch: forward all-gathers K and V, (cp-1)/cp x 2 x B x T x Hkv x K x dtype bytes,
+    backward reduce-scatters their gradients (the same bytes), and a recompute gathers again."""
+    gpu = DEVICES["h100-sxm-80gb"]
+    m = LONG.model
+    recipe = dataclasses.replace(LONG, parallel=ParallelConfig(cp=cp, recompute=recompute),
+                                 train=TrainConfig(global_batch=1, seq_len=4096, precision="bf16"))
+    nbytes = (cp - 1) / cp * 2 * 1 * 4096 * m.kv_heads * m.head_dim * 2
+    one = nbytes / gpu.intra_bw + (cp - 1) * gpu.intra_latency
+    collectives = 2 if recompute == "none" else 3
+    assert step_time(recipe, cp, gpu).cp_comm == pytest.approx(m.n_layers * collectives * one, rel=1e-9)
+    assert step_time(dataclasses.replace(recipe, parallel=ParallelConfig()), 1, gpu).cp_comm == 0.0

@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2: AdamW whose state (stage 1) and gradients (stage 2) are sharded across dp.
 
-Sharding. Every parameter of this (tp, pp) rank is split along its local dim 0 into dp row ranges
+Sharding. Every parameter of this (tp, pp) rank is split along its local dim 0 into dp row ranges (under
+context parallelism dp x cp ranges over dims.zero_shard_group: "dp" below means that shard group)
 with torch.tensor_split semantics (dp_row_ranges: the first rows % dp ranks get one row more, a
 parameter with fewer rows than dp leaves some ranks empty). A rank's shard is therefore a box of the
 global tensor: the tp slice from param_layout, narrowed on dim 0. Checkpoints read and write these
@@ -121,13 +122,14 @@ class ZeroOptimizer:
         if stage not in (1, 2, 3):  # 3: pipetrain.parallel.data.zero3.Zero3Optimizer, which adds the gathering
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use "
                              "pipetrain.optim.build.Optimizer for parallel.zero=0")
-        if dims.dp_shard > 1 and dims.dp_shard_group is None:
-            raise ValueError(f"{dims.coords} ZeroOptimizer: dp_shard={dims.dp_shard} but dims has no dp_shard_group; "
-                             "build dims with "
+        if dims.zero_shard > 1 and dims.zero_shard_group is None:
+            raise ValueError(f"{dims.coords} ZeroOptimizer: shards over {dims.zero_shard} ranks but dims has no "
+                             "dp_shard / dp_cp group; build dims with "
                              "ParallelDims.init / from_degrees after init_process_group")
         self.model, self.dims, self.cfg, self.stage, self.overlap = model, dims, cfg, stage, overlap
-        # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas; see parallel/mesh/dims.py)
-        self.dp_size, self.dp_rank, self.dp_group = dims.dp_shard, dims.dp_shard_rank, dims.dp_shard_group
+        # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas), times cp under context
+        # parallelism (dims.zero_shard says why); "dp" below names that shard group
+        self.dp_size, self.dp_rank, self.dp_group = dims.zero_shard, dims.zero_shard_rank, dims.zero_shard_group
         layout = param_layout(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]

@@ -194,6 +194,24 @@ class ParallelDims:
         return self.dp_rank // self.dp_shard
 
     @property
+    def zero_shard(self) -> int:
+        """Ranks ZeRO shards model states over: dp_shard, times cp under context parallelism. Every cp rank
+        holds the gradient of its own tokens, so the reduce-scatter that sums gradients over dp x cp (as
+        the replicated optimizer's all-reduce does) can hand each of those ranks its own rows: one
+        collective, and cp x smaller shards, rather than sharding over dp and all-reducing over cp too.
+        Under cp, dp_shard is dp (rules.context_problems refuses a split), so the group is dp_cp_group."""
+        return self.dp_shard * self.cp
+
+    @property
+    def zero_shard_rank(self) -> int:
+        """This rank's index in the ZeRO shard group (dp_cp_group orders its ranks dp-major, then cp)."""
+        return self.dp_shard_rank * self.cp + self.cp_rank
+
+    @property
+    def zero_shard_group(self) -> Optional[dist.ProcessGroup]:
+        return self.dp_cp_group if self.cp > 1 else self.dp_shard_group
+
+    @property
     def replica_size(self) -> int:
         """Ranks in one replica: dp_shard * pp * cp * tp."""
         return self.dp_shard * self.pp * self.cp * self.tp

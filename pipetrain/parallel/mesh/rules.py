@@ -155,17 +155,15 @@ def context_problems(recipe: Recipe) -> list[str]:
         out.append(f"train.seq_len: its cp slice seq_len/cp={t.seq_len // p.cp} must be divisible by "
                    f"parallel.tp={p.tp} under sequence_parallel, got {t.seq_len}; use a multiple of {2 * p.cp * p.tp}")
     refused = [  # (in use, key=value, why not yet)
-        (p.zero >= 1, f"parallel.zero={p.zero}", "ZeRO shards over dp only, not dp x cp; set parallel.zero=0"),
-        (recipe.model.lora_rank is not None, f"model.lora_rank={recipe.model.lora_rank}",
-         "LoRA is not tested with cp; drop model.lora_rank or set parallel.cp=1"),
+        (p.dp_shard is not None and p.zero >= 1, f"parallel.dp_shard={p.dp_shard}",
+         "ZeRO shards over all of dp x cp under cp (no replicas of the shards); drop parallel.dp_shard"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "relaxed replicas are not built with cp; use bsp"),
         (p.dynamic_batch, "parallel.dynamic_batch", "the dynamic split is not built with cp; drop it"),
         (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}", "parameter servers are not built with cp; set 0"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}",
          "torchft replica groups are not built with cp; set fault_tolerance=none"),
-        (t.precision == "fp8", "train.precision=fp8", "fp8 is not tested with cp; use bf16"),
-        (p.auto, "parallel.auto", "the planner has no cp term yet; give the layout by hand"),
-        (t.compile, "train.compile", "the cp attention is not compiled yet; set train.compile=false"),
+        (t.precision == "fp8", "train.precision=fp8",
+         "fp8 scales are per tensor, and a cp slice's amax is not the whole sequence's; use bf16"),
         (t.fused_loss is True, "train.fused_loss=true", "the fused loss is not tested with cp; set train.fused_loss=false"),
     ]
     out += [f"{key}: does not combine with {why} yet ({fix})" for used, key, fix in refused if used]
