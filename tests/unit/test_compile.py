@@ -1,6 +1,7 @@
 """train.compile in one process: blocks compiled in place (names kept), parity with eager at every step under
-full recompute and gradient-accumulation fusion, and under bf16 autocast, one graph for all blocks, the backend knob, the reason
-inductor cannot run, and the steady-state throughput of the end-of-run line."""
+full recompute and gradient-accumulation fusion, and under bf16 autocast, one graph for all blocks, the
+backend knob, the reason inductor cannot run, the steady-state throughput of the end-of-run line, and the
+split backward's dW deferred out of compiled blocks to the W action."""
 from __future__ import annotations
 
 import pytest
