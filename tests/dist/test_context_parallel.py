@@ -3,9 +3,9 @@
 Every case trains a few fp32 steps and checks the loss and the global gradient norm at every step, then the
 validation loss (the loader slices validation batches too), against the single-process run (the norm catches
 a wrong gradient at the first step, before the loss could drift).
-Two spawns in the default run (cp 2: plain causal llama, and a mistral sliding window with document masks;
-cp 2 with ZeRO 1/2/3 and LoRA); the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp, cp x dp with ZeRO)
-is marked slow.
+In the default run, cp 2 only: plain causal llama and a mistral sliding window with document masks, ZeRO 1
+and LoRA, compiled blocks; the rest of the matrix (cp 4, cp x tp, cp x dp, cp x pp, ZeRO 2/3, cp x dp with
+ZeRO, a second compiled model) is marked slow.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
             assert trainer.optimizer.dp_size == dims.dp * dims.cp, (dims.coords, trainer.optimizer.dp_size)
         graphs = counters["stats"]["unique_graphs"]
         got = losses_and_norms(trainer, evaluate=True)
-        if parallel.get("zero") and dims.zero_shard_rank == 0:  # the planner's ZeRO state: rows of dp x cp shards
+        # the planner's ZeRO state: rows of dp x cp shards (plan.memory does not model LoRA's frozen base)
+        if parallel.get("zero") and dims.zero_shard_rank == 0 and model != "lora":
             predicted = model_state_bytes(trainer.recipe, dims.world_size, dims.pp_rank)[2]
             assert trainer.optimizer.state_bytes() == predicted, (dims.coords, name, predicted)
         if parallel.get("compile"):  # the blocks (and the cp core in them) ran compiled, one graph serving both
@@ -131,10 +132,14 @@ def test_cp2_pp2_matches_single_process_with_selective_recompute(tmp_path):
 
 
 # ---- ZeRO and LoRA: ZeRO shards over dp x cp (ParallelDims.zero_shard), one reduce-scatter summing over both ----
-def test_cp2_with_zero_1_2_3_and_lora_matches_single_process(tmp_path):
+def test_cp2_with_zero_1_and_lora_matches_single_process(tmp_path):
     """dp 1: the ZeRO shard group is the cp group itself (each cp rank owns half the rows)."""
-    check_cases(tmp_path, {"cp": 2}, [("llama", False, {"zero": 1}), ("mistral", True, {"zero": 2}),
-                                      ("llama", True, {"zero": 3}), ("lora", False, {})])
+    check_cases(tmp_path, {"cp": 2}, [("llama", True, {"zero": 1}), ("lora", False, {})])
+
+
+@pytest.mark.slow
+def test_cp2_with_zero_2_and_3_matches_single_process(tmp_path):
+    check_cases(tmp_path, {"cp": 2}, [("mistral", True, {"zero": 2}), ("llama", True, {"zero": 3})])
 
 
 @pytest.mark.slow
@@ -145,9 +150,11 @@ def test_cp2_dp2_with_zero_and_lora_matches_single_process(tmp_path):
 
 
 # ---- compile: the cp attention core traced with fullgraph (aot_eager: inductor's trace, eager kernels) ----
-def test_cp2_compiled_matches_single_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, document_mask", [("llama", True),
+                                                  pytest.param("mistral", False, marks=pytest.mark.slow)])
+def test_cp2_compiled_matches_single_process(tmp_path, monkeypatch, model, document_mask):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # spawned ranks inherit it
-    check_cases(tmp_path, {"cp": 2}, [("llama", True, {"compile": True}), ("mistral", False, {"compile": True})])
+    check_cases(tmp_path, {"cp": 2}, [(model, document_mask, {"compile": True})])
 
 
 # ---- activation memory falls with cp ----
