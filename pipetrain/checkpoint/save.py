@@ -27,7 +27,7 @@ import torch
 from pipetrain.checkpoint.manifest import FORMAT_VERSION
 from pipetrain.checkpoint.read import base_reference, slice_offsets
 from pipetrain.checkpoint.writer import CheckpointWriter, Snapshot
-from pipetrain.models.init import param_layout
+from pipetrain.models.init import param_layout, persistent_buffers
 from pipetrain.parallel.data.grads import tied_copy_names
 
 Item = tuple[str, torch.Tensor, tuple, list[int]]  # (global name, local tensor, global shape, box offsets)
@@ -60,6 +60,9 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
         if trainable_only and not params[name].requires_grad:
             continue
         out.append((f"model/{name}", params[name].detach(), tuple(shape), slice_offsets(shape, slices)))
+    if dims.dp_rank == 0 and dims.tp_rank == 0:  # replicated state (the MoE router's aux-free bias)
+        out += [(f"buffer/{name}", b.detach(), tuple(b.shape), [0] * b.dim())
+                for name, b in persistent_buffers(model).items()]
     if hasattr(optimizer, "param_items"):  # ZeRO-3: the weights are row shards, written by every dp rank
         out = [(f"model/{name}", t.detach(), shape, list(offsets))
                for name, t, shape, offsets in optimizer.param_items()
