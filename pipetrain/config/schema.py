@@ -104,7 +104,11 @@ class ModelConfig:
 LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
-def lora_projections(family: str) -> tuple[str, ...]:
+def lora_projections(family: str, moe: bool = False) -> tuple[str, ...]:
+    """The projections a family's LoRA can target; a mixture of experts (moe): attention only (its experts
+    are stacked tensors, not linears)."""
+    if moe:
+        return LORA_PROJECTIONS[:4]
     return tuple(n for n in LORA_PROJECTIONS if not (family == "gpt2" and n == "gate"))
 
 

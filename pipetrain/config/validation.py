@@ -81,7 +81,7 @@ def _own_problems(r: Recipe) -> list[str]:
              "for full fine-tuning")
         need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0 (the scale is alpha / rank)")
         need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
-        known = lora_projections(m.family)
+        known = lora_projections(m.family, m.is_moe)
         for name in m.lora_targets:
             need(name in known, f"model.lora_targets: {m.family} has no projection {clip(repr(name))}, got "
                  f"{m.lora_targets}; use names from {list(known)}")

@@ -181,3 +181,32 @@ def test_resume_restores_the_aux_free_bias_bitwise(tmp_path):
     got = resumed.fit()
     assert [r["loss"] for r in got] == [r["loss"] for r in want[3:]]
     assert torch.equal(bias, straight.model.layers["0"].mlp.router.expert_bias)
+
+
+def test_lora_on_an_moe_adapts_attention_only_and_freezes_the_experts(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "lora_rank": 4, "lora_alpha": 8.0})
+    trainer = build_trainer(cfg, str(tmp_path), learnable=True, steps=4, global_batch=4, seq_len=16, lr=3e-2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    history = trainer.fit()
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".attn.w" in n and n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n in trained)
+    assert {n.split(".attn.")[1].split(".")[0] for n in trained} == {"wq", "wk", "wv", "wo"}
+    for n, p in trainer.model.named_parameters():
+        if n not in trained:
+            assert torch.equal(p, before[n]), f"{n} is frozen and must not change"
+    assert history[-1]["loss"] < history[0]["loss"]
+    bad = Recipe(model=ModelConfig(**{**cfg.__dict__, "lora_targets": ["gate"]}),
+                 data=DataConfig(path="x", tokenizer="y"), train=TrainConfig(seq_len=16))
+    assert any("model.lora_targets: qwen3_moe has no projection 'gate'" in p for p in validate(bad))
+
+
+def test_full_recompute_gives_the_same_losses_and_counts_each_token_once(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_aux_loss_coef": 0.05, "router_bias_update_rate": 1e-3})
+    runs = []
+    for recompute in ("none", "full"):
+        (tmp_path / recompute).mkdir()
+        trainer = build_trainer(cfg, str(tmp_path / recompute), steps=3, global_batch=4, seq_len=16,
+                                recompute=recompute)
+        runs.append([(r["loss"], r["aux_loss"], r["grad_norm"], r["expert_load_max"], r["expert_load_mean"])
+                     for r in trainer.fit()])
+    assert runs[0] == runs[1]
