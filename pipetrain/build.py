@@ -41,6 +41,7 @@ from pipetrain.hf.tokenizer import check_tokenizer_vocab
 from pipetrain.hf.weights import load_hf_weights
 from pipetrain.metrics import MetricsLogger, peak_tflops
 from pipetrain.models import build, materialize
+from pipetrain.models.moe import set_aux_sequences
 from pipetrain.models.compile import apply_compile, check_compile, compile_backend
 from pipetrain.optim.build import build_optimizer, lr_at
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
@@ -136,6 +137,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     else:  # a resumed run overwrites these weights from the checkpoint
         materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
+    set_aux_sequences(model, recipe.train.global_batch)  # MoE aux gradient per global-batch sequence
     apply_recompute(model, recipe.parallel)
     if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
         apply_compile(model)

@@ -2,7 +2,10 @@
 
 metrics.jsonl is a contract (DESIGN.md): every optimizer step writes step, loss, lr, grad_norm,
 tokens (cumulative), tokens_per_sec, step_time_s, peak_mem_bytes, and mfu when a peak FLOP rate is
-known; evaluations write step, eval_loss, eval_tokens. The console shows a start-up banner, a line
+known; a mixture-of-experts model adds expert_load_max and expert_load_mean (lists, one entry per layer:
+the largest and the mean tokens per expert of the step's global batch) and, with router_aux_loss_coef > 0,
+aux_loss (the balance term added to the objective, not part of loss); evaluations write step,
+eval_loss, eval_tokens. The console shows a start-up banner, a line
 every run.log_every steps (step/total, elapsed, ETA; a progress bar instead when stderr is a
 terminal), a line per checkpoint saved and per evaluation, and a summary at the end.
 

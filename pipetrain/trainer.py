@@ -20,6 +20,7 @@ from pipetrain.data import IGNORE_INDEX, Batch, Loader
 from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
+from pipetrain.models.moe import moe_step_end
 from pipetrain.optim.build import lr_at
 from pipetrain.parallel.mesh.comm import all_reduce_, max_over_world_async, sum_over_world_
 from pipetrain.parallel.tensor.cross_entropy import head_cross_entropy, vocab_parallel_cross_entropy
@@ -108,6 +109,12 @@ class Trainer:
                 local_sum.zero_()
             sum_over_world_(local_sum, self.dims.world_size)
         return float(local_sum) / num_targets
+
+    def _sum_expert_counts(self, table: torch.Tensor) -> torch.Tensor:
+        """moe_step_end's reduction: the step's expert counts summed over dp and pp (each pp stage fills
+        its own layers' rows) in place; tp ranks saw the same tokens, so the world sum counts them tp times."""
+        sum_over_world_(table, self.dims.world_size)
+        return table.div_(self.dims.tp)
 
     def _replica_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
         """Under a relaxed parallel.dp_sync: this replica's loss (summed over its ranks only, so no
@@ -204,6 +211,7 @@ class Trainer:
                     self.ps.prefetch(self.step + 2, self.loader.peek_inputs())
             self.optimizer.step(lr)
         self.step += 1
+        moe = moe_step_end(self.model, self._sum_expert_counts)  # {} for a dense model
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
@@ -219,6 +227,7 @@ class Trainer:
         if self.ps is not None:
             record.update(ps_version=self.ps.version, ps_pull_bytes=self.ps.bytes_pulled,
                           ps_push_bytes=self.ps.bytes_pushed)
+        record.update(moe)  # aux_loss, expert_load_max / expert_load_mean per layer (models/moe.py)
         record.update(extra)  # relaxed sync: wait_s, replica_bytes, clock_lead / clock_lag, applied
         if self.dbs is not None:  # samples of the global batch each replica took
             record["dbs_shares"] = [k * self.dbs_microbatch * self.dims.dp_shard for k in self.dbs.counts]

@@ -127,6 +127,19 @@ def hf_configs() -> dict:
     }
 
 
+def moe_hf_configs() -> dict:
+    """One tiny mixture of experts per MoE family (4 experts, 2 per token: some tokens leave an expert empty)."""
+    import transformers as tf  # deferred: heavy, and only the Hugging Face tests need it
+
+    moe = dict(num_key_value_heads=2, num_experts_per_tok=2, **{k: v for k, v in SMALL.items()
+                                                                  if k != "intermediate_size"})
+    return {
+        "mixtral": tf.MixtralConfig(num_local_experts=4, intermediate_size=24, sliding_window=None, **moe),
+        "qwen3_moe": tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, intermediate_size=48, head_dim=12,
+                                       norm_topk_prob=False, **moe),  # head_dim != hidden/heads, no renormalising
+    }
+
+
 def save_tiny_hf(hf_config, out_dir: str, seed: int = 0, **save_kwargs):
     """A transformers model with every parameter random (std 0.3), saved to out_dir; returns it (eval)."""
     from transformers import AutoModelForCausalLM  # deferred: heavy, only the Hugging Face tests need it

@@ -22,7 +22,7 @@ import torch
 from pipetrain.checkpoint.read import (TensorReader, base_reference, checkpoint_dirs, read_manifest,
                                        slice_offsets, verify_files)
 from pipetrain.config import ConfigError
-from pipetrain.models.init import param_layout
+from pipetrain.models.init import param_layout, persistent_buffers
 from pipetrain.parallel.data.grads import tied_copy_names
 
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -91,6 +91,10 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
                                    reader.read(f"model/{name}", offsets, shape), adapters_only)
     else:
         _load_params(model, params, reader, adapters_only)
+    with torch.no_grad():  # a checkpoint from before a buffer existed leaves it at its initial value
+        for name, b in persistent_buffers(model).items():
+            if f"buffer/{name}" in manifest["tensors"]:
+                b.copy_(reader.read(f"buffer/{name}", [0] * b.dim(), b.shape, b.dtype))
     optimizer.load_state_items(lambda name, global_shape, offsets, shape:
                                reader.read(f"optim/{name}", offsets, shape))
     loader.load_state_dict(manifest["data"])

@@ -27,7 +27,7 @@ import torch
 from pipetrain.checkpoint.manifest import FORMAT_VERSION
 from pipetrain.checkpoint.read import base_reference, slice_offsets
 from pipetrain.checkpoint.writer import CheckpointWriter, Snapshot
-from pipetrain.models.init import param_layout
+from pipetrain.models.init import param_layout, persistent_buffers
 from pipetrain.parallel.data.grads import tied_copy_names
 
 Item = tuple[str, torch.Tensor, tuple, list[int]]  # (global name, local tensor, global shape, box offsets)
@@ -65,6 +65,9 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
                for name, t, shape, offsets in optimizer.param_items(trainable_only)  # hold the same rows)
                if not (dims.tp_rank != 0 and name in replicated_over_tp)
                and getattr(dims, "dp_replicate_rank", 0) == 0]
+    if dims.dp_rank == 0 and dims.tp_rank == 0:  # replicated state (the MoE router's aux-free bias)
+        out += [(f"buffer/{name}", b.detach(), tuple(b.shape), [0] * b.dim())
+                for name, b in persistent_buffers(model).items()]
     for name, tensor, shape, offsets in optimizer.state_items():
         param_name = name.rsplit("/", 1)[-1]
         if param_name in skip or (dims.tp_rank != 0 and param_name in replicated_over_tp):

@@ -27,7 +27,7 @@ def clip(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
+    family: Literal["llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen3_moe"] = "llama"
     vocab_size: int = 8192
     d_model: int = 256
     n_layers: int = 4
@@ -42,6 +42,16 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None       # None = family default (qwen2 True)
     sliding_window: Optional[int] = None  # mistral: attend to at most this many previous tokens
     init_std: float = 0.02
+    qk_norm: Optional[bool] = None        # RMSNorm over each q/k head before RoPE; None = family default (qwen3_moe)
+    head_dim_: Optional[int] = None       # YAML key `head_dim`: attention head size; None = d_model / n_heads
+    # ---- mixture of experts (pipetrain/models/moe.py, docs/models.md); names follow the HF configs ----
+    num_experts: int = 0                  # routed experts per layer; 0 = dense MLP
+    num_experts_per_tok: int = 2          # top-k experts each token goes to
+    moe_intermediate_size: Optional[int] = None  # each expert's ffn; None = ffn_hidden's value
+    shared_expert_intermediate_size: int = 0     # an always-on dense MLP beside the experts; 0 = none
+    norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights to sum 1; None = family default
+    router_aux_loss_coef: float = 0.0     # sequence-wise load-balancing loss weight; 0 = off
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing bias step; 0 = off
     # LoRA (pipetrain/models/lora.py, tp layout in pipetrain/parallel/tensor/lora.py): None = off; else the adapter rank r, with base weights frozen
     lora_rank: Optional[int] = None
     lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
@@ -54,7 +64,24 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_ or self.d_model // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_intermediate_size or self.ffn
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.family == "qwen3_moe" if self.qk_norm is None else self.qk_norm
+
+    @property
+    def norm_topk(self) -> bool:
+        """Renormalise the top-k weights: Mixtral always does; Qwen3-MoE by config (default False in HF)."""
+        return self.family == "mixtral" if self.norm_topk_prob is None else self.norm_topk_prob
 
     @property
     def ffn(self) -> int:
@@ -77,7 +104,11 @@ class ModelConfig:
 LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
-def lora_projections(family: str) -> tuple[str, ...]:
+def lora_projections(family: str, moe: bool = False) -> tuple[str, ...]:
+    """The projections a family's LoRA can target; a mixture of experts (moe): attention only (its experts
+    are stacked tensors, not linears)."""
+    if moe:
+        return LORA_PROJECTIONS[:4]
     return tuple(n for n in LORA_PROJECTIONS if not (family == "gpt2" and n == "gate"))
 
 
@@ -213,4 +244,4 @@ SECTIONS = {
     "data": DataConfig, "checkpoint": CheckpointConfig, "run": RunConfig, "faults": FaultsConfig,
 }
 # Recipe keys that are Python keywords, and their dataclass fields.
-KEY_ALIASES = {("checkpoint", "async"): "async_"}
+KEY_ALIASES = {("checkpoint", "async"): "async_", ("model", "head_dim"): "head_dim_"}

@@ -42,6 +42,7 @@ def _own_problems(r: Recipe) -> list[str]:
         need(m.family == "gpt2" or m.head_dim % 2 == 0,
              f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
         need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    problems += _moe_problems(m)
     need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
     need(t.lr >= 0, f"train.lr={t.lr} must be >= 0 (0 keeps the weights frozen)")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
@@ -80,7 +81,7 @@ def _own_problems(r: Recipe) -> list[str]:
              "for full fine-tuning")
         need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0 (the scale is alpha / rank)")
         need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
-        known = lora_projections(m.family)
+        known = lora_projections(m.family, m.is_moe)
         for name in m.lora_targets:
             need(name in known, f"model.lora_targets: {m.family} has no projection {clip(repr(name))}, got "
                  f"{m.lora_targets}; use names from {list(known)}")
@@ -100,6 +101,35 @@ def _own_problems(r: Recipe) -> list[str]:
     need((f.kill_rank is None) == (f.kill_at_step is None), "faults.kill_rank and faults.kill_at_step go "
          f"together (got kill_rank={f.kill_rank}, kill_at_step={f.kill_at_step}); set both or neither")
     return problems
+
+
+def _moe_problems(m) -> list[str]:
+    """The mixture-of-experts keys (pipetrain.models.moe): one line per problem."""
+    out = []
+    if m.family in ("mixtral", "qwen3_moe") and m.num_experts == 0:
+        out.append(f"model.num_experts: family {m.family} is a mixture of experts, got 0; set it (e.g. 8)")
+    if m.head_dim_ is not None and (m.head_dim_ < 2 or m.head_dim_ % 2):
+        out.append(f"model.head_dim: must be an even number >= 2 for RoPE, got {m.head_dim_}")
+    if m.num_experts < 0:
+        out.append(f"model.num_experts: must be >= 0 (0 = dense MLP), got {m.num_experts}")
+    if m.num_experts == 0:
+        return out
+    if m.family == "gpt2":
+        out.append("model.num_experts: gpt2 has a GELU MLP; experts are SwiGLU, got family gpt2; use llama, "
+                   "mixtral or qwen3_moe")
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        out.append(f"model.num_experts_per_tok: must be in 1..model.num_experts={m.num_experts}, got "
+                   f"{m.num_experts_per_tok}")
+    if m.moe_intermediate_size is not None and m.moe_intermediate_size < 1:
+        out.append(f"model.moe_intermediate_size: must be >= 1, got {m.moe_intermediate_size}")
+    if m.shared_expert_intermediate_size < 0:
+        out.append(f"model.shared_expert_intermediate_size: must be >= 0 (0 = none), got "
+                   f"{m.shared_expert_intermediate_size}")
+    if m.router_aux_loss_coef < 0:
+        out.append(f"model.router_aux_loss_coef: must be >= 0 (0 = off), got {m.router_aux_loss_coef}")
+    if m.router_bias_update_rate < 0:
+        out.append(f"model.router_bias_update_rate: must be >= 0 (0 = off), got {m.router_bias_update_rate}")
+    return out
 
 
 def _sec(obj) -> str:

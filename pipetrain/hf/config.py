@@ -1,7 +1,7 @@
 """Hugging Face config.json -> ModelConfig, for model.init_from.
 
-model_config_from_hf(hf_dir, recipe_model) reads config.json of a llama, qwen2, mistral or gpt2
-model. Every option pipetrain cannot reproduce exactly (RoPE scaling, o_proj/MLP biases, other
+model_config_from_hf(hf_dir, recipe_model) reads config.json of a llama, qwen2, mistral, gpt2, mixtral
+or qwen3_moe model (transformers 4.x and 5 key names alike). Every option pipetrain cannot reproduce exactly (RoPE scaling, o_proj/MLP biases, other
 activations, a head_dim other than d_model/n_heads, mixed sliding/full layers, ...) is a ConfigError
 naming the option. A recipe model key is "set by the user" when it differs from ModelConfig()'s
 default; such a key must agree with config.json (else a ConfigError names both values), and every
@@ -22,10 +22,13 @@ from pipetrain.jsonfile import read_json
 CONFIG_FILE = "config.json"
 CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KB; anything near this is not one
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-            "gpt2": "GPT2LMHeadModel"}
+            "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Recipe keys that config.json defines; the rest (init_from, init_std) stay as the recipe has them.
 HF_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-           "tie_embeddings", "rope_theta", "norm_eps", "qkv_bias", "sliding_window")
+           "tie_embeddings", "rope_theta", "norm_eps", "qkv_bias", "sliding_window", "num_experts",
+           "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "qk_norm", "head_dim_")
+RECIPE_KEY = {"head_dim_": "head_dim"}  # a field whose recipe key differs (schema.KEY_ALIASES)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation, as ours
 
 
@@ -138,10 +141,15 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
              "pipetrain's llama layers have no q/k/v/o biases (qwen2 has q/k/v biases only)")
         need(not raw.get("mlp_bias", False), "mlp_bias", raw.get("mlp_bias"), "use a model without MLP biases")
         head_dim = raw.get("head_dim")
-        need(head_dim is None or (isinstance(head_dim, int) and head_dim == d // heads), "head_dim != hidden_size/num_attention_heads", head_dim,
-             f"pipetrain derives head_dim={d // heads} from hidden_size={d} and num_attention_heads={heads}")
+        if family in MOE_FAMILIES:  # model.head_dim holds any even size
+            head_dim = req("head_dim", d // heads)
+            need(head_dim % 2 == 0, "an odd head_dim", head_dim, "RoPE needs an even head_dim")
+        else:
+            need(head_dim is None or (isinstance(head_dim, int) and head_dim == d // heads),
+                 "head_dim != hidden_size/num_attention_heads", head_dim,
+                 f"pipetrain derives head_dim={d // heads} from hidden_size={d} and num_attention_heads={heads}")
         window = None
-        if family == "mistral" or (family == "qwen2" and raw.get("use_sliding_window")):
+        if family in ("mistral", "mixtral") or (family == "qwen2" and raw.get("use_sliding_window")):
             window = req("sliding_window") if raw.get("sliding_window") is not None else None
         if family == "qwen2":
             n_layers, first_window = req("num_hidden_layers"), raw.get("max_window_layers", 0)
@@ -163,14 +171,41 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
                    ffn_hidden=req("intermediate_size"), max_seq_len=req("max_position_embeddings"),
                    tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
                    rope_theta=_rope_theta(raw, path, problems), norm_eps=num("rms_norm_eps", 1e-6),
-                   qkv_bias=family == "qwen2", sliding_window=window)
+                   qkv_bias=family == "qwen2", sliding_window=window, num_experts=0)
+        if family in MOE_FAMILIES:
+            out.update(_moe_values(raw, family, path, need, req), head_dim_=None if head_dim == d // heads else head_dim)
     if not problems:
-        need(out["d_model"] % out["n_heads"] == 0, "hidden size not divisible by the head count",
+        need(out.get("head_dim_") is not None or out["d_model"] % out["n_heads"] == 0, "hidden size not divisible by the head count",
              (out["d_model"], out["n_heads"]), "pipetrain needs d_model % n_heads == 0")
         need(out["n_heads"] % out["n_kv_heads"] == 0, "heads not divisible by key/value heads",
              (out["n_heads"], out["n_kv_heads"]), "use a model whose kv heads divide its heads")
     if problems:
         raise ConfigError("; ".join(problems))
+    return out
+
+
+def _moe_values(raw: dict, family: str, path: str, need, req) -> dict:
+    """The mixture-of-experts keys of a mixtral / qwen3_moe config.json (need / req: _hf_values' checks)."""
+    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"  # transformers 5 / 4.x
+    out = dict(num_experts=req(experts_key), num_experts_per_tok=req("num_experts_per_tok"))
+    if family == "mixtral":
+        jitter = raw.get("router_jitter_noise", 0.0)
+        need(not jitter, "router_jitter_noise", jitter, "set it to 0 (pipetrain's router adds no noise)")
+        out.update(moe_intermediate_size=req("intermediate_size"), norm_topk_prob=True, qk_norm=False)
+    else:
+        step, only = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+        need(step == 1, "decoder_sparse_step != 1 (dense layers between sparse ones)", step,
+             "use a model whose every layer is a mixture of experts")
+        need(not only, "mlp_only_layers (dense layers among the sparse ones)", only,
+             "use a model whose every layer is a mixture of experts")
+        need(not raw.get("use_sliding_window", False), "use_sliding_window", raw.get("use_sliding_window"),
+             "set it to false")
+        norm = raw.get("norm_topk_prob", False)
+        need(isinstance(norm, bool), "a non-boolean norm_topk_prob", norm, "use true or false")
+        out.update(moe_intermediate_size=req("moe_intermediate_size"), norm_topk_prob=bool(norm), qk_norm=True)
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        need(False, "num_experts_per_tok > the expert count", out["num_experts_per_tok"],
+             f"use at most {out['num_experts']}")
     return out
 
 
@@ -195,6 +230,7 @@ def model_config_from_hf(hf_dir: str, recipe_model: ModelConfig | None = None) -
     for key, hf_value in values.items():
         mine = getattr(recipe_model, key)
         if mine != getattr(defaults, key) and not _same(mine, hf_value):
+            key = RECIPE_KEY.get(key, key)
             problems.append(f"model.{key}={mine!r} contradicts {path} ({key}={hf_value!r}); remove model.{key} "
                             "from the recipe (model.init_from defines it) or point init_from at another model")
     if problems:

@@ -25,7 +25,8 @@ an interrupted export never looks loadable.
 
 Architecture chosen for the structure (an exact equivalent when the family's own class lacks it):
 gpt2 -> GPT2LMHeadModel; q/k/v biases -> Qwen2ForCausalLM; a sliding window -> MistralForCausalLM;
-otherwise llama -> LlamaForCausalLM, mistral -> MistralForCausalLM, qwen2 (no bias) -> LlamaForCausalLM.
+otherwise llama -> LlamaForCausalLM, mistral -> MistralForCausalLM, qwen2 (no bias) -> LlamaForCausalLM;
+mixtral -> MixtralForCausalLM, qwen3_moe -> Qwen3MoeForCausalLM (experts fused as transformers 5 stores them).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import torch.nn as nn
 from pipetrain.checkpoint.load import check_base
 from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.hf.config import CONFIG_FILE, read_hf_config
+from pipetrain.hf.config import CONFIG_FILE, FAMILIES as FAMILY_CLASS, read_hf_config
 from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
 from pipetrain.hf.tokenizer import load_hf_tokenizer
 from pipetrain.hf.weights import INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_weights
@@ -82,6 +83,8 @@ def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float
     special = {k: getattr(tokenizer, k, None) if tokenizer is not None else None
                for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied, **special)
+    if cfg.is_moe:
+        return _moe_hf_config(cfg, common, dtype)
     if cfg.family == "gpt2":
         if cfg.kv_heads != cfg.n_heads:
             raise ConfigError(f"export: gpt2 has no grouped-query attention, got model.n_kv_heads={cfg.kv_heads} "
@@ -107,6 +110,43 @@ def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float
         else:
             out = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim, **attrs)
             out.architectures = ["LlamaForCausalLM"]
+    out.dtype = str(dtype).removeprefix("torch.")
+    return out
+
+
+def _moe_hf_config(cfg: ModelConfig, common: dict, dtype: torch.dtype):
+    """MixtralConfig / Qwen3MoeConfig for a mixture of experts; what neither class holds is refused."""
+    import transformers  # deferred: a heavy import that only export needs
+
+    wants = {"mixtral": (True, False, cfg.norm_topk), "qwen3_moe": (True, True, None)}
+    fix = "export supports the mixtral and qwen3_moe layouts of transformers"
+    if cfg.family not in wants:
+        raise ConfigError(f"export: model.num_experts={cfg.num_experts} with family {cfg.family} has no Hugging Face "
+                          f"class, got family {cfg.family}; use family mixtral or qwen3_moe ({fix})")
+    if cfg.shared_expert_intermediate_size or cfg.has_qkv_bias or cfg.has_qk_norm != (cfg.family == "qwen3_moe"):
+        raise ConfigError(f"export: {cfg.family} has no shared expert, no q/k/v bias and "
+                          f"{'q/k norms' if cfg.family == 'qwen3_moe' else 'no q/k norms'}, got "
+                          f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
+                          f"qkv_bias={cfg.has_qkv_bias}, qk_norm={cfg.has_qk_norm}; {fix}")
+    if cfg.family == "mixtral" and not cfg.norm_topk:
+        raise ConfigError("export: mixtral always renormalises its top-k weights, got model.norm_topk_prob=false; "
+                          "use family qwen3_moe or norm_topk_prob=true")
+    attrs = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                 num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                 hidden_act="silu", head_dim=cfg.head_dim, num_experts_per_tok=cfg.num_experts_per_tok,
+                 rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                 router_aux_loss_coef=cfg.router_aux_loss_coef, **common)
+    if cfg.family == "mixtral":
+        out = transformers.MixtralConfig(intermediate_size=cfg.expert_ffn, num_local_experts=cfg.num_experts,
+                                         sliding_window=cfg.sliding_window, router_jitter_noise=0.0, **attrs)
+    else:
+        if cfg.sliding_window:
+            raise ConfigError(f"export: qwen3_moe is exported without a sliding window, got "
+                              f"model.sliding_window={cfg.sliding_window}; drop it or use family mixtral")
+        out = transformers.Qwen3MoeConfig(intermediate_size=cfg.ffn, moe_intermediate_size=cfg.expert_ffn,
+                                          num_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk,
+                                          decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False, **attrs)
+    out.architectures = [FAMILY_CLASS[cfg.family]]
     out.dtype = str(dtype).removeprefix("torch.")
     return out
 
@@ -294,7 +334,7 @@ def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
                 if len(pending[src.hf_name]) < parts[src.hf_name]:
                     continue
                 got = pending.pop(src.hf_name)
-                tensor = torch.cat([got[k] for k in sorted(got)], dim=0)
+                tensor = torch.cat([got[k] for k in sorted(got)], dim=src.dim)
             writer.write(src.hf_name, tensor.t() if src.transpose else tensor)
             del tensor
     except BaseException:

@@ -7,6 +7,11 @@ slices) that pipetrain.models.init.param_layout reports. Name mapping (hf_source
   llama/qwen2/mistral: model.embed_tokens -> embed, model.layers.N.self_attn.{q,k,v,o}_proj ->
     layers.N.attn.{wq,wk,wv,wo}, mlp.{gate,up,down}_proj -> mlp.{gate,up,down}, input_layernorm ->
     attn_norm, post_attention_layernorm -> mlp_norm, model.norm -> norm, lm_head -> head.
+  mixtral/qwen3_moe: as llama, plus self_attn.{q,k}_norm -> attn.{q,k}_norm (qwen3_moe), mlp.gate ->
+    mlp.router, and the experts fused as transformers 5 stores them (mlp.experts.gate_up_proj (E, 2F, D):
+    gate rows then up rows -> mlp.experts.gate / up; down_proj -> down) or, when the fused tensor is
+    absent, transformers 4.x's per-expert modules (block_sparse_moe.experts.{i}.w1/w3/w2 for mixtral,
+    mlp.experts.{i}.{gate,up,down}_proj for qwen3_moe) stacked into our (E, ...) tensors.
   gpt2: transformer.wte/wpe -> embed/pos_embed, h.N.ln_1/ln_2 -> attn_norm/mlp_norm, h.N.attn.c_attn
     (fused q|k|v) -> wq, wk, wv, attn.c_proj -> wo, mlp.c_fc/c_proj -> up/down, ln_f -> norm.
     GPT-2's Conv1D stores weights as (in, out), the transpose of nn.Linear; a local slice of ours is
@@ -20,6 +25,7 @@ May import: config, jsonfile, models. Never: parallel, trainer, build, cli.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -40,16 +46,44 @@ INDEX_MAX_BYTES = 256 << 20  # a weight index names each tensor once: a few MB e
 class HFSource:
     """Where one of our global tensors lives in an HF checkpoint.
 
-    Our tensor is rows [offset, offset + rows) along dim 0 of the HF tensor, after transposing it
-    when `transpose` (GPT-2 Conv1D stores (in, out)); rows=None means the whole tensor."""
+    Our tensor is rows [offset, offset + rows) along `dim` of the HF tensor, after transposing it
+    when `transpose` (GPT-2 Conv1D stores (in, out)); rows=None means the whole tensor. experts > 0:
+    hf_name holds "{e}" and our tensor stacks the E tensors it names along a new dim 0 (transformers
+    4.x's per-expert modules; the fused tensors of transformers 5 are one (E, ...) tensor)."""
     hf_name: str
     transpose: bool = False
     offset: int = 0
     rows: int | None = None
+    dim: int = 0
+    experts: int = 0
 
 
-def hf_sources(cfg: ModelConfig) -> dict[str, HFSource]:
-    """{our global parameter name: HFSource} for every parameter of the full model cfg describes."""
+# The experts' layouts, by family: fused (transformers 5: gate|up in one (E, 2F, D) tensor) and per expert
+# (transformers 4.x modules). Our gate/up/down -> (HF name under the layer, rows part of gate_up or None).
+MOE_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}  # 4.x module name (5 renames mixtral's to mlp)
+PER_EXPERT = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+              "qwen3_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
+
+
+def _expert_sources(cfg: ModelConfig, h: str, me: str, per_expert: bool) -> dict[str, HFSource]:
+    """The router and experts of one layer: fused (transformers 5) or per-expert (4.x) names."""
+    E, Fe = cfg.num_experts, cfg.expert_ffn
+    if per_expert:
+        block = f"{h}.{MOE_BLOCK[cfg.family]}"
+        names = PER_EXPERT[cfg.family]
+        out = {f"{me}.mlp.experts.{ours}": HFSource(f"{block}.experts.{{e}}.{names[ours]}.weight", experts=E)
+               for ours in ("gate", "up", "down")}
+        out[f"{me}.mlp.router.weight"] = HFSource(f"{block}.gate.weight")
+        return out
+    return {f"{me}.mlp.router.weight": HFSource(f"{h}.mlp.gate.weight"),
+            f"{me}.mlp.experts.gate": HFSource(f"{h}.mlp.experts.gate_up_proj", offset=0, rows=Fe, dim=1),
+            f"{me}.mlp.experts.up": HFSource(f"{h}.mlp.experts.gate_up_proj", offset=Fe, rows=Fe, dim=1),
+            f"{me}.mlp.experts.down": HFSource(f"{h}.mlp.experts.down_proj")}
+
+
+def hf_sources(cfg: ModelConfig, per_expert: bool = False) -> dict[str, HFSource]:
+    """{our global parameter name: HFSource} for every parameter of the full model cfg describes.
+    per_expert: a mixture of experts in transformers 4.x's per-expert layout (else 5's fused tensors)."""
     out: dict[str, HFSource] = {}
     if cfg.family == "gpt2":
         d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
@@ -78,6 +112,12 @@ def hf_sources(cfg: ModelConfig) -> dict[str, HFSource]:
                 out[f"{me}.attn.{ours}.weight"] = HFSource(f"{h}.self_attn.{theirs}.weight")
                 if cfg.has_qkv_bias and ours != "wo":
                     out[f"{me}.attn.{ours}.bias"] = HFSource(f"{h}.self_attn.{theirs}.bias")
+            if cfg.has_qk_norm:
+                for ours in ("q_norm", "k_norm"):
+                    out[f"{me}.attn.{ours}.weight"] = HFSource(f"{h}.self_attn.{ours}.weight")
+            if cfg.is_moe:
+                out.update(_expert_sources(cfg, h, me, per_expert))
+                continue
             for ours in ("gate", "up", "down"):
                 out[f"{me}.mlp.{ours}.weight"] = HFSource(f"{h}.mlp.{ours}_proj.weight")
         out["norm.weight"] = HFSource("model.norm.weight")
@@ -85,19 +125,22 @@ def hf_sources(cfg: ModelConfig) -> dict[str, HFSource]:
     return out
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: ModelConfig, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of the checkpoint cfg describes (fused tensors included once)."""
     layout = param_layout(build(cfg, device="meta"))
-    sources = hf_sources(cfg)
+    sources = hf_sources(cfg, per_expert)
     transposed = {src.hf_name for src in sources.values() if src.transpose}
     fused: dict[str, list] = {}
     for name, src in sources.items():
         if name not in layout:  # head.weight of a tied model: param_layout lists the shared tensor once
             continue
         shape = list(layout[name][0])
-        if src.rows is not None:  # one part of a fused tensor: sum the parts along our dim 0
-            acc = fused.setdefault(src.hf_name, [0] + shape[1:])
-            acc[0] += shape[0]
+        if src.experts:  # one HF tensor per expert
+            for e in range(src.experts):
+                fused[src.hf_name.format(e=e)] = shape[1:]
+        elif src.rows is not None:  # one part of a fused tensor: sum the parts along src.dim
+            acc = fused.setdefault(src.hf_name, shape[:src.dim] + [0] + shape[src.dim + 1:])
+            acc[src.dim] += shape[src.dim]
         else:
             fused[src.hf_name] = shape
     return {name: tuple(shape[::-1]) if name in transposed else tuple(shape) for name, shape in fused.items()}
@@ -164,15 +207,29 @@ class HFWeights:
         raise ConfigError(f"model.init_from: tensor {name} is missing from {where}; the checkpoint does not "
                           "match its config.json")
 
-    def read(self, src: HFSource, slices: tuple[slice, ...], expected_shape: tuple[int, ...]) -> torch.Tensor:
-        """The local slice of our tensor, read from the HF tensor without loading the rest of it."""
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor of this name (or its base-model name)."""
+        if self.files is None:
+            with self._open(self._single) as f:
+                self.files = {k: self._single for k in f.keys()}
+        return name in self.files or name.partition(".")[2] in self.files
+
+    def read(self, src: HFSource, slices: tuple[slice, ...], shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+        """The local slice of our tensor, read from the HF tensor(s) without loading the rest of them;
+        shapes: hf_shapes of the config, every HF tensor's expected shape."""
+        if src.experts:  # our (E, ...) tensor stacks one HF tensor per expert: read this rank's experts
+            rows = range(src.experts)[slices[0]]
+            one = dataclasses.replace(src, experts=0)
+            return torch.stack([self.read(dataclasses.replace(one, hf_name=src.hf_name.format(e=e)), slices[1:],
+                                          shapes) for e in rows])
+        expected_shape = shapes[src.hf_name]
         key = self.file_of(src.hf_name)
         path = self.files[key]
         slices = list(slices)
-        if src.rows is not None:  # shift our dim-0 slice to the part's rows inside the fused tensor
-            s = slices[0]
+        if src.rows is not None:  # shift our slice along src.dim to the part's rows inside the fused tensor
+            s = slices[src.dim]
             start, stop = s.start or 0, src.rows if s.stop is None else s.stop
-            slices[0] = slice(src.offset + start, src.offset + stop)
+            slices[src.dim] = slice(src.offset + start, src.offset + stop)
         with self._open(path) as f:
             view = f.get_slice(key)
             shape = tuple(view.get_shape())
@@ -202,11 +259,11 @@ def load_hf_weights(model: nn.Module, hf_dir: str, cfg: ModelConfig,
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device or "cpu")
     _retie(model, cfg)
-    sources, shapes = hf_sources(cfg), hf_shapes(cfg)
-    params = dict(model.named_parameters(remove_duplicate=False))
     weights = HFWeights(hf_dir)
+    per_expert = cfg.is_moe and not weights.has(hf_sources(cfg)["layers.0.mlp.experts.down"].hf_name)
+    sources, shapes = hf_sources(cfg, per_expert), hf_shapes(cfg, per_expert)
+    params = dict(model.named_parameters(remove_duplicate=False))
     for name, (_, slices) in param_layout(model).items():
         assert name in sources, f"parameter {name} has no Hugging Face source for family {cfg.family}"
-        src = sources[name]
-        params[name].copy_(weights.read(src, slices, shapes[src.hf_name]))
+        params[name].copy_(weights.read(sources[name], slices, shapes))
     return model

@@ -1,4 +1,6 @@
-"""One decoder-only transformer that covers the llama, qwen2, mistral and gpt2 families by config.
+"""One decoder-only transformer that covers the llama, qwen2, mistral and gpt2 families by config, and the
+mixture-of-experts families mixtral (llama attention) and qwen3_moe (q/k RMSNorm per head) whose blocks
+hold a pipetrain.models.moe.MoE in place of the MLP.
 
 The model is blind to parallelism: tensor parallelism swaps its Linear/Embedding modules from outside,
 pipeline parallelism deletes layers (kept in a ModuleDict so global names survive) and sets embed,
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import rms_norm, rope, swiglu
+from pipetrain.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +101,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(D, cfg.kv_heads * K, bias=cfg.has_qkv_bias or cfg.family == "gpt2")
         self.wo = nn.Linear(cfg.n_heads * K, D, bias=cfg.family == "gpt2")
         self.core = AttentionCore(cfg.sliding_window)
+        # qwen3: RMSNorm over each head's K channels of q and k, before RoPE (one (K,) weight shared by heads)
+        self.q_norm = RMSNorm(K, cfg.norm_eps) if cfg.has_qk_norm else None
+        self.k_norm = RMSNorm(K, cfg.norm_eps) if cfg.has_qk_norm else None
         # RoPE table length when positions index past this input's T (a context-parallel slice holds global
         # positions; pipetrain.parallel.context sets the full sequence length). None: the input's T.
         self.rope_len: int | None = None
@@ -109,6 +115,8 @@ class Attention(nn.Module):
         k = k.view(*k.shape[:2], -1, self.head_dim)
         v = self.wv(x)
         v = v.view(*v.shape[:2], -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope and positions is None:
             cos, sin = rope_tables(q.shape[1], self.head_dim, self.rope_theta, q.device, q.dtype)
             q, k = rope(q, k, cos, sin)
@@ -124,9 +132,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: int | None = None):
         super().__init__()
-        D, Fh = cfg.d_model, cfg.ffn
+        D, Fh = cfg.d_model, ffn or cfg.ffn
         self.gated = cfg.family != "gpt2"
         bias = cfg.family == "gpt2"
         if self.gated:
@@ -146,7 +154,11 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = MoE(cfg, MLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, positions=None):
         h = x + (self.attn(self.attn_norm(x)) if positions is None else self.attn(self.attn_norm(x), positions))
@@ -193,27 +205,41 @@ class Decoder(nn.Module):
         return h
 
 
-def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+def count_params(model: nn.Module, exclude_embeddings: bool = False, active: bool = False) -> int:
+    """Parameters of model (all of them; active: those one token uses, i.e. k of the E routed experts)."""
     total = 0
     for name, p in model.named_parameters():
         if exclude_embeddings and name.split(".")[0] in ("embed", "pos_embed"):
             continue
-        total += p.numel()
+        n = p.numel()
+        if active and ".experts." in name:
+            cfg = model.cfg
+            n = n * cfg.num_experts_per_tok // cfg.num_experts
+        total += n
     return total
+
+
+def mlp_matmul_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies by in one block's MLP: the dense SwiGLU/GELU MLP, or the router, its
+    k routed experts and the shared expert (what flops and the planner's active compute use)."""
+    if not cfg.is_moe:
+        return cfg.d_model * cfg.ffn * (3 if cfg.family != "gpt2" else 2)
+    D = cfg.d_model
+    return D * cfg.num_experts + 3 * D * (cfg.num_experts_per_tok * cfg.expert_ffn + cfg.shared_expert_intermediate_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training matmul FLOPs per token (forward + backward = 3x forward), see docs/mfu.md.
 
     Counts every matmul once with 2 FLOPs per multiply-add: q/k/v/o projections (GQA-aware), the
-    MLP (3 matrices for SwiGLU, 2 for GELU), the LM head, and attention scores and values with the
+    MLP (3 matrices for SwiGLU, 2 for GELU; an MoE's router and active experts), the LM head, and attention scores and values with the
     causal mask halving the useful work (T/2 keys per query on average). Norms, activations and
     softmax are left out, as in Megatron-LM and PaLM; recomputation is not counted (that is HFU).
     """
     D, K, L = cfg.d_model, cfg.head_dim, cfg.n_layers
     Hq, Hkv = cfg.n_heads, cfg.kv_heads
     proj = 2 * D * K * (2 * Hq + 2 * Hkv)
-    mlp = 2 * D * cfg.ffn * (3 if cfg.family != "gpt2" else 2)
+    mlp = 2 * mlp_matmul_params(cfg)  # a mixture of experts: active experts only
     window = min(seq_len, cfg.sliding_window or seq_len)
     attn = 2 * 2 * Hq * K * (window / 2 if window == seq_len else window)
     head = 2 * D * cfg.vocab_size
@@ -221,4 +247,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 __all__ = ["Decoder", "Block", "Attention", "MLP", "RMSNorm", "LayerNorm", "count_params", "document_mask",
-           "flops_per_token", "rope_tables"]
+           "flops_per_token", "mlp_matmul_params", "rope_tables"]

@@ -44,6 +44,17 @@ def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[sli
     return out
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{global name: buffer} of the model's state_dict buffers: training state that is not a parameter,
+    replicated over dp and tp (a MoE router's expert_bias); checkpoints hold them under buffer/."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for b_name, b in module.named_buffers(recurse=False):
+            if b_name not in module._non_persistent_buffers_set:
+                out[f"{mod_name}.{b_name}" if mod_name else b_name] = b
+    return out
+
+
 # init_rows draws this many elements at a time: a multiple of 16, the block torch's CPU normal_ transforms
 # at once, so chunk by chunk the stream gives the full draw's values (tests/unit/test_ps.py checks it)
 INIT_CHUNK = 1 << 20
@@ -58,7 +69,7 @@ def _init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:
     if "norm" in owner:
         return "ones", 0.0
     std = cfg.init_std
-    if owner in ("wo", "down"):
+    if owner in ("wo", "down") or name.endswith("experts.down"):
         std = std / math.sqrt(2 * cfg.n_layers)  # GPT-2 scaling of residual-branch outputs
     return "normal", std
 
@@ -119,6 +130,9 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
         first_module, first_name = places[0]
         for module, p_name in places[1:]:
             setattr(module, p_name, getattr(first_module, first_name))
+    for module in model.modules():  # buffers: the MoE router's aux-free bias starts at zero
+        for buf in module.buffers(recurse=False):
+            buf.zero_()
     params = dict(model.named_parameters())
     for name, (shape, slices) in param_layout(model).items():
         full = init_tensor(cfg, name, shape, seed)

@@ -44,7 +44,7 @@ _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 def lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
     """The targets of cfg (model.lora_targets, or every projection the family has when empty)."""
-    return tuple(cfg.lora_targets) or lora_projections(cfg.family)
+    return tuple(cfg.lora_targets) or lora_projections(cfg.family, cfg.is_moe)
 
 
 def is_adapter(name: str) -> bool:
@@ -116,7 +116,7 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, seed: int, partial_grads: b
         return []
     if any(isinstance(m, LoRAAdapted) for m in model.modules()):
         raise ValueError("apply_lora: the model already has adapters; apply it once")
-    known = lora_projections(cfg.family)
+    known = lora_projections(cfg.family, cfg.is_moe)
     bad = [t for t in lora_targets(cfg) if t not in known]
     if bad:
         raise ConfigError(f"model.lora_targets: {cfg.family} has no projection {bad[0]!r}, got "

@@ -112,7 +112,12 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     block = norm + [(q_rows, D), (kv_local, D), (kv_local, D), (D, m.n_heads * K // tp)]
     block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
     block += [(D,)] if gpt2 else []  # wo bias, replicated
-    block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
+    block += [(K,), (K,)] if m.has_qk_norm else []  # q/k norms, replicated
+    if m.is_moe:  # router (replicated), E experts F-sharded like the MLP, the shared MLP
+        E, Fe, Fs = m.num_experts, m.expert_ffn // tp, m.shared_expert_intermediate_size // tp
+        block += norm + [(E, D), (E, Fe, D), (E, Fe, D), (E, D, Fe)] + ([(Fs, D), (Fs, D), (D, Fs)] if Fs else [])
+    else:
+        block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
     block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
     shapes = []
     if first:
@@ -126,6 +131,14 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
         if not m.tied or tied_copy:
             shapes.append((V // tp, D))
     return shapes
+
+
+def active_ffn(m: ModelConfig) -> int:
+    """The MLP width one token passes through: ffn, or a mixture of experts' k routed experts and its
+    shared MLP (their activations and weight-gradient operands scale with it)."""
+    if not m.is_moe:
+        return m.ffn
+    return m.num_experts_per_tok * m.expert_ffn + m.shared_expert_intermediate_size
 
 
 def model_params(m: ModelConfig) -> int:
@@ -227,7 +240,7 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     cp > 1 (per token of a rank's slice): the cp attention core (parallel/context/attention.py) checkpoints
     its chunks, so no log-sum-exp, and keeps the all-gathered K and V of the whole sequence, cp x the slice's;
     under selective recompute the core's own checkpoint keeps only the slice's q, k, v, as without cp."""
-    D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
+    D, K, Fh, V = m.d_model, m.head_dim, active_ffn(m), m.vocab_size
     gpt2 = m.family == "gpt2"
     sp = tp if sequence_parallel and tp > 1 else 1
     stats = 2 if gpt2 else 1                       # LayerNorm: mean and rstd; RMSNorm: rstd
@@ -238,6 +251,8 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
         kv, lse = kv * cp, 0
     attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
     mlp = norm_group + (2 * Fh / tp if gpt2 else 4 * Fh / tp)
+    if m.is_moe:  # router probabilities; each of the k copies of the token sorted to its expert and its output
+        mlp += 2 * m.num_experts + 2 * m.num_experts_per_tok * D
     if recompute == "full":
         block = D / sp
     elif recompute == "selective":
@@ -361,7 +376,7 @@ def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
     """(inputs, output gradients): bytes per token of one block's linears' weight-gradient operands with tp's
     shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
     output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
-    D, Fh = m.d_model, m.ffn
+    D, Fh = m.d_model, active_ffn(m)
     q, kv = m.n_heads * m.head_dim / tp, kv_rows(m, tp)
     hidden = Fh / tp
     inputs = D + D + q + hidden

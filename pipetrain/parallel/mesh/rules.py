@@ -41,7 +41,30 @@ def parallel_problems(recipe: Recipe) -> list[str]:
                         "with fp8 yet; use train.precision=bf16")
     return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
             + context_problems(recipe)
-            + zero3_problems(recipe))
+            + zero3_problems(recipe) + moe_problems(recipe))
+
+
+def moe_problems(r: Recipe) -> list[str]:
+    """model.num_experts > 0 (pipetrain.models.moe): the compositions not built for experts, one line each."""
+    p, t = r.parallel, r.train
+    if r.model.num_experts <= 0:
+        return []
+    refused = [
+        (t.precision == "fp8", "train.precision=fp8 (the experts are not float8 linears)", "use bf16 or fp32"),
+        (t.compile, "train.compile (routing has data-dependent shapes)", "set train.compile=false"),
+        (t.fused_loss is True, "train.fused_loss=true (not tested with experts)", "set train.fused_loss=auto"),
+        (p.cp > 1, f"parallel.cp={p.cp} (the balance loss is per whole sequence)", "set parallel.cp=1"),
+        (p.zero == 3, "parallel.zero=3 (stacked expert weights are not gathered per unit)", "use parallel.zero=2"),
+        (p.sequence_parallel, "parallel.sequence_parallel (routing needs every token's rank-local counts)",
+         "set parallel.sequence_parallel=false"),
+        (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync} (the balancing bias reduces counts over all of dp "
+         "every step)", "use parallel.dp_sync=bsp"),
+        (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}", "set it to none"),
+        (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
+         "set parallel.ps_servers=0"),
+    ]
+    return [f"{key}: does not combine with model.num_experts={r.model.num_experts} yet; {fix}"
+            for on, key, fix in refused if on]
 
 
 def zero3_problems(r: Recipe) -> list[str]:
@@ -328,6 +351,13 @@ def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, seq_len: int | Non
     if m.ffn % tp:
         problems.append(f"parallel.tp: must divide model.ffn_hidden={m.ffn} (the MLP is split by columns), "
                         f"got {tp}; set model.ffn_hidden to a multiple of {tp}")
+    if m.num_experts > 0 and m.expert_ffn % tp:
+        problems.append(f"parallel.tp: must divide model.moe_intermediate_size={m.expert_ffn} (each expert is "
+                        f"split by columns like the MLP), got {tp}; use one of {_divisors(m.expert_ffn)}")
+    if m.num_experts > 0 and m.shared_expert_intermediate_size % tp:
+        problems.append(f"parallel.tp: must divide model.shared_expert_intermediate_size="
+                        f"{m.shared_expert_intermediate_size}, got {tp}; use one of "
+                        f"{_divisors(m.shared_expert_intermediate_size)}")
     if m.vocab_size % tp:
         padded = -(-m.vocab_size // tp) * tp
         problems.append(f"parallel.tp: must divide model.vocab_size={m.vocab_size} (embedding and head are "

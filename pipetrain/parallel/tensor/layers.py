@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
+from pipetrain.models.moe import Experts, MoE
 from pipetrain.parallel.mesh.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
 from pipetrain.parallel.data.allreduce import allreduce_grads
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -58,6 +59,16 @@ TP_PLAN: dict[str, str] = {
     "mlp.gate": "column",     # (B, T, F/tp)
     "mlp.up": "column",
     "mlp.down": "row",
+    "attn.q_norm": "qk_norm",  # qwen3_moe: one (K,) weight over this rank's heads only, gradient tp-partial
+    "attn.k_norm": "qk_norm",
+    # a mixture of experts ("mlp" is then a models.moe.MoE): the router stays replicated outside the region
+    # (every tp rank sees the same tokens, so routing needs no collective); each expert is F-sharded like
+    # the MLP, and the experts' summed output leaves the region with the MLP's one all-reduce
+    "mlp.experts": "experts",
+    "mlp.shared": "region",
+    "mlp.shared.gate": "column",
+    "mlp.shared.up": "column",
+    "mlp.shared.down": "row",
     "attn_norm": "norm",      # sp only: runs on (B, T/tp, D), gradient tp-partial
     "mlp_norm": "norm",
     "norm": "norm",
@@ -260,6 +271,35 @@ class _EnterRegion:
         return (gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group), *rest)
 
 
+class ExpertRegion:
+    """A MoE's tp region around its F-sharded experts (MoE.expert_region). enter: the tokens and their
+    routing weights through f (forward identity, backward all-reduce: each rank's expert shards give a
+    partial gradient of both); leave: g, the experts' partial outputs summed over tp. The router runs
+    outside, on the replicated input, so its gradient is whole on every rank."""
+
+    def __init__(self, dims: ParallelDims):
+        self.tp_group = dims.tp_group
+
+    def enter(self, x, topk_w):
+        return copy_to_tp(x, self.tp_group), copy_to_tp(topk_w, self.tp_group)
+
+    def leave(self, y):
+        return reduce_from_tp(y, self.tp_group)
+
+
+@torch.no_grad()
+def _shard_experts(module: Experts, dims: ParallelDims) -> Experts:
+    """Experts with F split over tp: gate/up (E, F/tp, D) (column), down (E, D, F/tp) (row)."""
+    E, F_full, D = module.gate.shape
+    assert F_full % dims.tp == 0, f"expert ffn={F_full} is not divisible by tp={dims.tp}"
+    with torch.device(module.gate.device):
+        new = Experts(E, D, F_full // dims.tp).to(module.gate.dtype)
+    new.param_shards = {"gate": (1, dims.tp_rank, dims.tp), "up": (1, dims.tp_rank, dims.tp),
+                        "down": (2, dims.tp_rank, dims.tp)}
+    _copy_shards(new, module)
+    return new
+
+
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> None:
     """Shard model (a Decoder, possibly pruned to a pipeline stage) over dims.tp_group, in place.
 
@@ -303,8 +343,14 @@ def _parallel_module(kind: str, module: nn.Module, cfg: ModelConfig, dims: Paral
         return ReplicatedKVLinear.from_linear(module, dims, head_dim=cfg.head_dim)
     if kind == "row":
         return RowParallelLinear.from_linear(module, dims, sequence_parallel=sequence_parallel)
-    if kind == "region":
+    if kind == "experts":
+        return _shard_experts(module, dims)
+    if kind == "region" and isinstance(module, MoE):
+        module.expert_region = ExpertRegion(dims)
+    elif kind == "region":
         module.register_forward_pre_hook(_EnterRegion(dims, sequence_parallel))
+    elif kind == "qk_norm":
+        module.tp_partial_grads = ("weight",)
     elif kind == "norm" and sequence_parallel:
         module.tp_partial_grads = tuple(n for n, _ in module.named_parameters(recurse=False))
     elif kind == "position" and sequence_parallel:

@@ -1,0 +1,246 @@
+"""Mixture-of-experts feed-forward: a router, E SwiGLU experts as stacked tensors, an optional shared MLP.
+
+MoE replaces Block.mlp when model.num_experts > 0. One forward is three overridable steps, so expert
+parallelism (pipetrain.parallel.ep) replaces only the middle one:
+
+    topk_idx, topk_w, stats = self.route(x)             softmax over all E experts, top-k, renormalise
+    y = self.dispatch_compute_combine(x, idx, w)        sort tokens by expert, grouped SwiGLU, unsort, sum
+    y = self.account(y, stats)                          aux loss injection, expert counts for the step
+
+Routing follows the Hugging Face families exactly: probabilities = softmax(router logits) in fp32 over
+all experts, then the top k, then (norm_topk_prob) divided by their sum, then cast to x's dtype. The
+DeepSeek-V3 aux-loss-free bias (router.expert_bias) is added to the probabilities only to choose WHICH
+experts a token goes to; the weights stay the unbiased probabilities. Ties choose the lower expert
+index (a stable sort), so routing is deterministic.
+
+Dropless: every token is computed by each of its k experts; there is no capacity factor, so no token is
+ever dropped or padded (an expert's batch is as large as its routing makes it).
+
+Balance loss, per SEQUENCE (DeepSeek-V3's sequence-wise loss; Switch's with a sequence as the batch):
+for each sequence, balance = sum_e f_e * P_e, f_e = E / (k T) * (tokens of the sequence routed to e),
+P_e = mean over its T tokens of the probability of e (1 when perfectly balanced). The aux loss is
+router_aux_loss_coef * sum over layers of the mean over the global batch's sequences. A sequence is never
+split by data or pipeline parallelism (microbatches split the batch by rows), so no layout changes it.
+It reaches the gradient through AuxLossInjector on the layer output (Megatron's MoEAuxLossAutoScaler):
+forward returns the output unchanged; backward also gives the aux term its gradient, scaled by
+1 / aux_sequences (the global batch's sequence count, set by build like the LM loss's 1 / target tokens),
+so a pipeline stage needs no loss plumbing.
+
+Step bookkeeping: every training forward adds its routing counts to the non-persistent buffer
+router.step_counts (and the detached balance sum to router.step_aux); moe_step_end(model, reduce_fn)
+after the optimizer step reduces them, moves the aux-free bias (bias += rate * sign(mean - count)) and
+returns the per-layer loads for metrics. A full-recompute forward running again inside backward does
+not count twice.
+
+Shapes: N tokens (B*T), D model, E experts, k experts per token, F expert ffn.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipetrain.config import ModelConfig
+from pipetrain.kernels import swiglu
+
+
+class Router(nn.Linear):
+    """D -> E logits (an nn.Linear without bias, weight (E, D)), with the aux-free balancing bias."""
+
+    def __init__(self, d_model: int, num_experts: int):
+        super().__init__(d_model, num_experts, bias=False)
+        # persistent: the bias is training state a checkpoint must restore (fp32 whatever the weights' dtype)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        # this step's routed tokens per expert and detached per-sequence balance sum (moe_step_end resets)
+        self.register_buffer("step_counts", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("step_aux", torch.zeros((), dtype=torch.float64), persistent=False)
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """forward: y unchanged; backward: y's gradient, and `scale` as the gradient of the aux term."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return dy, torch.full((), ctx.scale, dtype=torch.float32, device=dy.device), None
+
+
+def route_topk(probs: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None):
+    """(topk_idx (N, k) int64, topk_w (N, k) fp32) of probs (N, E) fp32: the k largest of probs (+ bias:
+    selection only), lower index first among ties; weights renormalised to sum 1 when norm."""
+    score = probs if bias is None else probs + bias
+    topk_idx = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+    topk_w = probs.gather(-1, topk_idx)
+    if norm:
+        topk_w = topk_w / topk_w.sum(-1, keepdim=True)
+    return topk_idx, topk_w
+
+
+def _grouped_mm_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """torch._grouped_mm's conditions: CUDA sm90+, bf16, rows 16-byte aligned (dims multiples of 8)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and gate.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and x.shape[-1] % 8 == 0 and gate.shape[1] % 8 == 0)
+
+
+def grouped_swiglu_loop(x_sorted: torch.Tensor, counts: list[int], gate, up, down) -> torch.Tensor:
+    """The reference: one SwiGLU per expert over its contiguous rows. x_sorted (N*k, D) -> (N*k, D)."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            xe = x_sorted[start:start + n]
+            outs.append(F.linear(swiglu(F.linear(xe, gate[e]), F.linear(xe, up[e])), down[e]))
+            start += n
+    if not outs:
+        return x_sorted.new_zeros(x_sorted.shape[0], down.shape[1])
+    return torch.cat(outs)
+
+
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert over its rows: x_sorted (M, D) sorted by expert, counts (E,) rows per expert,
+    gate/up (E, F, D), down (E, D, F) -> (M, D). On CUDA one grouped GEMM per matrix (torch._grouped_mm,
+    bf16, with cumulative offsets) where available; else a loop over experts (the CPU path and oracle)."""
+    if _grouped_mm_ok(x_sorted, gate):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = swiglu(torch._grouped_mm(x_sorted, gate.transpose(-2, -1), offs=offs),
+                   torch._grouped_mm(x_sorted, up.transpose(-2, -1), offs=offs))  # (M, F)
+        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+    return grouped_swiglu_loop(x_sorted, counts.tolist(), gate, up, down)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights, nn.Linear's (out, in) convention per expert:
+    gate/up (E, F, D), down (E, D, F). Tensor parallelism shards F (dim 1 of gate/up, dim 2 of down)."""
+
+    def __init__(self, num_experts: int, d_model: int, ffn: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, ffn, d_model))
+        self.up = nn.Parameter(torch.empty(num_experts, ffn, d_model))
+        self.down = nn.Parameter(torch.empty(num_experts, d_model, ffn))
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: a full-recompute forward then runs again, and its
+    routing must not be counted a second time (the original forward counted it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts MLP of one block: x (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk
+        self.aux_coef, self.bias_rate = cfg.router_aux_loss_coef, cfg.router_bias_update_rate
+        self.router = Router(cfg.d_model, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.d_model, cfg.expert_ffn)
+        self.shared = shared
+        # sequences in the global batch: the aux term's gradient is 1 / aux_sequences per sequence, as the
+        # LM loss's is 1 / target tokens per token. None (a plain forward): this input's B.
+        self.aux_sequences: int | None = None
+        # set by tensor parallelism (pipetrain.parallel.tensor.layers.ExpertRegion): enter(x, w) -> (x, w)
+        # in the tp region before the F-sharded experts, leave(y) sums their partial outputs over tp
+        self.expert_region = None
+
+    def route(self, x: torch.Tensor):
+        """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k) in x's dtype, stats (probs fp32 (B, T, E), idx)."""
+        logits = self.router(x)  # (B, T, E)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        bias = self.router.expert_bias if self.bias_rate > 0 else None
+        topk_idx, topk_w = route_topk(probs.reshape(-1, self.num_experts), self.top_k, self.norm_topk, bias)
+        return topk_idx, topk_w.to(x.dtype), (probs, topk_idx)
+
+    def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor):
+        """Local dropless experts: (B, T, D) -> (B, T, D), sum_k w_k * expert_{idx_k}(x) per token."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, D)
+        flat = topk_idx.reshape(-1)  # (N*k,)
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, token order kept inside a group
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token = order // self.top_k
+        e = self.experts
+        y = grouped_swiglu(x[token], counts, e.gate, e.up, e.down)  # (N*k, D) in expert order
+        y = y * topk_w.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, token, y)
+        return out.view(shape)
+
+    def account(self, y: torch.Tensor, stats) -> torch.Tensor:
+        """Per-sequence balance (injected into backward when router_aux_loss_coef > 0) and the step's counts."""
+        probs, topk_idx = stats
+        B, T, E = probs.shape
+        idx = topk_idx.reshape(B, T * self.top_k)
+        counts = torch.zeros(B, E, device=probs.device, dtype=torch.float32)
+        counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))  # (B, E) per sequence
+        f = counts * (E / (self.top_k * T))
+        balance = (f * probs.mean(1)).sum(-1)  # (B,): 1 when balanced
+        if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
+            scale = self.aux_coef / (self.aux_sequences or B)
+            y = AuxLossInjector.apply(y, balance.sum(), scale)
+        if self.training and not _in_backward():
+            self.router.step_counts += counts.sum(0).to(torch.float64)
+            self.router.step_aux += balance.detach().sum().to(torch.float64)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_idx, topk_w, stats = self.route(x)
+        xe, we = (x, topk_w) if self.expert_region is None else self.expert_region.enter(x, topk_w)
+        y = self.dispatch_compute_combine(xe, topk_idx, we)
+        if self.expert_region is not None:
+            y = self.expert_region.leave(y)
+        y = self.account(y, stats)
+        return y if self.shared is None else y + self.shared(x)
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """{global layer index: MoE} of the layers this (possibly pruned) model holds."""
+    return {int(i): block.mlp for i, block in model.layers.items() if isinstance(block.mlp, MoE)}
+
+
+def set_aux_sequences(model: nn.Module, sequences: int) -> None:
+    """Every MoE layer scales its aux gradient by 1 / sequences (the global batch: train.global_batch)."""
+    for moe in moe_layers(model).values():
+        moe.aux_sequences = sequences
+
+
+@torch.no_grad()
+def moe_step_end(model: nn.Module, reduce_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """After the optimizer step: the step's counts of every layer (rows of an (n_layers, E + 1) fp64
+    table, this model's layers filled, the last column their balance sum) reduced by reduce_fn in place
+    (the trainer's: a sum over dp and over pp, so every rank sees every layer; tp ranks hold the same
+    counts and count once); moves the aux-free bias of the local layers (bias += rate * sign(mean count
+    - count)) and resets the counts. Returns the metrics ({} for a dense model): "expert_load_max" and
+    "expert_load_mean", lists over layers of the tokens per expert's max / mean, and "aux_loss",
+    router_aux_loss_coef * sum over layers of the mean balance over the global batch's sequences."""
+    cfg: ModelConfig = model.cfg
+    if not cfg.is_moe:
+        return {}
+    layers, E = moe_layers(model), cfg.num_experts
+    device = next(iter(layers.values())).router.weight.device if layers else torch.device("cpu")
+    table = torch.zeros(cfg.n_layers, E + 1, dtype=torch.float64, device=device)
+    for i, moe in layers.items():
+        table[i, :E] = moe.router.step_counts
+        table[i, E] = moe.router.step_aux
+    reduce_fn(table)
+    for i, moe in layers.items():
+        counts = table[i, :E]
+        if moe.bias_rate > 0:
+            moe.router.expert_bias += moe.bias_rate * torch.sign(counts.mean() - counts).float()
+        moe.router.step_counts.zero_()
+        moe.router.step_aux.zero_()
+    out = {"expert_load_max": table[:, :E].max(1).values.tolist(), "expert_load_mean": table[:, :E].mean(1).tolist()}
+    if cfg.router_aux_loss_coef > 0:
+        sequences = next((m.aux_sequences for m in layers.values() if m.aux_sequences), None)
+        if sequences:
+            out["aux_loss"] = cfg.router_aux_loss_coef * float(table[:, E].sum()) / sequences
+    return out
+
+
+__all__ = ["MoE", "Experts", "Router", "AuxLossInjector", "grouped_swiglu", "grouped_swiglu_loop", "route_topk",
+           "moe_layers", "moe_step_end", "set_aux_sequences"]

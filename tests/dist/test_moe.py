@@ -1,0 +1,53 @@
+"""A mixture-of-experts model trained under tensor / pipeline / data parallelism matches one process at
+every step: the loss, the aux loss, the per-layer expert loads and the aux-free bias (the router runs
+replicated outside the tp region, the experts are F-sharded, counts are reduced over dp and pp)."""
+import os
+
+import pytest
+import torch
+
+from pipetrain.config import ModelConfig
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.harness import EXACT_FP32, TP_FP32, run_ranks
+from tests.unit.common import build_trainer
+
+MOE = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                  shared_expert_intermediate_size=16, router_aux_loss_coef=0.05, router_bias_update_rate=1e-3)
+STEPS = 3
+KEYS = ("loss", "aux_loss", "grad_norm")
+
+
+def _run(out, dims=None, **parallel):
+    os.makedirs(out, exist_ok=True)
+    trainer = build_trainer(MOE, out, dims, steps=STEPS, global_batch=4, seq_len=16, **parallel)
+    history = trainer.fit()
+    bias = {i: b.mlp.router.expert_bias.clone() for i, b in trainer.model.layers.items()}
+    return [{k: r[k] for k in KEYS + ("expert_load_max", "expert_load_mean")} for r in history], bias
+
+
+def _worker(rank, world_size, out, degrees, parallel, expected, expected_bias, tol):
+    dims = ParallelDims.from_degrees(**degrees)
+    history, bias = _run(out, dims, **parallel)
+    for step, (got, want) in enumerate(zip(history, expected), 1):
+        for key in KEYS:
+            torch.testing.assert_close(got[key], want[key], **tol, msg=f"{dims.coords} step {step} {key}")
+        # the routing (and with it every count) is the same decision on every layout
+        assert got["expert_load_max"] == want["expert_load_max"], f"{dims.coords} step {step} load"
+    for i, b in bias.items():
+        torch.testing.assert_close(b, expected_bias[i], rtol=0, atol=0, msg=f"{dims.coords} layer {i} bias")
+
+
+@pytest.mark.parametrize("degrees, parallel, tol", [
+    (dict(tp=2), {}, TP_FP32),
+    pytest.param(dict(pp=2), dict(microbatches=2), EXACT_FP32, marks=pytest.mark.slow),  # aux injected on stages
+])
+def test_moe_training_matches_single_process(tmp_path, degrees, parallel, tol):
+    expected, bias = _run(str(tmp_path / "one"), **parallel)
+    run_ranks(2, _worker, str(tmp_path / "two"), degrees, parallel, expected, bias, tol)
+
+
+@pytest.mark.slow
+def test_moe_dp2_x_tp2_zero1_matches_single_process(tmp_path):
+    expected, bias = _run(str(tmp_path / "one"))
+    run_ranks(4, _worker, str(tmp_path / "four"), dict(dp=2, tp=2), dict(zero=1), expected, bias, TP_FP32)

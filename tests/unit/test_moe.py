@@ -1,0 +1,212 @@
+"""The mixture-of-experts layer (pipetrain/models/moe.py): routing, dropless compute, aux loss, the
+aux-free bias, and a few single-process training steps of a tiny MoE."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipetrain.config import ConfigError, ModelConfig, Recipe, TrainConfig, DataConfig, validate
+from pipetrain.models import build, count_params, flops_per_token, materialize
+from pipetrain.models.moe import MoE, grouped_swiglu, grouped_swiglu_loop, moe_step_end, route_topk
+from pipetrain.parallel.mesh.rules import parallel_problems
+from pipetrain.plan.memory import model_params
+from tests.unit.common import build_trainer
+
+MOE = ModelConfig(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+QWEN3_MOE = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=16)
+
+
+def _moe(cfg=MOE, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    return moe
+
+
+def dense_reference(moe: MoE, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    """Per token, sum over its k experts of w * SwiGLU_e(x): no sorting, no grouping."""
+    e = moe.experts
+    rows = []
+    for n, xt in enumerate(x.reshape(-1, x.shape[-1])):
+        out = torch.zeros_like(xt)
+        for j in range(topk_idx.shape[1]):
+            i = int(topk_idx[n, j])
+            out = out + topk_w[n, j] * (e.down[i] @ (F.silu(e.gate[i] @ xt) * (e.up[i] @ xt)))
+        rows.append(out)
+    return torch.stack(rows).view(x.shape)
+
+
+def test_moe_output_equals_dense_per_token_reference():
+    moe = _moe()
+    x = torch.randn(3, 5, 32)
+    idx, w, _ = moe.route(x)
+    torch.testing.assert_close(moe(x), dense_reference(moe, x, idx, w), rtol=1e-5, atol=1e-6)
+
+
+def test_every_token_to_one_expert_drops_no_token():
+    moe = _moe()
+    with torch.no_grad():  # a router that prefers expert 2 for every token, by a wide margin
+        moe.router.weight.zero_()
+    x = torch.randn(2, 6, 32)
+    x[..., 0] = 1.0
+    with torch.no_grad():
+        moe.router.weight[2, 0] = 50.0
+        moe.router.weight[1, 0] = 20.0
+    idx, w, _ = moe.route(x)
+    assert (idx[:, 0] == 2).all() and (idx[:, 1] == 1).all()
+    assert int(torch.bincount(idx.reshape(-1), minlength=4)[0]) == 0  # experts 0 and 3 receive nothing
+    torch.testing.assert_close(moe(x), dense_reference(moe, x, idx, w), rtol=1e-5, atol=1e-6)
+
+
+def test_ties_choose_the_lower_expert_index():
+    probs = torch.full((3, 4), 0.25)
+    idx, w = route_topk(probs, 2, norm=False)
+    assert idx.tolist() == [[0, 1]] * 3
+    torch.testing.assert_close(w, torch.full((3, 2), 0.25))
+
+
+def test_bias_chooses_experts_but_weights_stay_the_probabilities():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    idx, w = route_topk(probs, 2, norm=False, bias=torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    assert idx.tolist() == [[2, 0]]
+    torch.testing.assert_close(w, torch.tensor([[0.2, 0.4]]))
+    _, w = route_topk(probs, 2, norm=True)
+    torch.testing.assert_close(w, torch.tensor([[0.4 / 0.7, 0.3 / 0.7]]))
+
+
+def test_grouped_swiglu_matches_the_loop_with_empty_experts():
+    gate, up, down = torch.randn(4, 8, 6), torch.randn(4, 8, 6), torch.randn(4, 6, 8)
+    counts = torch.tensor([3, 0, 5, 0])
+    x = torch.randn(8, 6)
+    ref = torch.cat([F.linear(F.silu(F.linear(x[:3], gate[0])) * F.linear(x[:3], up[0]), down[0]),
+                     F.linear(F.silu(F.linear(x[3:], gate[2])) * F.linear(x[3:], up[2]), down[2])])
+    torch.testing.assert_close(grouped_swiglu(x, counts, gate, up, down), ref)
+    torch.testing.assert_close(grouped_swiglu_loop(x, counts.tolist(), gate, up, down), ref)
+
+
+def _explicit_aux(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The per-sequence balance loss written out: mean over sequences of E/(kT) sum_e count_e * mean_t p_e."""
+    probs = F.softmax(moe.router(x), dim=-1, dtype=torch.float32)  # (B, T, E)
+    idx, _ = route_topk(probs.reshape(-1, moe.num_experts), moe.top_k, moe.norm_topk)
+    B, T, E = probs.shape
+    onehot = F.one_hot(idx.reshape(B, T * moe.top_k), E).sum(1).float()  # (B, E)
+    return (onehot * E / (moe.top_k * T) * probs.mean(1)).sum(-1).mean()
+
+
+def test_aux_gradient_matches_autograd_of_the_explicit_loss():
+    cfg = ModelConfig(**{**MOE.__dict__, "router_aux_loss_coef": 0.3})
+    moe, ref = _moe(cfg), _moe(MOE)  # the same weights; ref injects nothing, its loss adds the sum
+    moe.train()
+    x = torch.randn(3, 5, 32)
+    moe(x).sum().backward()
+    (ref(x).sum() + 0.3 * _explicit_aux(ref, x)).backward()
+    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert moe.router.weight.grad is not None
+
+
+def test_aux_free_bias_moves_toward_balance():
+    cfg = ModelConfig(**{**MOE.__dict__, "router_bias_update_rate": 0.01})
+    model = materialize(build(cfg), cfg, 0, "cpu").train()
+    router = model.layers["0"].mlp.router
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[3] = 0.5  # expert 3 wins for every token with a positive mean
+    x = torch.randint(0, 64, (4, 16))
+    model(x)
+    counts = router.step_counts.clone()
+    record = moe_step_end(model, lambda t: t)
+    over = counts > counts.mean()
+    assert over.any() and (router.expert_bias[over] < 0).all() and (router.expert_bias[~over] > 0).all()
+    assert router.step_counts.sum() == 0  # reset for the next step
+    assert record["expert_load_max"][0] == counts.max() and len(record["expert_load_mean"]) == 2
+
+
+def test_tiny_moe_trains_and_logs_expert_load(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_aux_loss_coef": 0.01, "router_bias_update_rate": 1e-3})
+    trainer = build_trainer(cfg, str(tmp_path), learnable=True, steps=6, global_batch=4, seq_len=16)
+    history = trainer.fit()
+    assert history[-1]["loss"] < history[0]["loss"] * 0.8
+    for rec in history:
+        assert len(rec["expert_load_max"]) == 2 and rec["aux_loss"] > 0
+        # every routed token is counted once per chosen expert: 4 sequences x 16 tokens x k=2 per layer
+        assert rec["expert_load_mean"][0] * 4 == 4 * 16 * 2
+
+
+def test_active_params_and_flops_count_k_of_e_experts():
+    model = build(QWEN3_MOE)
+    total, active = count_params(model), count_params(model, active=True)
+    experts = 2 * 3 * 4 * 24 * 32
+    assert total - active == experts // 2  # k=2 of E=4 experts are active
+    dense = ModelConfig(**{**QWEN3_MOE.__dict__, "num_experts": 0, "family": "llama", "ffn_hidden": 2 * 24 + 16})
+    moe_router_flops = 3 * 2 * 2 * 32 * 4  # L x (fwd+bwd 3) x 2 FLOPs x D x E
+    assert flops_per_token(QWEN3_MOE, 16) == flops_per_token(dense, 16) + moe_router_flops
+
+
+def test_moe_config_errors_are_one_line_each():
+    base = Recipe(model=MOE, data=DataConfig(path="x", tokenizer="y"), train=TrainConfig(seq_len=16))
+    bad = Recipe(model=ModelConfig(**{**MOE.__dict__, "num_experts_per_tok": 5}), data=base.data)
+    assert any("model.num_experts_per_tok: must be in 1..model.num_experts=4, got 5" in p for p in validate(bad))
+    refused = Recipe(model=MOE, data=base.data, train=TrainConfig(seq_len=16, compile=True))
+    assert any(p.startswith("train.compile") and "model.num_experts=4" in p for p in parallel_problems(refused))
+    assert not validate(base, parallel_problems)
+
+
+def test_planner_counts_every_expert_parameter():
+    for cfg in (MOE, QWEN3_MOE):
+        assert model_params(cfg) == count_params(build(cfg))
+
+
+def test_resume_restores_the_aux_free_bias_bitwise(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_bias_update_rate": 1e-2})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = build_trainer(cfg, str(tmp_path / "a"), steps=5, global_batch=4, seq_len=16)
+    want = straight.fit()
+    first = build_trainer(cfg, str(tmp_path / "b"), steps=5, global_batch=4, seq_len=16)
+    for _ in range(3):
+        first.train_step()
+    first.checkpointer.save(first)
+    first.checkpointer.wait()
+    resumed = build_trainer(cfg, str(tmp_path / "b"), steps=5, global_batch=4, seq_len=16, resume="auto")
+    bias = resumed.model.layers["0"].mlp.router.expert_bias
+    # three moves of +-rate: restored from the checkpoint, not initialised at zero
+    assert bias.abs().min() > 0 and torch.equal(bias, first.model.layers["0"].mlp.router.expert_bias)
+    got = resumed.fit()
+    assert [r["loss"] for r in got] == [r["loss"] for r in want[3:]]
+    assert torch.equal(bias, straight.model.layers["0"].mlp.router.expert_bias)
+
+
+def test_lora_on_an_moe_adapts_attention_only_and_freezes_the_experts(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "lora_rank": 4, "lora_alpha": 8.0})
+    trainer = build_trainer(cfg, str(tmp_path), learnable=True, steps=4, global_batch=4, seq_len=16, lr=3e-2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    history = trainer.fit()
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".attn.w" in n and n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n in trained)
+    assert {n.split(".attn.")[1].split(".")[0] for n in trained} == {"wq", "wk", "wv", "wo"}
+    for n, p in trainer.model.named_parameters():
+        if n not in trained:
+            assert torch.equal(p, before[n]), f"{n} is frozen and must not change"
+    assert history[-1]["loss"] < history[0]["loss"]
+    bad = Recipe(model=ModelConfig(**{**cfg.__dict__, "lora_targets": ["gate"]}),
+                 data=DataConfig(path="x", tokenizer="y"), train=TrainConfig(seq_len=16))
+    assert any("model.lora_targets: qwen3_moe has no projection 'gate'" in p for p in validate(bad))
+
+
+def test_full_recompute_gives_the_same_losses_and_counts_each_token_once(tmp_path):
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_aux_loss_coef": 0.05, "router_bias_update_rate": 1e-3})
+    runs = []
+    for recompute in ("none", "full"):
+        (tmp_path / recompute).mkdir()
+        trainer = build_trainer(cfg, str(tmp_path / recompute), steps=3, global_batch=4, seq_len=16,
+                                recompute=recompute)
+        runs.append([(r["loss"], r["aux_loss"], r["grad_norm"], r["expert_load_max"], r["expert_load_mean"])
+                     for r in trainer.fit()])
+    assert runs[0] == runs[1]
