@@ -178,9 +178,11 @@ def _leaves_need_grad(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 # second op, pipetrain::linear_dx_weight_work: it returns dx = dy W and, like _LinearFn's backward, records
 # (W, b, x, dy) in the module's `deferred` list when the executor is deferring it, or adds dW, db into .grad
 # at once (apply_weight_grads) when not. Both are opaque to the graph (the second one's side effect is
-# why: a traced backward cannot write a Python list), and W, b enter them detached, so the block's graph
-# has no edge to the leaves and their hooks fire when apply_weight_grads runs (at W), as in eager. An op
-# sees only tensors and numbers: the module comes from its work_key, a CPU int64 scalar naming it in
+# why: a traced backward cannot write a Python list); W, b enter them detached (no gradient flows back
+# through them). Unlike eager, the compiled block's backward node still has an edge to every parameter of
+# the block, so a deferred weight's post-accumulate-grad hook fires in B with nothing added, then again
+# at W with dW (docs/compile.md says why ZeRO-2 still reduces after the last W). An op sees only tensors
+# and numbers: the module comes from its work_key, a CPU int64 scalar naming it in
 # _KEYED (a tensor, not an int, so that every block of a rank still shares one graph: dynamo specialises
 # on ints). Module state on purpose: the op's implementation is global.
 _KEYED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # work_key value -> WeightGradModule
