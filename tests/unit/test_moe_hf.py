@@ -13,7 +13,7 @@ from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model
 from pipetrain.hf.weights import PER_EXPERT, MOE_BLOCK, load_hf_weights
-from pipetrain.models import build, materialize
+from pipetrain.models import build
 from pipetrain.models.moe import MoE
 from tests.harness import HF_FP32, moe_hf_configs, save_tiny_hf, tokens
 from tests.unit.test_hf import random_model
