@@ -60,13 +60,13 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
         if trainable_only and not params[name].requires_grad:
             continue
         out.append((f"model/{name}", params[name].detach(), tuple(shape), slice_offsets(shape, slices)))
-    if dims.dp_rank == 0 and dims.tp_rank == 0:  # replicated state (the MoE router's aux-free bias)
-        out += [(f"buffer/{name}", b.detach(), tuple(b.shape), [0] * b.dim())
-                for name, b in persistent_buffers(model).items()]
     if hasattr(optimizer, "param_items"):  # ZeRO-3: the weights are row shards, written by every dp rank
         out = [(f"model/{name}", t.detach(), shape, list(offsets))
                for name, t, shape, offsets in optimizer.param_items()
                if not (dims.tp_rank != 0 and name in replicated_over_tp)]
+    if dims.dp_rank == 0 and dims.tp_rank == 0:  # replicated state (the MoE router's aux-free bias)
+        out += [(f"buffer/{name}", b.detach(), tuple(b.shape), [0] * b.dim())
+                for name, b in persistent_buffers(model).items()]
     for name, tensor, shape, offsets in optimizer.state_items():
         param_name = name.rsplit("/", 1)[-1]
         if param_name in skip or (dims.tp_rank != 0 and param_name in replicated_over_tp):
