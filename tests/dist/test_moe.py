@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from pipetrain.config import ModelConfig
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.test_hf_parallel import _import_layout
-from tests.harness import EXACT_FP32, TP_FP32, moe_hf_configs, run_ranks, save_tiny_hf, tokens
+from tests.harness import EXACT_FP32, TP_FP32, hf_configs, moe_hf_configs, run_ranks, save_tiny_hf, tokens
 from tests.unit.common import build_trainer
 
 MOE = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -57,15 +57,17 @@ def test_moe_dp2_x_tp2_zero1_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_moe_imports_into_tp2_at_transformers_logits(tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_hf_moe_imports_into_tp2_or_pp2_at_transformers_logits(tmp_path, tp, pp):
     """mixtral from transformers 5's fused expert tensors, qwen3_moe from the 4.x per-expert modules
-    (what save_pretrained writes), each rank reading only its F/tp slice of every expert."""
+    (what save_pretrained writes), each rank reading only its F/tp slice of every expert, or its stage's layers."""
     references = {}
-    for name, cfg in moe_hf_configs().items():
+    configs = dict(moe_hf_configs(), **({"gpt2": hf_configs()["gpt2"]} if pp > 1 else {}))  # pp also checks gpt2's pruned stage
+    for name, cfg in configs.items():
         model = save_tiny_hf(cfg, str(tmp_path / name), seed=11)
         if name == "mixtral":
             save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                       str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
         with torch.no_grad():
             references[name] = (str(tmp_path / name), model(tokens()).logits)
-    run_ranks(2, _import_layout, 2, 1, references)
+    run_ranks(2, _import_layout, tp, pp, references)
