@@ -1,4 +1,5 @@
-"""What the benchmarks share: the repository root on sys.path, and running a function on gloo processes.
+"""What the benchmarks share: the repository root on sys.path, running a function on gloo processes, and
+a median timer.
 
 The benchmarks run as scripts (`python benchmarks/NAME.py`), so Python puts benchmarks/ first on sys.path
 and `from common import run_ranks` finds this file; this file puts the repository root there too, so
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import statistics
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -43,3 +46,15 @@ def proc_status_bytes(field: str) -> int:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn() over `repeats` calls, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

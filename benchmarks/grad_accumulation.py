@@ -30,6 +30,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import median_seconds  # noqa: E402
 from pipetrain.config import TrainConfig  # noqa: E402
 from pipetrain.parallel.pipeline.weight_grads import (WeightGradEmbedding, WeightGradLinear,  # noqa: E402
                                                       apply_grad_accumulation_fusion)
@@ -39,17 +40,6 @@ LAYERS = [("q / o (D x D)", 256, 256), ("k, v (D x D/2)", 256, 128), ("gate, up 
           ("down (F -> D)", 704, 256), ("head (D -> V)", 256, 8192),
           ("1024 x 1024 (a 1B model's D x D)", 1024, 1024)]
 VOCAB = 8192
-
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) -> tuple[float, float]:
@@ -69,8 +59,8 @@ def _layer_case(plain: nn.Module, fused: nn.Module, make_input, repeats: int) ->
 
     times = {"plain": [], "fused": []}
     for _ in range(3):
-        times["plain"].append(_time(run_plain, repeats))
-        times["fused"].append(_time(run_fused, repeats))
+        times["plain"].append(median_seconds(run_plain, repeats, warmup=3))
+        times["fused"].append(median_seconds(run_fused, repeats, warmup=3))
     return statistics.median(times["plain"]), statistics.median(times["fused"])
 
 

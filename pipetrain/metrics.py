@@ -205,8 +205,9 @@ class MetricsLogger:
         m, p, t = recipe.model, recipe.parallel, recipe.train
         params = model_params(m)
         source = f" from {m.init_from}" if m.init_from else ""
+        experts = f", {m.num_experts} experts top {m.num_experts_per_tok}" if m.is_moe else ""
         self.write(f"model: {m.family}{source}, {params:,} parameters ({m.n_layers} layers, d_model {m.d_model}, "
-                   f"{m.n_heads} heads, vocab {m.vocab_size})")
+                   f"{m.n_heads} heads, vocab {m.vocab_size}{experts})")
         pipeline = f" | schedule {p.schedule}" + (f" x{p.virtual_stages} virtual" if p.virtual_stages > 1 else "")
         cp = f" x cp {dims.cp}" if dims.cp > 1 else ""
         self.write(f"layout: {dims.world_size} rank(s) = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}{cp} | "

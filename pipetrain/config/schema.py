@@ -75,6 +75,13 @@ class ModelConfig:
         return self.moe_intermediate_size or self.ffn
 
     @property
+    def active_ffn(self) -> int:
+        """The MLP width one token passes through: ffn, or k routed experts plus the shared expert."""
+        if not self.is_moe:
+            return self.ffn
+        return self.num_experts_per_tok * self.expert_ffn + self.shared_expert_intermediate_size
+
+    @property
     def has_qk_norm(self) -> bool:
         return self.family == "qwen3_moe" if self.qk_norm is None else self.qk_norm
 

@@ -33,6 +33,8 @@ def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, name: str, window:
     v = attn.wv(x)
     v = v.view(*v.shape[:2], -1, attn.head_dim)
     T = q.shape[1]
+    if attn.q_norm is not None:  # qwen3_moe: per-head q/k RMSNorm before RoPE, as Attention.forward
+        q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.use_rope:
         cos, sin = rope_tables(pos + T, attn.head_dim, attn.rope_theta, q.device, q.dtype)
         q, k = rope(q, k, cos[pos:].contiguous(), sin[pos:].contiguous())  # rotate at absolute positions

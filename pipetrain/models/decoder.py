@@ -224,8 +224,7 @@ def mlp_matmul_params(cfg: ModelConfig) -> int:
     k routed experts and the shared expert (what flops and the planner's active compute use)."""
     if not cfg.is_moe:
         return cfg.d_model * cfg.ffn * (3 if cfg.family != "gpt2" else 2)
-    D = cfg.d_model
-    return D * cfg.num_experts + 3 * D * (cfg.num_experts_per_tok * cfg.expert_ffn + cfg.shared_expert_intermediate_size)
+    return cfg.d_model * cfg.num_experts + 3 * cfg.d_model * cfg.active_ffn
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

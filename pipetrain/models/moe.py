@@ -92,10 +92,13 @@ def _grouped_mm_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
 def grouped_swiglu_loop(x_sorted: torch.Tensor, counts: list[int], gate, up, down) -> torch.Tensor:
     """The reference: one SwiGLU per expert over its contiguous rows. x_sorted (N*k, D) -> (N*k, D)."""
     outs, start = [], 0
+    # unbind once: indexing gate[e] per expert would give each expert a backward that writes a zero-filled
+    # (E, F, D) gradient (3E full-size buffers per layer); unbind's backward stacks the E pieces once
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
     for e, n in enumerate(counts):
         if n:
             xe = x_sorted[start:start + n]
-            outs.append(F.linear(swiglu(F.linear(xe, gate[e]), F.linear(xe, up[e])), down[e]))
+            outs.append(F.linear(swiglu(F.linear(xe, gates[e]), F.linear(xe, ups[e])), downs[e]))
             start += n
     if not outs:
         return x_sorted.new_zeros(x_sorted.shape[0], down.shape[1])

@@ -133,14 +133,6 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     return shapes
 
 
-def active_ffn(m: ModelConfig) -> int:
-    """The MLP width one token passes through: ffn, or a mixture of experts' k routed experts and its
-    shared MLP (their activations and weight-gradient operands scale with it)."""
-    if not m.is_moe:
-        return m.ffn
-    return m.num_experts_per_tok * m.expert_ffn + m.shared_expert_intermediate_size
-
-
 def model_params(m: ModelConfig) -> int:
     """Parameters of the whole model (count_params of a build), by arithmetic: no layer is built, so a
     size check on a recipe with a million layers answers at once."""
@@ -240,7 +232,7 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     cp > 1 (per token of a rank's slice): the cp attention core (parallel/context/attention.py) checkpoints
     its chunks, so no log-sum-exp, and keeps the all-gathered K and V of the whole sequence, cp x the slice's;
     under selective recompute the core's own checkpoint keeps only the slice's q, k, v, as without cp."""
-    D, K, Fh, V = m.d_model, m.head_dim, active_ffn(m), m.vocab_size
+    D, K, Fh, V = m.d_model, m.head_dim, m.active_ffn, m.vocab_size
     gpt2 = m.family == "gpt2"
     sp = tp if sequence_parallel and tp > 1 else 1
     stats = 2 if gpt2 else 1                       # LayerNorm: mean and rstd; RMSNorm: rstd
@@ -376,7 +368,7 @@ def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
     """(inputs, output gradients): bytes per token of one block's linears' weight-gradient operands with tp's
     shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
     output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
-    D, Fh = m.d_model, active_ffn(m)
+    D, Fh = m.d_model, m.active_ffn
     q, kv = m.n_heads * m.head_dim / tp, kv_rows(m, tp)
     hidden = Fh / tp
     inputs = D + D + q + hidden

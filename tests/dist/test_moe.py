@@ -6,9 +6,12 @@ import os
 import pytest
 import torch
 
+from safetensors.torch import save_file
+
 from pipetrain.config import ModelConfig
 from pipetrain.parallel.mesh.dims import ParallelDims
-from tests.harness import EXACT_FP32, TP_FP32, run_ranks
+from tests.dist.test_hf_parallel import _import_layout
+from tests.harness import EXACT_FP32, TP_FP32, hf_configs, moe_hf_configs, run_ranks, save_tiny_hf, tokens
 from tests.unit.common import build_trainer
 
 MOE = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -51,3 +54,20 @@ def test_moe_training_matches_single_process(tmp_path, degrees, parallel, tol):
 def test_moe_dp2_x_tp2_zero1_matches_single_process(tmp_path):
     expected, bias = _run(str(tmp_path / "one"))
     run_ranks(4, _worker, str(tmp_path / "four"), dict(dp=2, tp=2), dict(zero=1), expected, bias, TP_FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_hf_moe_imports_into_tp2_or_pp2_at_transformers_logits(tmp_path, tp, pp):
+    """mixtral from transformers 5's fused expert tensors, qwen3_moe from the 4.x per-expert modules
+    (what save_pretrained writes), each rank reading only its F/tp slice of every expert, or its stage's layers."""
+    references = {}
+    configs = dict(moe_hf_configs(), **({"gpt2": hf_configs()["gpt2"]} if pp > 1 else {}))  # pp also checks gpt2's pruned stage
+    for name, cfg in configs.items():
+        model = save_tiny_hf(cfg, str(tmp_path / name), seed=11)
+        if name == "mixtral":
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                      str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        with torch.no_grad():
+            references[name] = (str(tmp_path / name), model(tokens()).logits)
+    run_ranks(2, _import_layout, tp, pp, references)

@@ -116,7 +116,7 @@ def test_source_paths_resolve_like_data_path_in_the_file_and_with_set(tmp_path, 
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"--recipe: not found as a file or a shipped recipe name, got '.*nope."
                                           r"yaml'; pass a recipe file's path or a shipped name \(finetune-llama, "
-                                          r"gpt-1b, tiny\)"):
+                                          r"gpt-1b, moe-finetune, moe-tiny, tiny\)"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
@@ -155,7 +155,7 @@ def test_shipped_recipe_by_name_reads_shipped_data_and_writes_under_the_current_
         str(tmp_path / "data" / "corpus"), "gpt2", str(tmp_path / "runs" / "gpt-1b"), 3)
     assert fixed_parallel_keys("gpt-1b") == {"tp": 2, "pp": 2, "dp": 2, "microbatches": 8, "schedule": "1f1b",
                                              "zero": 1, "recompute": "selective", "sequence_parallel": True}
-    with pytest.raises(ConfigError, match=r"got 'tnyi'; .*shipped name \(finetune-llama, gpt-1b, tiny\)"):
+    with pytest.raises(ConfigError, match=r"got 'tnyi'; .*shipped name \(finetune-llama, gpt-1b, moe-finetune, moe-tiny, tiny\)"):
         load_recipe("tnyi")
 
 

@@ -24,6 +24,8 @@ FAMILIES = {
     "mistral": ModelConfig(family="mistral", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
                            sliding_window=5, max_seq_len=32),  # window shorter than the sequence
     "gpt2": ModelConfig(family="gpt2", vocab_size=96, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
+    "qwen3_moe": ModelConfig(family="qwen3_moe", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                             max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),  # q/k norms, experts
 }
 
 

@@ -139,7 +139,7 @@ def test_unsupported_architecture_is_rejected(tmp_path):
     from transformers import BertConfig
 
     BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"model_type must be one of llama, qwen2, mistral, gpt2, got 'bert'"):
+    with pytest.raises(ConfigError, match=r"model_type must be one of llama, qwen2, mistral, gpt2, mixtral, qwen3_moe, got 'bert'"):
         model_config_from_hf(str(tmp_path))
 
 

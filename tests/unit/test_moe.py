@@ -2,14 +2,13 @@
 aux-free bias, and a few single-process training steps of a tiny MoE."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.config import ConfigError, ModelConfig, Recipe, TrainConfig, DataConfig, validate
+from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, validate
 from pipetrain.models import build, count_params, flops_per_token, materialize
 from pipetrain.models.moe import MoE, grouped_swiglu, grouped_swiglu_loop, moe_step_end, route_topk
-from pipetrain.parallel.mesh.rules import parallel_problems
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.plan.memory import model_params
 from tests.unit.common import build_trainer
 
@@ -210,3 +209,12 @@ def test_full_recompute_gives_the_same_losses_and_counts_each_token_once(tmp_pat
         runs.append([(r["loss"], r["aux_loss"], r["grad_norm"], r["expert_load_max"], r["expert_load_mean"])
                      for r in trainer.fit()])
     assert runs[0] == runs[1]
+
+
+def test_layouts_experts_do_not_combine_with_are_refused_with_the_layout():
+    base = Recipe(model=MOE, data=DataConfig(path="x", tokenizer="y"), train=TrainConfig(seq_len=16))
+    sp = Recipe(model=MOE, data=base.data, train=base.train,
+                parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    assert any(p.startswith("parallel.sequence_parallel") and "model.num_experts=4" in p
+               for p in layout_problems(sp, 2))
+    assert not layout_problems(Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(tp=2)), 2)

@@ -13,9 +13,10 @@ from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model
 from pipetrain.hf.weights import PER_EXPERT, MOE_BLOCK, load_hf_weights
-from pipetrain.models import build, materialize
+from pipetrain.models import build
 from pipetrain.models.moe import MoE
 from tests.harness import HF_FP32, moe_hf_configs, save_tiny_hf, tokens
+from tests.unit.test_hf import random_model
 
 FAMILIES = ("mixtral", "qwen3_moe")
 
@@ -99,15 +100,6 @@ def test_per_expert_layout_of_transformers_4_imports_to_the_same_logits(hf_moe, 
         torch.testing.assert_close(model(tokens()), _hf_logits(hf_model), **HF_FP32)
 
 
-def _random_model(cfg: ModelConfig):
-    model = materialize(build(cfg), cfg, 7, "cpu")
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
-
-
 EXPORT_CASES = {
     "mixtral": ModelConfig(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            max_seq_len=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24),
@@ -122,7 +114,7 @@ def test_exported_moe_gives_pipetrain_logits_in_transformers(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     cfg = EXPORT_CASES[family]
-    model = _random_model(cfg)
+    model = random_model(cfg)
     export_model(model, cfg, str(tmp_path))
     hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
@@ -135,7 +127,7 @@ def test_exported_moe_gives_pipetrain_logits_in_transformers(tmp_path, family):
 def test_export_refuses_what_no_hf_moe_class_holds(tmp_path):
     cfg = ModelConfig(**{**EXPORT_CASES["mixtral"].__dict__, "shared_expert_intermediate_size": 16})
     with pytest.raises(ConfigError, match=r"^export: mixtral has no shared expert.*got shared_expert_intermediate_size=16"):
-        export_model(_random_model(cfg), cfg, str(tmp_path / "a"))
+        export_model(random_model(cfg), cfg, str(tmp_path / "a"))
 
 
 def _with_config(src: str, dst, **changes) -> str:

@@ -53,16 +53,30 @@ def moe_problems(r: Recipe) -> list[str]:
         (t.precision == "fp8", "train.precision=fp8 (the experts are not float8 linears)", "use bf16 or fp32"),
         (t.compile, "train.compile (routing has data-dependent shapes)", "set train.compile=false"),
         (t.fused_loss is True, "train.fused_loss=true (not tested with experts)", "set train.fused_loss=auto"),
-        (p.cp > 1, f"parallel.cp={p.cp} (the balance loss is per whole sequence)", "set parallel.cp=1"),
-        (p.zero == 3, "parallel.zero=3 (stacked expert weights are not gathered per unit)", "use parallel.zero=2"),
-        (p.sequence_parallel, "parallel.sequence_parallel (routing needs every token's rank-local counts)",
-         "set parallel.sequence_parallel=false"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync} (the balancing bias reduces counts over all of dp "
          "every step)", "use parallel.dp_sync=bsp"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}", "set it to none"),
         (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
          "set parallel.ps_servers=0"),
     ]
+    return _moe_refusals(r, refused)
+
+
+def moe_layout_problems(r: Recipe) -> list[str]:
+    """The layout keys (which parallel.auto may choose) that experts do not combine with yet: checked with
+    the layout, so the planner's search skips them."""
+    p = r.parallel
+    if r.model.num_experts <= 0:
+        return []
+    return _moe_refusals(r, [
+        (p.cp > 1, f"parallel.cp={p.cp} (the balance loss is per whole sequence)", "set parallel.cp=1"),
+        (p.zero == 3, "parallel.zero=3 (stacked expert weights are not gathered per unit)", "use parallel.zero=2"),
+        (p.sequence_parallel and p.tp > 1, "parallel.sequence_parallel (the router would see only T/tp tokens)",
+         "set parallel.sequence_parallel=false"),
+    ])
+
+
+def _moe_refusals(r: Recipe, refused: list) -> list[str]:
     return [f"{key}: does not combine with model.num_experts={r.model.num_experts} yet; {fix}"
             for on, key, fix in refused if on]
 
@@ -206,7 +220,7 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
             + tensor_parallel_problems(recipe.model, p.tp, recipe.train.seq_len, p.sequence_parallel)
             + pipeline_problems(recipe.model, p)
             + relaxed_problems(recipe, world_size)
-            + fp8_layout_problems(recipe))
+            + fp8_layout_problems(recipe) + moe_layout_problems(recipe))
 
 
 def fp8_layout_problems(recipe: Recipe) -> list[str]:
