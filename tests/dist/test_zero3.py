@@ -1,10 +1,13 @@
 """ZeRO-3 on gloo CPU processes, against ONE process at every step: losses, gradient norms and the final
-parameters; at most two units gathered at once; per-rank parameter, gradient and optimizer bytes equal the
-1/dp formula (written here from the parameter shapes alone); a checkpoint of row boxes resumes bitwise in its
+parameters; at most two units gathered at once; the all-gathers per unit in forward and backward and the
+reduce-scatters per step; per-rank parameter, gradient and optimizer bytes equal the 1/dp formula (written
+here from the parameter shapes alone); a checkpoint of row boxes (each written once) resumes bitwise in its
 own layout and loads into zero 0 on one process and back.
 
-dp 2 (a tied gpt2, whose single stage shares the embedding between the first and last unit, and llama) runs
-in the default suite; dp 4, dp 2 x tp 2, dp 2 x pp 2 (1f1b) and recomputation are slow-marked.
+dp 2 (a tied gpt2, whose single stage shares the embedding between the first and last unit; llama, with a
+bf16 comparison against zero 1; LoRA, whose frozen base is sharded too) runs in the default suite; dp 4,
+HSDP (dp 4 as 2 replicas of dp_shard 2), dp 2 x tp 2, dp 2 x pp 2 under 1f1b, interleaved-1f1b, zbv,
+dualpipev and the split backward, and recomputation are slow-marked (each takes a minute here).
 """
 from __future__ import annotations
 
