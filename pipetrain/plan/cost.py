@@ -9,7 +9,7 @@
                 bytes; exposed (the attention waits for them); recompute gathers again in the backward
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
-    dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
+    dp comm     gradient all-reduce (ZeRO 2/3: reduce-scatter) of this rank's gradients, overlapped with the
                 last microbatch's backward (parallel/data/zero.py, data/allreduce.py launch buckets then), the rest
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed; ZeRO 3 has none after
                 the step but gathers every unit's parameters in each microbatch's forward and again in its

@@ -116,7 +116,7 @@ def test_source_paths_resolve_like_data_path_in_the_file_and_with_set(tmp_path, 
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"--recipe: not found as a file or a shipped recipe name, got '.*nope."
                                           r"yaml'; pass a recipe file's path or a shipped name \(finetune-llama, "
-                                          r"gpt-1b, moe-finetune, moe-tiny, tiny\)"):
+                                          r"gpt-1b, long-context, moe-finetune, moe-tiny, tiny\)"):
         load_recipe(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")

@@ -13,14 +13,20 @@ the head. A unit's parameters are all-gathered in their own dtype (fp32: under t
 autocast casts them at each matmul, so fp32 travels, as with FSDP without a param_dtype).
 - forward: a pre-hook gathers the unit (waiting for its prefetch) and starts the next unit's gather
   asynchronously, so that communication overlaps this unit's compute (only the next unit in the whole
-  model: a rank's pipeline chunks, interleaved or in a V, run in the schedule's order, not the model's); a post-hook frees the unit unless
-  parallel.reshard_after_forward is false (then units stay gathered until the step's gradients are
+  model: a rank's pipeline chunks, interleaved or in a V, run in the schedule's order, not the model's);
+  a post-hook frees the unit unless parallel.reshard_after_forward is false (then units stay gathered until the step's gradients are
   reduced: pipeline stages run each unit once per microbatch). Without autograd (evaluation) units are
   always freed after their forward.
 - backward: the post-hook wraps the unit's output in _Regather, an identity whose backward runs before the
   unit's own backward nodes: it frees every other gathered unit (the unit after this one has finished its
   backward: the gradient reaching this output is complete), gathers this unit and prefetches the one before.
-  It saves no tensor. Recomputation re-runs the forward inside the unit's backward, after the gather.
+  It saves no tensor. Recomputation re-runs the forward inside the unit's backward, after the gather. A
+  deferred weight gradient (parallel.split_backward, zbv) needs only the saved input and output gradient,
+  so its W action runs with the unit freed; the reduce-scatter counts accumulations, so it waits for the
+  last dW.
+- frozen parameters (LoRA's base) are sharded and gathered like the rest but have no bucket, hook or AdamW
+  state; a unit whose output needs no gradient (a frozen embedding) is never gathered in backward.
+- every pass is logged to self.events when a list is set there (benchmarks/zero3.py --timeline).
 At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
 counts them (peak_gathered) so tests can assert it.
 
