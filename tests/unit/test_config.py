@@ -155,7 +155,7 @@ def test_shipped_recipe_by_name_reads_shipped_data_and_writes_under_the_current_
         str(tmp_path / "data" / "corpus"), "gpt2", str(tmp_path / "runs" / "gpt-1b"), 3)
     assert fixed_parallel_keys("gpt-1b") == {"tp": 2, "pp": 2, "dp": 2, "microbatches": 8, "schedule": "1f1b",
                                              "zero": 1, "recompute": "selective", "sequence_parallel": True}
-    with pytest.raises(ConfigError, match=r"got 'tnyi'; .*shipped name \(finetune-llama, gpt-1b, moe-finetune, moe-tiny, tiny\)"):
+    with pytest.raises(ConfigError, match=r"got 'tnyi'; .*shipped name \(finetune-llama, gpt-1b, long-context, moe-finetune, moe-tiny, tiny\)"):
         load_recipe("tnyi")
 
 
