@@ -4,6 +4,8 @@
                 plus one more block forward under full recompute) / (tp x peak x efficiency)
     tp comm     per block, 2 all-reduces of the (B, T, D) activation forward and 2 backward (sequence
                 parallel: reduce-scatter + all-gather, the same bytes); exposed: they sit between matmuls
+    ep comm     parallel.ep: per MoE block, the dispatch and combine all-to-alls of the micro-batch's k routed
+                copies of each token ((ep-1)/ep of them leave the rank), forward and again backward
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2: reduce-scatter) of this rank's gradients, overlapped with the
@@ -50,6 +52,7 @@ class StepTime:
     optimizer: float      # gradient norm and AdamW update of this rank's shard
     total: float
     tokens_per_s: float
+    ep_comm: float = 0.0  # expert-parallel all-to-alls (dispatch + combine, forward and backward)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +75,20 @@ def _link(profile: DeviceProfile, span: int, ranks_per_node: int) -> tuple[float
     if span > ranks_per_node:
         return profile.inter_bw, profile.inter_latency
     return profile.intra_bw, profile.intra_latency
+
+
+def a2a_bytes(recipe: Recipe, world_size: int) -> int:
+    """Bytes one rank sends in one expert-parallel all-to-all of a microbatch: its k routed copies of each
+    token, (ep-1)/ep of them to other ranks under balanced routing."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    micro_tokens = t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches) * t.seq_len
+    width = 2 if t.precision == "bf16" else FP32
+    return int(micro_tokens * m.num_experts_per_tok * m.d_model * width * (p.ep - 1) / p.ep)
+
+
+def all_to_all_seconds(n: int, nbytes: float, bw: float, latency: float) -> float:
+    """One all-to-all over n ranks sending nbytes off-rank: pairwise exchanges, n-1 latencies."""
+    return nbytes / bw + (n - 1) * latency
 
 
 def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per_node: int | None = None,
@@ -108,11 +125,16 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
     if p.sequence_parallel:  # a reduce-scatter and an all-gather in place of each all-reduce
         tp_fwd *= (profile.reduce_scatter_ratio + profile.all_gather_ratio) / 2
+    # ep: two all-to-alls (dispatch, combine) per MoE block forward, their reverses backward
+    ep_fwd = 0.0
+    if p.ep > 1 and m.is_moe:
+        bw_ep, lat_ep = _link(profile, p.ep * pp * tp, ranks_per_node)
+        ep_fwd = 2 * layers_busiest * all_to_all_seconds(p.ep, a2a_bytes(recipe, world_size), bw_ep, lat_ep)
     # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
     launch = 20 * layers_busiest * profile.op_overhead
     fwd += launch
-    f_cost = fwd + tp_fwd
-    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)
+    f_cost = fwd + tp_fwd + ep_fwd
+    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0) + ep_fwd
 
     if pp > 1:
         bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
@@ -152,8 +174,9 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     # on a CPU profile gloo's reductions run on the ranks' own cores: nothing hides behind the backward
     exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + gather
     total = pipeline + exposed + optimizer
-    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
-    return StepTime(compute=compute, tp_comm=busy - compute, pp_comm=pp_comm, bubble=bubble,
+    ep_total = p.microbatches * 2 * ep_fwd * share
+    compute = busy - p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share - ep_total
+    return StepTime(compute=compute, tp_comm=busy - compute - ep_total, ep_comm=ep_total, pp_comm=pp_comm, bubble=bubble,
                     bubble_fraction=bubble / pipeline if pipeline else 0.0, dp_comm=reduce + gather,
                     dp_exposed=exposed, optimizer=optimizer, total=total,
                     tokens_per_s=t.global_batch * t.seq_len / total)

@@ -32,7 +32,8 @@ def _run(out, dims=None, steps=STEPS, **parallel):
     for _ in range(steps):
         record = trainer.train_step()
         history.append({k: record[k] for k in KEYS + ("expert_load_max",)})
-        router.append({i: m.router.weight.grad.clone() for i, m in moe_layers(trainer.model).items()})
+        router.append({i: m.router.weight.grad.clone() for i, m in moe_layers(trainer.model).items()
+                       if m.router.weight.grad is not None})  # ZeRO 2 keeps only its rows
     bias = {i: m.router.expert_bias.clone() for i, m in moe_layers(trainer.model).items()}
     return history, router, bias
 
