@@ -112,6 +112,7 @@ def test_skewed_routing_drops_no_token(tmp_path):
 def _resume_worker(rank, world_size, out, ckpt, ep, steps):
     """ep 2: train, save after 2 steps, go on; any ep: resume from ckpt. Returns the losses after step 2."""
     dims = ParallelDims.from_degrees(dp=world_size, ep=ep)
+    os.makedirs(out, exist_ok=True)
     trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, ep=ep, zero=1, resume=ckpt)
     losses = []
     while trainer.step < steps:
@@ -129,7 +130,6 @@ def test_checkpoint_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
     want = rank_results(2, _resume_worker, out, None, 2, 4)[0]
     ckpt = os.path.join(out, "checkpoints", "step-00000002")
     got4 = rank_results(4, _resume_worker, str(tmp_path / "ep4"), ckpt, 4, 4)[0]
-    os.makedirs(tmp_path / "ep1")
     got1 = _resume_worker(0, 1, str(tmp_path / "ep1"), ckpt, 1, 4)
     torch.testing.assert_close(got4, want, **EXACT_FP32)
     torch.testing.assert_close(got1, want, **EXACT_FP32)
