@@ -1,5 +1,5 @@
 """train.py at parallel.ep=2 under torchrun: an MoE's losses, aux loss and expert loads in metrics.jsonl match
-the single-process run's; an ep that does not divide the experts is one error line and exit 2."""
+the single-process run's, and its checkpoint reads back as one whole model (the end-of-run sample); an ep that does not divide the experts is one error line and exit 2."""
 from tests.e2e.common import run_train, step_losses
 from tests.harness import EXACT_FP32
 
@@ -11,8 +11,11 @@ MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_t
 def test_ep2_train_py_matches_single_process(tmp_path, token_cache):
     one, ref = run_train(str(tmp_path / "one"), MOE, cache_dir=token_cache)
     assert one.returncode == 0, one.stderr[-3000:]
-    two, got = run_train(str(tmp_path / "two"), MOE + ["parallel.ep=2"], nproc=2, cache_dir=token_cache)
+    two, got = run_train(str(tmp_path / "two"), MOE + ["parallel.ep=2", "run.sample_tokens=4"], nproc=2,
+                         cache_dir=token_cache)
     assert two.returncode == 0, two.stderr[-3000:]
+    # the sample is drawn from a whole model read back from the ep run's checkpoint (global expert boxes)
+    assert "--- sample after 4 steps (from " in two.stdout, two.stdout[-2000:]
     assert len(step_losses(got)) == len(step_losses(ref)) == 4
     for a, b in zip(step_losses(got), step_losses(ref)):
         assert abs(a - b) <= EXACT_FP32["rtol"] * abs(b) + EXACT_FP32["atol"], (a, b)
