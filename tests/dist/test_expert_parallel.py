@@ -63,10 +63,12 @@ def test_ep2_matches_single_process(tmp_path):
     (dict(dp=4, ep=2), dict(zero=2), EXACT_FP32),  # expert-dp 2: experts reduce and shard over it
     (dict(dp=2, ep=2, tp=2), {}, TP_FP32),
     (dict(dp=2, ep=2, pp=2), dict(zero=1, microbatches=2, schedule="1f1b"), EXACT_FP32),  # router grads, aux on
-], ids=["ep4", "ep2-dp4-zero2", "ep2-tp2", "ep2-pp2-1f1b-zero1"])
+    (dict(dp=2, ep=2), dict(recompute="full"), EXACT_FP32),  # the all-to-alls run again inside backward
+], ids=["ep4", "ep2-dp4-zero2", "ep2-tp2", "ep2-pp2-1f1b-zero1", "ep2-recompute-full"])
 def test_ep_layouts_match_single_process(tmp_path, degrees, parallel, tol):
     expected = _run(str(tmp_path / "one"), **{k: v for k, v in parallel.items() if k != "zero"})
-    run_ranks(4, _worker, str(tmp_path / "four"), degrees, parallel, expected, tol)
+    world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1)
+    run_ranks(world, _worker, str(tmp_path / "many"), degrees, parallel, expected, tol)
 
 
 def _skewed_worker(rank, world_size, x, want_y, want_grads):
