@@ -6,6 +6,7 @@ The order is DESIGN.md's run path:
            -> tokenizer, data, loader        data/
            -> model on meta                  models/
            -> tensor parallel                parallel/tensor/layers.py
+           -> expert parallel                parallel/expert/dispatch.py
            -> pipeline stage                 parallel/pipeline/stage.py
            -> weights: seed | Hugging Face | checkpoint   models/init.py, hf/, checkpoint/
            -> recompute                      parallel/pipeline/recompute.py
@@ -48,6 +49,7 @@ from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.context.attention import apply_context_parallel
 from pipetrain.parallel.context.slicing import SequenceSlicer
+from pipetrain.parallel.expert.dispatch import apply_expert_parallel
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import count_rules, parallel_problems
 from pipetrain.parallel.pipeline.executor import Executor
@@ -121,6 +123,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     model = build(recipe.model, device="meta")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, sequence_parallel=recipe.parallel.sequence_parallel)
+    assert dims.ep == recipe.parallel.ep, f"{dims.coords} dims.ep={dims.ep} but parallel.ep={recipe.parallel.ep}"
+    apply_expert_parallel(model, dims)  # after tp: it keeps tp's F shards of its experts
     apply_context_parallel(model, dims, recipe.train.seq_len, recipe.data.document_mask)
     # After tensor parallelism (which would replace the swapped modules); with fusion off it still
     # swaps in the modules whose weight gradients the split backward defers.

@@ -8,7 +8,8 @@ and drains relaxed replicas). The Checkpointer adds each process's RNG state, co
 buffers under checkpoint.async, and hands the snapshot to the writer (checkpoint/writer.py).
 
 What a trainer rank owns (owned_tensors): model shards once per (tp, pp) coordinate (dp rank 0;
-tensors replicated over tp only from tp rank 0) and its optimizer state (ZeRO shards from every dp
+tensors replicated over tp only from tp rank 0; under expert parallelism each ep rank's experts from
+its expert-dp rank 0, as row boxes of the global (E, ...) tensors) and its optimizer state (ZeRO shards from every dp
 rank; each relaxed replica's own state from its first dp_shard rank).
 
 RNG: the model has no dropout, so the only consumer of torch's RNG is end-of-run sampling. Each
@@ -28,7 +29,7 @@ from pipetrain.checkpoint.manifest import FORMAT_VERSION
 from pipetrain.checkpoint.read import base_reference, slice_offsets
 from pipetrain.checkpoint.writer import CheckpointWriter, Snapshot
 from pipetrain.models.init import param_layout, persistent_buffers
-from pipetrain.parallel.data.grads import tied_copy_names
+from pipetrain.parallel.data.grads import expert_param_ids, tied_copy_names
 
 Item = tuple[str, torch.Tensor, tuple, list[int]]  # (global name, local tensor, global shape, box offsets)
 
@@ -52,10 +53,17 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
     params.update(getattr(optimizer, "checkpoint_params", dict)())
     skip = tied_copy_names(model)
     replicated_over_tp = set()
+    # ep > 1: the ep ranks hold different experts, so each expert is written by its first expert-dp rank
+    ep_ids = expert_param_ids(model) if getattr(dims, "ep", 1) > 1 else set()
+    experts = {name for name, p in params.items() if id(p) in ep_ids}
+
+    def first_holder(name: str) -> bool:
+        return (dims.expert_dp_rank if name in experts else dims.dp_rank) == 0
+
     for name, (shape, slices) in param_layout(model).items():
         if tuple(params[name].shape) == tuple(shape):
             replicated_over_tp.add(name)
-        if name in skip or dims.dp_rank != 0 or (dims.tp_rank != 0 and name in replicated_over_tp):
+        if name in skip or not first_holder(name) or (dims.tp_rank != 0 and name in replicated_over_tp):
             continue
         if trainable_only and not params[name].requires_grad:
             continue
@@ -76,7 +84,9 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
         if name.startswith("replica") and "/" in name:  # one replica's own state: written by each replica
             if dims.dp_shard_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
                 continue
-        elif dims.dp_rank != 0 and (not sharded_over_dp or tensor.dim() == 0):
+        elif not (first_holder(param_name) if tensor.dim() else dims.dp_rank == 0) and not sharded_over_dp:
+            continue
+        elif dims.dp_rank != 0 and tensor.dim() == 0:
             continue
         elif sharded_over_dp and getattr(dims, "dp_replicate_rank", 0) != 0:  # replicas hold the same rows
             continue

@@ -125,6 +125,7 @@ class ParallelConfig:
     tp: int = 1                      # tensor-parallel ranks; divides n_heads, ffn and vocab
     pp: int = 1                      # pipeline stages; <= model.n_layers
     cp: int = 1                      # context parallelism: ranks sharing each sequence; train.seq_len % (2*cp) == 0
+    ep: int = 1                      # expert parallelism, carved out of dp: ranks sharing one layer's experts
     microbatches: int = 1            # per optimizer step and dp rank; >= pp for 1f1b
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = 1          # model chunks per pp rank (interleaved-1f1b)

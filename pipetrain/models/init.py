@@ -3,7 +3,8 @@
 Every parameter is drawn in full from a generator seeded by (seed, global name) and then sliced to
 the local shard, so any tensor/pipeline layout starts from exactly the single-process weights.
 Modules that hold a shard say so in `param_shards = {"weight": (dim, index, count)}`: the local
-tensor is chunk `index` of `count` equal chunks of the global tensor along `dim`.
+tensor is chunk `index` of `count` equal chunks of the global tensor along `dim`. A tensor split along
+two dims (experts: dim 0 over ep, F over tp) lists one such triple per dim: ((0, i, n), (1, j, m)).
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def param_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[sli
             seen.add(id(p))
             shape = list(p.shape)
             slices = [slice(None)] * p.dim()
-            if p_name in shards:
-                dim, index, count = shards[p_name]
+            specs = shards.get(p_name, ())
+            for dim, index, count in ((specs,) if specs and isinstance(specs[0], int) else specs):
                 shape[dim] = p.shape[dim] * count
                 slices[dim] = slice(index * p.shape[dim], (index + 1) * p.shape[dim])
             full_name = f"{mod_name}.{p_name}" if mod_name else p_name

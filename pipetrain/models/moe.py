@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: a router, E SwiGLU experts as stacked tensors, an optional shared MLP.
 
 MoE replaces Block.mlp when model.num_experts > 0. One forward is three overridable steps, so expert
-parallelism (pipetrain.parallel.ep) replaces only the middle one:
+parallelism (pipetrain.parallel.expert) replaces only the middle one:
 
     topk_idx, topk_w, stats = self.route(x)             softmax over all E experts, top-k, renormalise
     y = self.dispatch_compute_combine(x, idx, w)        sort tokens by expert, grouped SwiGLU, unsort, sum

@@ -25,6 +25,7 @@ from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
 from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer, needs_replica_sync, sync_mode
 from pipetrain.parallel.data.zero import ZeroOptimizer
 from pipetrain.parallel.data.zero3 import Zero3Optimizer
+from pipetrain.parallel.expert.zero import ExpertZeroOptimizer
 
 
 class Optimizer:
@@ -91,6 +92,8 @@ def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, par
     elif zero == 3:
         replica_opt = Zero3Optimizer(model, dims, cfg, reshard_after_forward=parallel is None or
                                      parallel.reshard_after_forward)
+    elif getattr(dims, "ep", 1) > 1:  # experts shard over expert-dp, the rest over dp
+        replica_opt = ExpertZeroOptimizer(model, dims, cfg, stage=zero)
     else:
         replica_opt = ZeroOptimizer(model, dims, cfg, stage=zero)
     if not across:

@@ -7,6 +7,8 @@
     cp comm     per block, the all-gather of K and V over cp forward (parallel/context/attention.py) and the
                 reduce-scatter of their gradients backward: each (cp-1)/cp x 2 x B x T x Hkv/tp x K x dtype
                 bytes; exposed (the attention waits for them); recompute gathers again in the backward
+    ep comm     parallel.ep: per MoE block, the dispatch and combine all-to-alls of the micro-batch's k routed
+                copies of each token ((ep-1)/ep of them leave the rank), forward and again backward
     pipeline    the schedule's action lists simulated (schedules.simulate) at these F / B costs, plus
                 2 (pp - 1) activation transfers on the fill and drain path; bubble = idle fraction
     dp comm     gradient all-reduce (ZeRO 2/3: reduce-scatter) of this rank's gradients, overlapped with the
@@ -54,6 +56,7 @@ class StepTime:
     bubble: float         # seconds idle in the pipeline (from the simulator)
     bubble_fraction: float
     cp_comm: float        # exposed K/V all-gathers and gradient reduce-scatters over cp
+    ep_comm: float        # expert-parallel all-to-alls (dispatch + combine, forward and backward)
     dp_comm: float        # total dp collective time
     dp_exposed: float     # the part not hidden behind the last backward
     optimizer: float      # gradient norm and AdamW update of this rank's shard
@@ -81,6 +84,20 @@ def _link(profile: DeviceProfile, span: int, ranks_per_node: int) -> tuple[float
     if span > ranks_per_node:
         return profile.inter_bw, profile.inter_latency
     return profile.intra_bw, profile.intra_latency
+
+
+def a2a_bytes(recipe: Recipe, world_size: int) -> int:
+    """Bytes one rank sends in one expert-parallel all-to-all of a microbatch: its k routed copies of each
+    token, (ep-1)/ep of them to other ranks under balanced routing."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    micro_tokens = t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches) * t.seq_len
+    width = 2 if t.precision == "bf16" else FP32
+    return int(micro_tokens * m.num_experts_per_tok * m.d_model * width * (p.ep - 1) / p.ep)
+
+
+def all_to_all_seconds(n: int, nbytes: float, bw: float, latency: float) -> float:
+    """One all-to-all over n ranks sending nbytes off-rank: pairwise exchanges, n-1 latencies."""
+    return nbytes / bw + (n - 1) * latency
 
 
 def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per_node: int | None = None,
@@ -117,6 +134,11 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
     if p.sequence_parallel:  # a reduce-scatter and an all-gather in place of each all-reduce
         tp_fwd *= (profile.reduce_scatter_ratio + profile.all_gather_ratio) / 2
+    # ep: two all-to-alls (dispatch, combine) per MoE block forward, their reverses backward
+    ep_fwd = 0.0
+    if p.ep > 1 and m.is_moe:
+        bw_ep, lat_ep = _link(profile, p.ep * pp * tp, ranks_per_node)
+        ep_fwd = 2 * layers_busiest * all_to_all_seconds(p.ep, a2a_bytes(recipe, world_size), bw_ep, lat_ep)
     # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
     launch = 20 * layers_busiest * profile.op_overhead
     fwd += launch
@@ -127,8 +149,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     cp_fwd = layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.all_gather_ratio
     cp_bwd = (layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.reduce_scatter_ratio
               + (cp_fwd if p.recompute != "none" else 0.0))
-    f_cost = fwd + tp_fwd + cp_fwd
-    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0) + cp_bwd
+    f_cost = fwd + tp_fwd + cp_fwd + ep_fwd
+    b_cost = 2 * fwd + extra_fwd + tp_fwd + (tp_fwd if p.recompute == "full" else 0.0) + cp_bwd + ep_fwd
 
     if pp > 1:
         bw_pp, lat_pp = _link(profile, tp * pp, ranks_per_node)
@@ -180,8 +202,10 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
             exposed = gather / max(1, len(layers) + first + last) + max(0.0, reduce + gather - busy)
     total = pipeline + exposed + optimizer
     cp_comm = p.microbatches * (cp_fwd + cp_bwd) * share
+    ep_comm = p.microbatches * 2 * ep_fwd * share
     tp_comm = p.microbatches * (2 * tp_fwd + (tp_fwd if p.recompute == "full" else 0.0)) * share
-    return StepTime(compute=busy - tp_comm - cp_comm, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
-                    bubble_fraction=bubble / pipeline if pipeline else 0.0, cp_comm=cp_comm, dp_comm=reduce + gather,
+    return StepTime(compute=busy - tp_comm - cp_comm - ep_comm, tp_comm=tp_comm, pp_comm=pp_comm, bubble=bubble,
+                    bubble_fraction=bubble / pipeline if pipeline else 0.0, cp_comm=cp_comm, ep_comm=ep_comm,
+                    dp_comm=reduce + gather,
                     dp_exposed=exposed, optimizer=optimizer, total=total,
                     tokens_per_s=t.global_batch * t.seq_len / total)

@@ -7,6 +7,8 @@ parallel/tensor/layers.py splits them (column: output rows / tp, row: input colu
 kv: split when tp divides n_kv_heads, else replicated; embedding and head: vocab rows / tp; norms
 replicated). The tied head on a last stage that is not on the first stage's rank is a copy. ZeRO shards
 each parameter's dim 0 in dp row ranges (parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
+Expert parallelism (parallel.ep) keeps num_experts/ep experts per rank; ZeRO shards them over expert-dp
+(dp/ep ranks: parallel/expert/zero.py), the rest over dp.
 
 Activations: the bytes autograd saves for backward per microbatch, listed tensor by tensor from what the
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
@@ -99,11 +101,17 @@ def kv_rows(m: ModelConfig, tp: int) -> int:
     return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.kv_heads * m.head_dim
 
 
+def expert_shapes(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, ...]]:
+    """One block's stacked expert weights on one rank: E/ep experts, F-sharded over tp."""
+    E, Fe, D = m.num_experts // ep, m.expert_ffn // tp, m.d_model
+    return [(E, Fe, D), (E, Fe, D), (E, D, Fe)] if m.is_moe else []
+
+
 def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: bool,
-                 tied_copy: bool, servers: bool = False) -> list[tuple[int, ...]]:
+                 tied_copy: bool, servers: bool = False, ep: int = 1) -> list[tuple[int, ...]]:
     """Local shapes of the parameters of one rank holding `layers` (and the embedding if first, the final
     norm and head if last; the head is a copy of the tied embedding when tied_copy). servers: parameter
-    servers hold the input embedding (a first stage has none)."""
+    servers hold the input embedding (a first stage has none). ep: experts are split ep ways."""
     D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
     gpt2 = m.family == "gpt2"
     qkv_bias = m.has_qkv_bias or gpt2
@@ -113,9 +121,9 @@ def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: 
     block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
     block += [(D,)] if gpt2 else []  # wo bias, replicated
     block += [(K,), (K,)] if m.has_qk_norm else []  # q/k norms, replicated
-    if m.is_moe:  # router (replicated), E experts F-sharded like the MLP, the shared MLP
-        E, Fe, Fs = m.num_experts, m.expert_ffn // tp, m.shared_expert_intermediate_size // tp
-        block += norm + [(E, D), (E, Fe, D), (E, Fe, D), (E, D, Fe)] + ([(Fs, D), (Fs, D), (D, Fs)] if Fs else [])
+    if m.is_moe:  # router (replicated), E/ep experts F-sharded like the MLP, the shared MLP
+        Fs = m.shared_expert_intermediate_size // tp
+        block += norm + [(m.num_experts, D)] + expert_shapes(m, tp, ep) + ([(Fs, D), (Fs, D), (D, Fs)] if Fs else [])
     else:
         block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
     block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
@@ -207,9 +215,12 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     shards = zero_shards(recipe, world_size)
     layers, first, last, copy = rank_stages(recipe, pp_rank)
     ends = param_shapes(m, p.tp, [], first, last, copy, servers=p.ps_servers > 0)
-    block = param_shapes(m, p.tp, [0], False, False, False)
+    block = param_shapes(m, p.tp, [0], False, False, False, ep=p.ep)
     full = sum(map(_numel, ends)) + len(layers) * sum(map(_numel, block))
     shard = sum(_rows_numel(s, shards) for s in ends) + len(layers) * sum(_rows_numel(s, shards) for s in block)
+    if p.ep > 1 and shards > 1:  # experts shard over expert-dp (dp / ep ranks) instead of dp
+        experts = expert_shapes(m, p.tp, p.ep)
+        shard += len(layers) * sum(_rows_numel(s, max(1, shards // p.ep)) - _rows_numel(s, shards) for s in experts)
     if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus the two largest units
         blk = sum(map(_numel, block)) if layers else 0
         embed = sum(map(_numel, param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0)))

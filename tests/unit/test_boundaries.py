@@ -122,6 +122,16 @@ LAYERS = {
     "models": {"config", "kernels"},
     "parallel": {"config", "faults", "kernels", "models", "optim"},
 }
+# parallel sub-packages (besides LAYERS' "parallel" rule) that may import only these parallel siblings, as
+# their __init__ says: parallel/expert plugs into the MoE layer and the data-parallel optimizers
+PARALLEL_SIBLINGS = {"expert": {"mesh", "data"}}
+
+
+def test_parallel_subpackages_import_only_their_siblings():
+    for pkg, allowed in PARALLEL_SIBLINGS.items():
+        for path in sorted((ROOT / "pipetrain" / "parallel" / pkg).rglob("*.py")):
+            siblings = {n.split(".")[2] for n in _imports(path) if n.startswith("pipetrain.parallel.")}
+            assert siblings <= allowed | {pkg}, f"parallel/{pkg}/{path.name} imports parallel.{siblings - allowed}"
 
 
 def _pipetrain_imports(path: pathlib.Path) -> set[str]:

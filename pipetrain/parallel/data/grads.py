@@ -3,13 +3,16 @@
 After backward each rank holds gradients that are, per parameter kind:
 - tp-partial (replicated over tp but each tp rank computed only part): summed over tp;
 - a tied embedding split across the first and last pipeline stage: summed over the embed group;
-- per dp replica: summed over dp (the loss is already normalised by the global token count).
+- per dp replica: summed over dp (the loss is already normalised by the global token count); under
+  expert parallelism (dims.ep > 1) an expert's gradient sums over the expert-dp group instead (the ranks
+  holding the same experts: the all-to-all already summed the tokens of its ep group into it).
 The first two are model-parallel syncs (sync_model_parallel_grads); the dp reduction is done here
 for parallel.zero = 0 and by pipetrain.parallel.data.zero (bucketed reduce-scatter) for zero >= 1.
 
 The global norm counts every parameter once: tp shards are summed over tp, tp-replicated tensors are
 counted on their own, pipeline stages are summed over pp, and the last stage's copy of a tied
-embedding is left out (the first stage counts it). Under ZeRO each dp rank holds only its rows of
+embedding is left out (the first stage counts it); with ep > 1 the experts' squares are summed over
+the ep group (each ep rank holds other experts) and then counted as tp shards. Under ZeRO each dp rank holds only its rows of
 every gradient, so the partial sums are also summed over dp (global_grad_norm(..., dp_sharded=True)).
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.models.init import param_layout
+from pipetrain.models.moe import Experts
 from pipetrain.parallel.mesh.comm import all_reduce_
 from pipetrain.parallel.data.allreduce import allreduce_grads
 from pipetrain.parallel.tensor.layers import sync_tp_partial_grads, tp_partial_params
@@ -35,6 +39,11 @@ def is_tp_replicated(global_shape: tuple[int, ...], local_shape: tuple[int, ...]
     """A parameter whose local tensor is the whole global tensor is replicated over tp (its norm is
     counted on one tp rank's worth); anything else is a tp shard (summed over tp)."""
     return tuple(global_shape) == tuple(local_shape)
+
+
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """ids of the experts' stacked weights (pipetrain.models.moe.Experts): sharded over ep when dims.ep > 1."""
+    return {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
 
 
 def model_parallel_synced_params(model: nn.Module, dims) -> list[nn.Parameter]:
@@ -64,8 +73,13 @@ def sync_grads(model: nn.Module, dims, dp_group="dp") -> None:
     ("dp": dims.dp_group) is the data-parallel group summed over (a relaxed run's dp_shard group)."""
     sync_model_parallel_grads(model, dims)
     group = dims.dp_group if dp_group == "dp" else dp_group
+    params = [p for p in model.parameters() if p.grad is not None]
+    if getattr(dims, "ep", 1) > 1:  # experts: over the ranks holding the same experts
+        experts = expert_param_ids(model)
+        allreduce_grads([p for p in params if id(p) in experts], dims.expert_dp_group)
+        params = [p for p in params if id(p) not in experts]
     if group is not None:
-        allreduce_grads([p for p in model.parameters() if p.grad is not None], group)
+        allreduce_grads(params, group)
 
 
 def _tied_param(model: nn.Module) -> nn.Parameter | None:
@@ -81,22 +95,30 @@ def _tied_param(model: nn.Module) -> nn.Parameter | None:
     return None
 
 
-def grad_sq_norms(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of squares over tp-sharded grads, over tp-replicated grads) for this rank's parameters."""
+def grad_sq_norms(model: nn.Module, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squares over tp-sharded grads, over tp-replicated grads) for this rank's parameters; with
+    dims.ep > 1 the experts' squares are first summed over the ep group (each rank holds other experts)."""
     params = dict(model.named_parameters())
     skip = tied_copy_names(model)
+    ep = getattr(dims, "ep", 1) > 1
+    experts = expert_param_ids(model) if ep else set()
     device = next(iter(params.values())).device
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for name, (shape, _) in param_layout(model).items():
         p = params[name]
         if name in skip or p.grad is None:
             continue
         sq = p.grad.detach().float().square().sum()
-        if is_tp_replicated(shape, p.shape):
+        if id(p) in experts:
+            expert_sq += sq
+        elif is_tp_replicated(shape, p.shape):
             replicated += sq
         else:
             sharded += sq
+    if ep:  # the same on every ep rank afterwards; F-sharded under tp, so summed over tp with the shards
+        sharded += all_reduce_(expert_sq, dims.ep_group)
     return sharded, replicated
 
 
@@ -132,7 +154,7 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
 
 def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0) -> float:
     """Global gradient L2 norm over all ranks; scales gradients in place when it exceeds max_norm > 0."""
-    sharded, replicated = grad_sq_norms(model)
+    sharded, replicated = grad_sq_norms(model, dims)
     norm = global_grad_norm(sharded, replicated, dims, extra_sq=extra_sq)
     coef = clip_coefficient(norm, max_norm)
     if coef is not None:

@@ -118,7 +118,11 @@ class ZeroOptimizer:
     """
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, stage: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, owns=None, shard_over=None,
+                 sync_model_parallel: bool = True):
+        """owns(param) -> bool: the parameters this optimizer updates (None: all); shard_over: (size, rank,
+        group) to shard over instead of dp_shard; sync_model_parallel: reduce_grads first syncs tp-partial
+        and tied gradients (an expert-parallel run's second optimizer leaves that to the first)."""
         if stage not in (1, 2, 3):  # 3: pipetrain.parallel.data.zero3.Zero3Optimizer, which adds the gathering
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}; use "
                              "pipetrain.optim.build.Optimizer for parallel.zero=0")
@@ -128,10 +132,13 @@ class ZeroOptimizer:
                              "ParallelDims.init / from_degrees after init_process_group")
         self.model, self.dims, self.cfg, self.stage, self.overlap = model, dims, cfg, stage, overlap
         # ZeRO shards over dp_shard (= dp unless parallel.dp_shard splits off replicas), times cp under context
-        # parallelism (dims.zero_shard says why); "dp" below names that shard group
-        self.dp_size, self.dp_rank, self.dp_group = dims.zero_shard, dims.zero_shard_rank, dims.zero_shard_group
+        # parallelism (dims.zero_shard says why); "dp" below names that shard group. shard_over: another
+        # (size, rank, group), expert parallelism's expert-dp group for the experts' states
+        self.dp_size, self.dp_rank, self.dp_group = shard_over or (dims.zero_shard, dims.zero_shard_rank,
+                                                                   dims.zero_shard_group)
+        self.sync_model_parallel = sync_model_parallel
         layout = param_layout(model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (owns is None or owns(p))]
         self.params = [p for _, p in named]
         self.shards = [self._param_shard(name, p, layout) for name, p in named]
         late = {id(p) for p in model_parallel_synced_params(model, dims)}
@@ -306,7 +313,8 @@ class ZeroOptimizer:
         for b in range(self._next_launch, self.num_early):
             self._launch(self.buckets[b])
         self._next_launch = self.num_early
-        sync_model_parallel_grads(self.model, self.dims)
+        if self.sync_model_parallel:
+            sync_model_parallel_grads(self.model, self.dims)
         for bucket in self.buckets[self.num_early:]:
             self._launch(bucket)
         while self._in_flight:
@@ -327,6 +335,16 @@ class ZeroOptimizer:
     # ---- clipping and the update ----
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient L2 norm from every rank's rows; scales the rows in place above max_norm > 0."""
+        sharded, replicated = self.grad_sq_sums()
+        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dp_group,
+                                extra_sq=getattr(self, "extra_grad_sq", 0.0))
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
+            self.scale_grads(coef)
+        return norm
+
+    def grad_sq_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of squares over tp-sharded, over tp-replicated) of this rank's gradient rows."""
         skip = tied_copy_names(self.model)
         device = self.params[0].device
         sharded = torch.zeros((), dtype=torch.float32, device=device)
@@ -340,16 +358,15 @@ class ZeroOptimizer:
                 replicated += sq
             else:
                 sharded += sq
-        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dp_group,
-                                extra_sq=getattr(self, "extra_grad_sq", 0.0))
-        coef = clip_coefficient(norm, max_norm)
-        if coef is not None:
-            if self.stage == 1:  # scale the full gradients, so p.grad matches zero 0 after clipping too
-                grads = [p.grad for p in self.params if p.grad is not None]
-            else:
-                grads = list(self._grad_shards.values())
-            torch._foreach_mul_(grads, coef)
-        return norm
+        return sharded, replicated
+
+    def scale_grads(self, coef: float) -> None:
+        """Multiply the gradients by coef (clipping)."""
+        if self.stage == 1:  # scale the full gradients, so p.grad matches zero 0 after clipping too
+            grads = [p.grad for p in self.params if p.grad is not None]
+        else:
+            grads = list(self._grad_shards.values())
+        torch._foreach_mul_(grads, coef)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -9,13 +9,14 @@ tensor-parallel region is entered and left with matching communication in both d
     gather_sequence      forward: all-gather along T        backward: reduce-scatter along T
     reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
     gather_over_cp       forward: all-gather K/V along T      backward: reduce-scatter along T (over cp)
+    all_to_all_tokens    forward: all-to-all, uneven splits   backward: the reverse all-to-all (over ep)
 
 Shapes: B batch, T time (dim 1 of activations), D model; under sequence parallelism a rank holds
 (B, T/tp, D). A group of None means a group of one: every operator is then the identity and no
 collective is issued (None never means the default world group here).
 
 Every torch.distributed collective and point-to-point transfer of pipetrain goes through this module:
-the blocking primitives (all_reduce_, all_reduce_max_, all_gather, reduce_scatter), their async
+the blocking primitives (all_reduce_, all_reduce_max_, all_gather, reduce_scatter, all_to_all_single), their async
 variants for overlapping with compute (all_reduce_async, all_gather_async, reduce_scatter_async: ZeRO's
 buckets) and post_p2p (the pipeline executor's sends and receives). reduce_scatter probes the backend
 at first use: older gloo builds lack reduce_scatter, and then it falls back to all_reduce + slice
@@ -218,6 +219,19 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ProcessGroup, native: bool | N
     return summed.narrow(dim, group_rank(pg) * chunk, chunk).contiguous()
 
 
+def all_to_all_single(x: torch.Tensor, out_splits: list[int], in_splits: list[int], pg: ProcessGroup) -> torch.Tensor:
+    """Rows of x (dim 0) exchanged over pg: in_splits[r] consecutive rows go to rank r, out_splits[r] rows
+    arrive from rank r, in rank order: (sum(in_splits), ...) -> (sum(out_splits), ...). Splits may be
+    uneven and zero (expert parallelism's token dispatch)."""
+    if group_size(pg) == 1:
+        return x
+    check_devices("all_to_all_single", pg, x)
+    x = x.contiguous()
+    out = torch.empty((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=pg)
+    return out
+
+
 # ---- async primitives: start a collective, wait() on the returned Work before reading the result ----
 
 def all_reduce_async(x: torch.Tensor, pg: ProcessGroup):
@@ -354,6 +368,27 @@ class _AlongSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return ctx.backward_op(dy, 1, ctx.pg), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: rows of x to their ranks (in_splits out, out_splits in); backward: the reverse all-to-all
+    (each row's gradient goes back to the rank that sent the row)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, pg):
+        ctx.splits, ctx.pg = (out_splits, in_splits), pg
+        return all_to_all_single(x, out_splits, in_splits, pg)
+
+    @staticmethod
+    def backward(ctx, dy):
+        out_splits, in_splits = ctx.splits
+        return all_to_all_single(dy, in_splits, out_splits, ctx.pg), None, None, None
+
+
+def all_to_all_tokens(x: torch.Tensor, out_splits: list[int], in_splits: list[int], pg: ProcessGroup) -> torch.Tensor:
+    """forward: all-to-all of x's rows over pg (in_splits[r] rows to rank r, out_splits[r] from it);
+    backward: the reverse all-to-all."""
+    return x if group_size(pg) == 1 else _AllToAll.apply(x, list(out_splits), list(in_splits), pg)
 
 
 def copy_to_tp(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:

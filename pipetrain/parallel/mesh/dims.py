@@ -34,6 +34,12 @@ group (every rank of one replica: its loss under a relaxed mode), are created wi
 the mesh, like the embed groups. With dp_shard == dp (the default) dp_shard_group is dp_group and there
 is no replicate group; with dp_shard == 1 dp_replicate_group is dp_group.
 
+Expert parallelism (parallel.ep, pipetrain.parallel.expert) is carved out of dp: dp = expert_dp x ep with
+ep fastest, so an ep group is ep consecutive dp ranks with the same (pp, cp, tp) coordinate (tokens
+travel between them by all-to-all) and the expert-dp group is the dp ranks holding the same experts
+(ep_rank = dp_rank % ep): expert gradients sum over it. Both are created with dist.new_group after the
+mesh; with ep == dp the ep group is dp_group, with ep == 1 the expert-dp group is dp_group.
+
 Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps) are S extra ranks after the mesh:
 global ranks world_size .. world_size + S - 1 (`full_world_size` in all). They are outside the mesh
 (DeviceMesh gives them no coordinate) but make every group-creating call the workers make, in the same
@@ -123,12 +129,17 @@ class ParallelDims:
     ps_servers: int = 0              # extra server ranks after the mesh (parallel.ps_servers)
     workers_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     ps_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    ep: int = 1                      # expert parallelism inside dp (parallel.ep)
+    ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    expert_dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.dp_shard is None:
             self.dp_shard = self.dp
         assert isinstance(self.dp_shard, int) and self.dp_shard >= 1 and self.dp % self.dp_shard == 0, \
             f"dp_shard={self.dp_shard!r} must divide dp={self.dp}"
+        assert isinstance(self.ep, int) and self.ep >= 1 and self.dp % self.ep == 0, \
+            f"ep={self.ep!r} must divide dp={self.dp}"
         for name in MESH_DIM_NAMES:
             value = getattr(self, name)
             assert isinstance(value, int) and value >= 1, f"{name}={value!r} must be an integer >= 1"
@@ -212,6 +223,19 @@ class ParallelDims:
         return self.dp_cp_group if self.cp > 1 else self.dp_shard_group
 
     @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts: dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    @property
     def replica_size(self) -> int:
         """Ranks in one replica: dp_shard * pp * cp * tp."""
         return self.dp_shard * self.pp * self.cp * self.tp
@@ -246,6 +270,10 @@ class ParallelDims:
         out["dp_replicate"] = mesh_rank_lists(split, ("dp_replicate",)) if both else []
         out["replica"] = (mesh_rank_lists(split, ("dp_shard", "pp", "cp", "tp"))
                           if self.dp_replicate > 1 and self.replica_size > 1 else [])
+        experts = {"expert_dp": self.expert_dp, "ep": self.ep, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+        both = self.ep > 1 and self.expert_dp > 1  # otherwise one of them is the dp group itself
+        out["ep"] = mesh_rank_lists(experts, ("ep",)) if both else []
+        out["expert_dp"] = mesh_rank_lists(experts, ("expert_dp",)) if both else []
         return out
 
     # ---- construction with process groups ----
@@ -257,13 +285,13 @@ class ParallelDims:
         argument must then agree); otherwise this is a single process and the world size is 1.
         """
         dims = cls.from_degrees(dp=parallel_cfg.dp, tp=parallel_cfg.tp, pp=parallel_cfg.pp, cp=parallel_cfg.cp,
-                                world_size=world_size,
+                                ep=parallel_cfg.ep, world_size=world_size,
                                 dp_shard=lambda dp: resolve_dp_shard(parallel_cfg, dp),
                                 ps_servers=parallel_cfg.ps_servers)
         return dims
 
     @classmethod
-    def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1,
+    def from_degrees(cls, *, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                      world_size: int | None = None, dp_shard=None, ps_servers: int = 0) -> "ParallelDims":
         """Dims for explicit degrees (dp=None: world_size / (tp * pp * cp)), building the mesh and every group.
         dp_shard: an int, None (= dp) or a function of the resolved dp. ps_servers: ranks of the world
@@ -282,7 +310,7 @@ class ParallelDims:
             f"dp*tp*pp{cp_name}={dp}*{tp}*{pp}{cp_value} does not equal the world size {actual}"
         dp_shard = dp_shard(dp) if callable(dp_shard) else dp_shard
         dims = cls(dp=dp, tp=tp, pp=pp, cp=cp, rank=dist.get_rank() if initialised else 0, device=default_device(),
-                   dp_shard=dp_shard, ps_servers=ps_servers)
+                   dp_shard=dp_shard, ps_servers=ps_servers, ep=ep)
         if dims.device.type == "cuda":
             torch.cuda.set_device(dims.device)  # before the mesh, so nccl binds this rank's device
         if initialised:
@@ -318,7 +346,7 @@ class ParallelDims:
             if self.rank in ranks:
                 self.embed_group = pg
         lists = self.group_rank_lists()
-        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp"):
+        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp", "ep", "expert_dp"):
             for ranks in lists[kind]:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -327,6 +355,10 @@ class ParallelDims:
             self.dp_shard_group = self.dp_group
         elif self.dp_shard == 1:
             self.dp_replicate_group = self.dp_group
+        if self.ep == self.dp:
+            self.ep_group = self.dp_group
+        elif self.ep == 1:
+            self.expert_dp_group = self.dp_group
         if self.cp == 1:
             self.dp_cp_group = self.dp_group
         elif self.dp == 1:

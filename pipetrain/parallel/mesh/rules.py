@@ -21,7 +21,7 @@ from __future__ import annotations
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.parallel.pipeline.schedules import schedule_problems
 
-DEGREES = ("tp", "pp", "cp", "microbatches", "virtual_stages")  # parallel keys that count something: each >= 1
+DEGREES = ("tp", "pp", "cp", "ep", "microbatches", "virtual_stages")  # parallel keys that count something: each >= 1
 
 
 # ---- rules that need no world size (config.validate runs them at load) ---------------------------------
@@ -41,7 +41,31 @@ def parallel_problems(recipe: Recipe) -> list[str]:
                         "with fp8 yet; use train.precision=bf16")
     return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
             + context_problems(recipe)
-            + zero3_problems(recipe) + moe_problems(recipe))
+            + zero3_problems(recipe) + moe_problems(recipe) + expert_parallel_problems(recipe))
+
+
+def expert_parallel_problems(r: Recipe) -> list[str]:
+    """parallel.ep > 1 (pipetrain.parallel.expert): needs experts that split ep ways; what it does not
+    combine with beyond moe_problems' refusals, one line each. ep dividing dp needs the world size:
+    mesh_problems checks it."""
+    p, m = r.parallel, r.model
+    if p.ep <= 1:
+        return []
+    if m.num_experts <= 0:
+        return [f"parallel.ep: shards experts, but model.num_experts=0 (a dense model), got {p.ep}; set "
+                "parallel.ep=1 or pick an MoE family"]
+    out = []
+    if m.num_experts % p.ep:
+        out.append(f"parallel.ep: must divide model.num_experts={m.num_experts} (each ep rank holds "
+                   f"num_experts/ep experts), got {p.ep}; use one of {_divisors(m.num_experts)}")
+    refused = [
+        (p.zero == 3, "parallel.zero=3 (expert weights are not gathered per unit)", "use parallel.zero=1 or 2"),
+        (p.dynamic_batch, "parallel.dynamic_batch (every ep rank must run the same microbatches to pair its "
+         "all-to-alls)", "set parallel.dynamic_batch=false"),
+        (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (ZeRO shards non-experts over all of dp and "
+         "experts over expert-dp)", "drop parallel.dp_shard"),
+    ]
+    return out + [f"{key}: does not combine with parallel.ep={p.ep} yet; {fix}" for on, key, fix in refused if on]
 
 
 def moe_problems(r: Recipe) -> list[str]:
@@ -258,6 +282,9 @@ def mesh_problems(recipe: Recipe, world_size: int) -> list[str]:
                         f"{dp * tp_pp} does not equal the world size "
                         f"{world_size}{' without the servers' if servers else ''}; launch {dp * tp_pp + servers} "
                         f"processes ({dp * tp_pp} workers{after}) or drop parallel.dp")
+    if p.ep > 1 and dp % p.ep:
+        problems.append(f"parallel.ep: must divide dp={dp} (the ep group is ep consecutive dp ranks), got {p.ep}; "
+                        f"launch a multiple of ep*tp*pp{cp_name.replace('parallel.', '')}={p.ep * tp_pp} processes")
     return problems + batch_problems(t, dp, p.microbatches)
 
 

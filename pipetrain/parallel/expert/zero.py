@@ -1,0 +1,78 @@
+"""ZeRO 1/2 under expert parallelism: two ZeroOptimizers over one model, one per reduction group.
+
+Non-expert parameters shard (and reduce) over dp as without ep. Expert weights are already split over the
+ep group, and ranks holding the same experts form the expert-dp group (dp / ep ranks): their gradients
+reduce and their rows shard over it; with expert-dp of one rank they stay unsharded (each ep rank the only
+holder of its experts). Checkpoint boxes follow: an expert shard's box is its ep slice of the global
+(E, ...) tensor narrowed to its expert-dp rows, so the state reshards to any ep.
+
+Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp give the global
+norm: the non-expert rows are split over dp, the expert rows over ep (which experts) x expert-dp (which
+rows) = dp. The AdamW step count is written once, by the non-expert optimizer.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from pipetrain.config import TrainConfig
+from pipetrain.optim.adamw import ReadBox
+from pipetrain.parallel.data.grads import clip_coefficient, expert_param_ids, global_grad_norm
+from pipetrain.parallel.data.zero import ZeroOptimizer
+
+
+class ExpertZeroOptimizer:
+    """ZeRO stage 1 or 2 with expert weights sharded over expert-dp; the ZeroOptimizer interface."""
+
+    def __init__(self, model: nn.Module, dims, cfg: TrainConfig, stage: int):
+        assert dims.dp_shard == dims.dp, f"{dims.coords} ExpertZeroOptimizer: dp_shard={dims.dp_shard} != dp={dims.dp}"
+        experts = expert_param_ids(model)
+        self.model, self.dims, self.stage = model, dims, stage
+        self.dense = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) not in experts)
+        self.experts = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) in experts,
+                                     shard_over=(dims.expert_dp, dims.expert_dp_rank, dims.expert_dp_group),
+                                     sync_model_parallel=False)
+        self.parts = (self.dense, self.experts)
+
+    @property
+    def steps_taken(self) -> int:
+        return self.dense.steps_taken
+
+    def set_microbatches(self, num_microbatches: int) -> None:
+        for part in self.parts:
+            part.set_microbatches(num_microbatches)
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def reduce_grads(self) -> None:
+        for part in self.parts:  # the dense part first: it syncs tp-partial and tied gradients
+            part.reduce_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        sums = [part.grad_sq_sums() for part in self.parts]
+        sharded, replicated = sums[0][0] + sums[1][0], sums[0][1] + sums[1][1]
+        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dims.dp_group)
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
+            for part in self.parts:
+                part.scale_grads(coef)
+        return norm
+
+    def step(self, lr: float) -> None:
+        for part in self.parts:
+            part.step(lr)
+
+    def state_items(self) -> list:
+        """Both parts' row shards of the moments; the scalar "step" once."""
+        return self.dense.state_items() + [item for item in self.experts.state_items() if item[0] != "step"]
+
+    def load_state_items(self, read: ReadBox) -> None:
+        for part in self.parts:
+            part.load_state_items(read)
+
+    def state_bytes(self) -> int:
+        return sum(part.state_bytes() for part in self.parts)
+
+    def grad_bytes(self) -> int:
+        return sum(part.grad_bytes() for part in self.parts)

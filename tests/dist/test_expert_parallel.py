@@ -1,0 +1,137 @@
+"""Expert parallelism (parallel.ep, pipetrain.parallel.expert) matches one process at every step: the loss,
+the aux loss, the gradient norm, the expert loads, the aux-free bias and the router gradients, with ep
+carved out of dp and composed with tp, pp and ZeRO; skewed routing drops no token; a checkpoint saved at
+ep 2 resumes at ep 4 and ep 1 with the ep 2 run's next losses.
+
+Tolerance: EXACT_FP32 (as dp): an expert computes the same rows, only grouped by source rank, and its
+weight gradient sums them in another order; TP_FP32 with tp (F split)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipetrain.models import build, materialize
+from pipetrain.models.moe import moe_layers
+from pipetrain.parallel.expert.dispatch import apply_expert_parallel
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.dist.test_moe import MOE
+from tests.harness import EXACT_FP32, TP_FP32, rank_results, run_ranks
+from tests.unit.common import build_trainer
+
+STEPS = 3
+KEYS = ("loss", "aux_loss", "grad_norm")
+
+
+def _run(out, dims=None, steps=STEPS, **parallel):
+    """Per step: the metrics, and every held layer's router gradient; then the aux-free biases."""
+    os.makedirs(out, exist_ok=True)
+    trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, **parallel)
+    history, router = [], []
+    for _ in range(steps):
+        record = trainer.train_step()
+        history.append({k: record[k] for k in KEYS + ("expert_load_max",)})
+        router.append({i: m.router.weight.grad.clone() for i, m in moe_layers(trainer.model).items()
+                       if m.router.weight.grad is not None})  # ZeRO 2 keeps only its rows
+    bias = {i: m.router.expert_bias.clone() for i, m in moe_layers(trainer.model).items()}
+    return history, router, bias
+
+
+def _worker(rank, world_size, out, degrees, parallel, expected, tol):
+    dims = ParallelDims.from_degrees(**degrees)
+    got = _run(out, dims, ep=degrees["ep"], **parallel)
+    for step, (have, want) in enumerate(zip(got[0], expected[0]), 1):
+        for key in KEYS:
+            torch.testing.assert_close(have[key], want[key], **tol, msg=f"{dims.coords} step {step} {key}")
+        assert have["expert_load_max"] == want["expert_load_max"], f"{dims.coords} step {step} expert load"
+        for i, grad in got[1][step - 1].items():  # router gradients (the aux loss's too) of this stage's layers
+            torch.testing.assert_close(grad, expected[1][step - 1][i], **tol,
+                                       msg=f"{dims.coords} step {step} layer {i} router grad")
+    for i, b in got[2].items():
+        torch.testing.assert_close(b, expected[2][i], rtol=0, atol=0, msg=f"{dims.coords} layer {i} bias")
+
+
+def test_ep2_matches_single_process(tmp_path):
+    expected = _run(str(tmp_path / "one"))
+    run_ranks(2, _worker, str(tmp_path / "two"), dict(dp=2, ep=2), {}, expected, EXACT_FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degrees, parallel, tol", [
+    (dict(dp=4, ep=4), {}, EXACT_FP32),
+    (dict(dp=4, ep=2), dict(zero=2), EXACT_FP32),  # expert-dp 2: experts reduce and shard over it
+    (dict(dp=2, ep=2, tp=2), {}, TP_FP32),
+    (dict(dp=2, ep=2, pp=2), dict(zero=1, microbatches=2, schedule="1f1b"), EXACT_FP32),  # router grads, aux on
+    (dict(dp=2, ep=2), dict(recompute="full"), EXACT_FP32),  # the all-to-alls run again inside backward
+], ids=["ep4", "ep2-dp4-zero2", "ep2-tp2", "ep2-pp2-1f1b-zero1", "ep2-recompute-full"])
+def test_ep_layouts_match_single_process(tmp_path, degrees, parallel, tol):
+    expected = _run(str(tmp_path / "one"), **{k: v for k, v in parallel.items() if k != "zero"})
+    world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1)
+    run_ranks(world, _worker, str(tmp_path / "many"), degrees, parallel, expected, tol)
+
+
+def _skewed_worker(rank, world_size, x, want_y, want_grads):
+    """Every token routed to experts 0 and 1 (ep rank 0's): rank 1 receives nothing, yet every row is computed."""
+    dims = ParallelDims.from_degrees(dp=2, ep=2)
+    model = materialize(build(MOE, device="meta"), MOE, seed=0, device="cpu")
+    _skew(model)
+    apply_expert_parallel(model, dims)
+    moe = moe_layers(model)[0]
+    mine = x.chunk(2)[dims.dp_rank].clone().requires_grad_(True)
+    y = moe(mine)
+    torch.testing.assert_close(y, want_y.chunk(2)[dims.dp_rank], **EXACT_FP32)
+    y.square().sum().backward()
+    torch.testing.assert_close(mine.grad, want_grads["x"].chunk(2)[dims.dp_rank], **EXACT_FP32)
+    lo = dims.ep_rank * 2  # the expert gradient summed over the ep group's tokens (ep == dp: no expert-dp)
+    for name in ("gate", "up", "down"):
+        grad = getattr(moe.experts, name).grad
+        assert grad is not None, f"{dims.coords} {name} has no gradient"
+        torch.testing.assert_close(grad, want_grads[name][lo:lo + 2], **EXACT_FP32, msg=f"{dims.coords} {name}")
+    assert moe.router.step_counts.tolist() == [4, 4, 0, 0], f"{dims.coords} routed rows per expert"
+
+
+def _skew(model):
+    """Uniform router probabilities: the stable top-2 picks experts 0 and 1 for every token."""
+    with torch.no_grad():
+        for moe in moe_layers(model).values():
+            moe.router.weight.zero_()
+
+
+def test_skewed_routing_drops_no_token(tmp_path):
+    model = materialize(build(MOE, device="meta"), MOE, seed=0, device="cpu")
+    _skew(model)
+    moe = moe_layers(model)[0]
+    moe.train()
+    x = torch.randn(2, 4, MOE.d_model, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    y = moe(x)
+    y.square().sum().backward()
+    grads = {"x": x.grad} | {n: getattr(moe.experts, n).grad for n in ("gate", "up", "down")}
+    assert grads["gate"][2:].abs().sum() == 0  # experts 2 and 3 (ep rank 1's) see no token
+    run_ranks(2, _skewed_worker, x.detach(), y.detach(), grads)
+
+
+def _resume_worker(rank, world_size, out, ckpt, ep, steps):
+    """ep 2: train, save after 2 steps, go on; any ep: resume from ckpt. Returns the losses after step 2."""
+    dims = ParallelDims.from_degrees(dp=world_size, ep=ep)
+    os.makedirs(out, exist_ok=True)
+    trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, ep=ep, zero=1, resume=ckpt)
+    losses = []
+    while trainer.step < steps:
+        record = trainer.train_step()
+        if trainer.step > 2:
+            losses.append(record["loss"])
+        if trainer.step == 2 and ckpt is None:
+            trainer.checkpointer.save(trainer)
+    return losses
+
+
+@pytest.mark.slow
+def test_checkpoint_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
+    out = str(tmp_path / "ep2")
+    want = rank_results(2, _resume_worker, out, None, 2, 4)[0]
+    ckpt = os.path.join(out, "checkpoints", "step-00000002")
+    got4 = rank_results(4, _resume_worker, str(tmp_path / "ep4"), ckpt, 4, 4)[0]
+    got1 = _resume_worker(0, 1, str(tmp_path / "ep1"), ckpt, 1, 4)
+    torch.testing.assert_close(got4, want, **EXACT_FP32)
+    torch.testing.assert_close(got1, want, **EXACT_FP32)

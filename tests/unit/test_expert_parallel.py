@@ -1,0 +1,69 @@
+"""parallel.ep with no processes: its layout rules (one line each), the ep / expert-dp groups of the mesh,
+the boxes an ep rank's experts have in the global tensors, and the planner's memory and all-to-all time."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pipetrain.config import DataConfig, ParallelConfig, Recipe, TrainConfig
+from pipetrain.models import build, param_layout
+from pipetrain.parallel.expert.dispatch import _local_experts
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
+from pipetrain.plan.cost import step_time
+from pipetrain.plan.devices import load_profile
+from pipetrain.plan.memory import model_state_bytes
+from tests.dist.test_moe import MOE
+from tests.unit.common import LLAMA
+
+
+def _recipe(model=MOE, **parallel) -> Recipe:
+    return Recipe(model=model, data=DataConfig(path="x", tokenizer="y"),
+                  parallel=ParallelConfig(**parallel), train=TrainConfig(seq_len=16, global_batch=8))
+
+
+def test_ep_refusals_are_one_line_each():
+    assert not parallel_problems(_recipe(ep=2)) and not layout_problems(_recipe(ep=2), 4)
+    assert parallel_problems(_recipe(LLAMA, ep=2)) == [
+        "parallel.ep: shards experts, but model.num_experts=0 (a dense model), got 2; set parallel.ep=1 or pick an "
+        "MoE family"]
+    [odd] = parallel_problems(_recipe(ep=3))
+    assert odd.startswith("parallel.ep: must divide model.num_experts=4") and "got 3" in odd
+    for keys, start in [(dict(zero=3), "parallel.zero=3"), (dict(dynamic_batch=True), "parallel.dynamic_batch"),
+                        (dict(dp_shard=2), "parallel.dp_shard=2")]:
+        found = [p for p in parallel_problems(_recipe(ep=2, **keys)) if "parallel.ep=2" in p]
+        assert len(found) == 1 and found[0].startswith(start), found
+    [not_dp] = layout_problems(_recipe(ep=4), 2)
+    assert not_dp.startswith("parallel.ep: must divide dp=2") and "got 4" in not_dp
+
+
+def test_ep_groups_are_consecutive_dp_ranks_and_expert_dp_their_strided_peers():
+    lists = ParallelDims(dp=4, tp=2, ep=2).group_rank_lists()
+    assert lists["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # same tp coordinate, dp ranks (0, 1) and (2, 3)
+    assert lists["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # dp ranks (0, 2) and (1, 3): same experts
+    d = ParallelDims(dp=4, ep=2, rank=3)
+    assert (d.ep_rank, d.expert_dp, d.expert_dp_rank) == (1, 2, 1)
+    assert ParallelDims(dp=2, ep=2).group_rank_lists()["ep"] == []  # ep == dp: the dp group itself
+
+
+def test_local_experts_are_row_boxes_of_the_global_tensors():
+    model = build(MOE, device="meta")
+    experts = model.layers["0"].mlp.experts
+    local = _local_experts(experts, ParallelDims(dp=2, ep=2, rank=1))
+    model.layers["0"].mlp.experts = local
+    shape, slices = param_layout(model)["layers.0.mlp.experts.down"]
+    assert shape == tuple(experts.down.shape) and slices[0] == slice(2, 4) and local.down.shape[0] == 2
+
+
+def test_planner_holds_experts_over_ep_and_times_the_all_to_all():
+    one, two = _recipe(), _recipe(ep=2, dp=2)
+    E, F, D = MOE.num_experts, MOE.expert_ffn, MOE.d_model
+    experts = MOE.n_layers * 3 * E * F * D * 4  # bytes of every expert weight
+    assert model_state_bytes(one, 2, 0)[0] - model_state_bytes(two, 2, 0)[0] == experts // 2
+    zero = dataclasses.replace(two, parallel=ParallelConfig(ep=2, dp=4, zero=1))  # expert-dp 2: half the rows
+    plain = dataclasses.replace(two, parallel=ParallelConfig(ep=1, dp=4, zero=1))
+    assert model_state_bytes(plain, 4, 0)[2] - model_state_bytes(zero, 4, 0)[2] == 0  # E/2 experts over 2 = E over 4
+    profile = load_profile("cpu")
+    assert step_time(two, 2, profile).ep_comm > 0 and step_time(_recipe(dp=2), 2, profile).ep_comm == 0
+    torch.testing.assert_close(step_time(one, 1, profile).ep_comm, 0.0)
