@@ -91,10 +91,7 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
                                    reader.read(f"model/{name}", offsets, shape), adapters_only)
     else:
         _load_params(model, params, reader, adapters_only)
-    with torch.no_grad():  # a checkpoint from before a buffer existed leaves it at its initial value
-        for name, b in persistent_buffers(model).items():
-            if f"buffer/{name}" in manifest["tensors"]:
-                b.copy_(reader.read(f"buffer/{name}", [0] * b.dim(), b.shape, b.dtype))
+    load_buffers(model, reader, manifest)
     optimizer.load_state_items(lambda name, global_shape, offsets, shape:
                                reader.read(f"optim/{name}", offsets, shape))
     loader.load_state_dict(manifest["data"])
@@ -120,3 +117,13 @@ def _load_params(model, params: dict, reader: TensorReader, adapters_only: bool)
             saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
             p = params[name]
             p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype))
+
+
+def load_buffers(model, reader: TensorReader, manifest: dict) -> None:
+    """The model's persistent buffers (a MoE router's aux-free bias) from buffer/ (training resumes and
+    whole-model reads both need them: the bias decides which experts a token goes to). A checkpoint from
+    before a buffer existed leaves it at its initial value."""
+    with torch.no_grad():
+        for name, b in persistent_buffers(model).items():
+            if f"buffer/{name}" in manifest["tensors"]:
+                b.copy_(reader.read(f"buffer/{name}", [0] * b.dim(), b.shape, b.dtype))

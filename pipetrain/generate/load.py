@@ -2,17 +2,18 @@
 directory (its newest checkpoint) or a Hugging Face model folder, with the matching tokenizer."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 import torch.nn as nn
 
+from pipetrain.checkpoint.load import load_buffers
 from pipetrain.checkpoint.read import TensorReader, read_manifest
-from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.config import ConfigError
 from pipetrain.data import load_tokenizer
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import lora_checkpoint_model
+from pipetrain.hf.peft_export import checkpoint_model_config
 from pipetrain.hf.tokenizer import check_tokenizer_vocab
 from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build
@@ -38,8 +39,7 @@ def model_from_checkpoint(ckpt_dir: str, device: torch.device | str = "cpu") -> 
     recipe = manifest["recipe"]
     if "base" in manifest:  # LoRA: adapters only; their base (init_from or seed) with them merged in
         return merge_lora(lora_checkpoint_model(ckpt_dir, manifest)).to(device).eval(), recipe
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in recipe["model"].items() if k in fields})
+    cfg = checkpoint_model_config(manifest)
     model = build(cfg, device="meta")
     model.to_empty(device=device)
     if cfg.tied:  # to_empty() gave the head its own tensor: tie it to the embedding again
@@ -48,6 +48,7 @@ def model_from_checkpoint(ckpt_dir: str, device: torch.device | str = "cpu") -> 
     params = dict(model.named_parameters())
     for name, (shape, _) in param_layout(model).items():
         params[name].copy_(reader.read(f"model/{name}", [0] * len(shape), shape, params[name].dtype))
+    load_buffers(model, reader, manifest)
     return model.eval(), recipe
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.checkpoint.load import check_base
-from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.read import TensorReader, iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.hf.config import CONFIG_FILE, FAMILIES as FAMILY_CLASS, read_hf_config
 from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
@@ -353,9 +353,21 @@ def _meta_model(cfg: ModelConfig) -> nn.Module:
     return build(cfg, device="meta")
 
 
+def refuse_expert_bias(buffers: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The aux-loss-free router bias (model.router_bias_update_rate) changes which experts a token goes to,
+    and no mixtral / qwen3_moe class of transformers holds it: an export without it would route differently
+    and give other logits, so a trained (nonzero) bias is refused rather than dropped."""
+    for name, bias in buffers:
+        if name.endswith("expert_bias") and bool(bias.ne(0).any()):
+            raise ConfigError(f"export: {name} is nonzero (trained with model.router_bias_update_rate), got max "
+                              f"|bias| {float(bias.abs().max()):.3g}; transformers' mixtral / qwen3_moe route "
+                              "without it, so train with model.router_bias_update_rate=0 to export")
+
+
 def export_model(model: nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> list[str]:
     """Export a whole single-process model (not tensor-parallel, not pipeline-pruned) held in memory."""
+    refuse_expert_bias(model.named_buffers())
     params = dict(model.named_parameters(remove_duplicate=False))
     layout = param_layout(model)
     for name, (shape, _) in layout.items():
@@ -400,6 +412,9 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = N
         model = merge_lora(lora_checkpoint_model(ckpt_dir, manifest))
         base_cfg = dataclasses.replace(model_cfg, lora_rank=None, lora_targets=[])
         return export_model(model, base_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)
+    reader = TensorReader(ckpt_dir, manifest)
+    refuse_expert_bias((n, reader.read(n, [0] * len(t["global_shape"]), t["global_shape"]))
+                       for n, t in manifest["tensors"].items() if n.startswith("buffer/"))
     names = set(hf_sources(model_cfg))  # model weights only: optimizer moments are never read
     stream: Iterator = iter_full_tensors(ckpt_dir, names=names)
     return export_state(stream, model_cfg, out_dir, tokenizer_dir, max_shard_bytes, dtype)

@@ -1,10 +1,21 @@
 """train.py at parallel.ep=2 under torchrun: an MoE's losses, aux loss and expert loads in metrics.jsonl match
-the single-process run's, and its checkpoint reads back as one whole model (the end-of-run sample); an ep that does not divide the experts is one error line and exit 2."""
-from tests.e2e.common import run_train, step_losses
+the single-process run's, its checkpoint reads back as one whole model (the end-of-run sample) and exports to
+a transformers model with pipetrain's logits; an ep that does not divide the experts is one error line and
+exit 2. (The router's aux-free bias under ep is checked against one process in tests/dist; an export refuses a
+trained bias, tests/unit/test_moe_hf.py.)"""
+import subprocess
+import sys
+
+import torch
+
+from pipetrain.checkpoint.read import read_manifest
+from pipetrain.generate.load import model_from_checkpoint
+from pipetrain.hf.peft_export import checkpoint_model_config
+from tests.e2e.common import ROOT, run_train, step_losses
 from tests.harness import EXACT_FP32
 
 MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
-       "model.moe_intermediate_size=64", "model.router_aux_loss_coef=0.01", "model.router_bias_update_rate=1e-3",
+       "model.moe_intermediate_size=64", "model.router_aux_loss_coef=0.01",
        "train.steps=4", "run.eval_every=0"]
 
 
@@ -24,6 +35,20 @@ def test_ep2_train_py_matches_single_process(tmp_path, token_cache):
     for m, r in zip(steps, ref_steps):
         assert m["expert_load_max"] == r["expert_load_max"] and len(m["expert_load_max"]) == 4  # per layer
         assert abs(m["aux_loss"] - r["aux_loss"]) <= 1e-5 * r["aux_loss"]
+
+    # Hugging Face export straight from the ep run's checkpoint (experts saved as boxes of the global tensors)
+    from transformers import AutoModelForCausalLM  # deferred: heavy, only this part needs it
+
+    ckpt = tmp_path / "two" / "checkpoints" / "step-00000004"
+    res = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(tmp_path / "hf")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model, recipe = model_from_checkpoint(str(ckpt))  # the whole model, as generate reads it
+    cfg = checkpoint_model_config(read_manifest(str(ckpt)))
+    x = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_ep_that_does_not_divide_the_experts_exits_2(tmp_path, token_cache):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, validate
+from pipetrain.generate.load import latest_checkpoint, model_from_checkpoint
 from pipetrain.models import build, count_params, flops_per_token, materialize
 from pipetrain.models.moe import MoE, grouped_swiglu, grouped_swiglu_loop, moe_step_end, route_topk
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
@@ -163,7 +164,7 @@ def test_planner_counts_every_expert_parameter():
 
 
 def test_resume_restores_the_aux_free_bias_bitwise(tmp_path):
-    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_bias_update_rate": 1e-2})
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_bias_update_rate": 1e-2, "head_dim_": 12})
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     straight = build_trainer(cfg, str(tmp_path / "a"), steps=5, global_batch=4, seq_len=16)
@@ -180,6 +181,10 @@ def test_resume_restores_the_aux_free_bias_bitwise(tmp_path):
     got = resumed.fit()
     assert [r["loss"] for r in got] == [r["loss"] for r in want[3:]]
     assert torch.equal(bias, straight.model.layers["0"].mlp.router.expert_bias)
+    # the whole-model read (generate, the end-of-run sample) takes the bias and the head size too
+    whole, _ = model_from_checkpoint(latest_checkpoint(str(tmp_path / "b")))
+    assert torch.equal(whole.layers["0"].mlp.router.expert_bias, bias)  # the step-5 checkpoint fit() saved
+    assert whole.layers["0"].attn.head_dim == cfg.head_dim != cfg.d_model // cfg.n_heads
 
 
 def test_lora_on_an_moe_adapts_attention_only_and_freezes_the_experts(tmp_path):

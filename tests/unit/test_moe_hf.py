@@ -168,3 +168,17 @@ def test_a_gating_order_other_than_hf_fails_parity(hf_moe, monkeypatch):
         broken = model(tokens())
     with pytest.raises(AssertionError):
         torch.testing.assert_close(broken, _hf_logits(hf_model), **HF_FP32)
+
+
+def test_export_refuses_a_trained_router_bias_and_writes_nothing(tmp_path):
+    """The aux-loss-free bias changes which experts a token goes to; transformers' mixtral has no place for
+    it, so an export that dropped it would route differently: refused in one line, before any file."""
+    cfg = EXPORT_CASES["mixtral"]
+    model = random_model(cfg)
+    export_model(model, cfg, str(tmp_path / "zero"))  # an untrained (zero) bias exports
+    with torch.no_grad():
+        model.layers["1"].mlp.router.expert_bias[2] = 1e-3
+    with pytest.raises(ConfigError, match=r"^export: layers\.1\.mlp\.router\.expert_bias is nonzero .*"
+                                          r"router_bias_update_rate=0 to export"):
+        export_model(model, cfg, str(tmp_path / "biased"))
+    assert not os.path.exists(tmp_path / "biased")
