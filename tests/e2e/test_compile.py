@@ -33,11 +33,13 @@ def test_compile_without_a_cpp_compiler_is_one_line_error_and_exit_2(tmp_path, m
     # seconds importing torch and inductor again. inductor's compiler search tries only cpp.cxx, which it
     # reads from CXX when first imported: set the list itself, since this process may have imported it.
     import torch._inductor.config as inductor_config  # deferred as in pipetrain.models.compile: heavy
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-g++"),))
+    # inductor's own patch(), not monkeypatch: monkeypatch's undo deletes a sub-config key such as cpp.cxx
+    # (the proxy hides it from its __dict__), which broke every later test that reads it
     monkeypatch.delenv("PIPETRAIN_COMPILE_BACKEND", raising=False)
     out = str(tmp_path / "run")
     sets = SMALL + [f"run.output_dir={out}", "train.steps=1", "run.eval_every=0", "train.compile=true"]
-    code = cli.main(["--recipe", TINY] + [a for s in sets for a in ("--set", s)])
+    with inductor_config.patch({"cpp.cxx": (str(tmp_path / "no-such-g++"),)}):
+        code = cli.main(["--recipe", TINY] + [a for s in sets for a in ("--set", s)])
     lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and not read_metrics(out), lines
     assert lines[0].startswith("error: train.compile=true: inductor on the CPU needs a C++ compiler") \

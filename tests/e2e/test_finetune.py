@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetrain.checkpoint.read import iter_full_tensors
-from pipetrain.config import DataConfig, ModelConfig
+from pipetrain.config import DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, build_data
+from pipetrain.hf.peft_export import checkpoint_model_config
 from pipetrain.models import build, materialize
 from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama
 
@@ -74,7 +75,7 @@ def test_finetune_then_export_gives_transformers_the_same_logits(tmp_path, hf_mo
     with torch.no_grad():
         assert not torch.allclose(tuned(x).logits, base(x).logits), "fine-tuning changed nothing"
     # pipetrain's own model from the same checkpoint gives the same logits
-    cfg = ModelConfig(**json.load(open(ckpt / "manifest.json"))["recipe"]["model"])
+    cfg = checkpoint_model_config(json.load(open(ckpt / "manifest.json")))
     model = materialize(build(cfg), cfg, 0, "cpu")
     with torch.no_grad():
         for name, tensor in iter_full_tensors(str(ckpt)):

@@ -46,11 +46,11 @@ def test_compile_backend_is_inductor_unless_the_test_knob_names_another(monkeypa
         compile_backend()
 
 
-def test_inductor_on_cpu_without_a_cpp_compiler_is_a_problem_with_the_fix(monkeypatch):
+def test_inductor_on_cpu_without_a_cpp_compiler_is_a_problem_with_the_fix():
     import torch._inductor.config as inductor_config  # deferred as in pipetrain.models.compile: heavy
     assert compile_problems(torch.device("cpu"), "aot_eager") == []  # no C++ needed without inductor
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    problems = compile_problems(torch.device("cpu"), "inductor")
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}):  # not monkeypatch: see tests/e2e/test_compile.py
+        problems = compile_problems(torch.device("cpu"), "inductor")
     assert len(problems) == 1 and "needs a C++ compiler" in problems[0] and "/nonexistent/g++" in problems[0] \
         and "set train.compile=false" in problems[0], problems
 
