@@ -149,7 +149,9 @@ class MoE(nn.Module):
         # LM loss's is 1 / target tokens per token. None (a plain forward): this input's B.
         self.aux_sequences: int | None = None
         # set by tensor parallelism (pipetrain.parallel.tensor.layers.ExpertRegion): enter(x, w) -> (x, w)
-        # in the tp region before the F-sharded experts, leave(y) sums their partial outputs over tp
+        # in the tp region before the F-sharded experts, leave(y) sums their partial outputs over tp (under
+        # sequence parallelism x is this rank's T/tp slice: enter gathers it, leave reduce-scatters y back,
+        # and the router's logits arrive gathered, so route / account always see the whole sequence)
         self.expert_region = None
 
     def route(self, x: torch.Tensor):

@@ -254,7 +254,9 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
         kv, lse = kv * cp, 0
     attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
     mlp = norm_group + (2 * Fh / tp if gpt2 else 4 * Fh / tp)
-    if m.is_moe:  # router probabilities; each of the k copies of the token sorted to its expert and its output
+    # router probabilities; each of the k copies of the token sorted to its expert and its output. Not / sp:
+    # under sequence parallelism every tp rank routes and dispatches the whole sequence (gathered along T)
+    if m.is_moe:
         mlp += 2 * m.num_experts + 2 * m.num_experts_per_tok * D
     if recompute == "full":
         block = D / sp

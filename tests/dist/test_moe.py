@@ -1,6 +1,7 @@
 """A mixture-of-experts model trained under tensor / pipeline / data parallelism matches one process at
-every step: the loss, the aux loss, the per-layer expert loads and the aux-free bias (the router runs
-replicated outside the tp region, the experts are F-sharded, counts are reduced over dp and pp)."""
+every step: the loss, the aux loss, the gradient norm, the per-layer expert loads and the aux-free bias
+(the router runs replicated outside the tp region, on the whole sequence under sequence parallelism; the
+experts are F-sharded; counts are reduced over dp and pp)."""
 import os
 
 import pytest
@@ -43,8 +44,11 @@ def _worker(rank, world_size, out, degrees, parallel, expected, expected_bias, t
 
 @pytest.mark.parametrize("degrees, parallel, tol", [
     (dict(tp=2), {}, TP_FP32),
+    # sequence parallelism: the router's logits gathered along T (every rank routes the whole sequence),
+    # the experts' output reduce-scattered back to T/tp, the router weight's gradient summed over tp
+    (dict(tp=2), dict(sequence_parallel=True), TP_FP32),
     pytest.param(dict(pp=2), dict(microbatches=2), EXACT_FP32, marks=pytest.mark.slow),  # aux injected on stages
-])
+], ids=["tp2", "tp2-sp", "pp2"])
 def test_moe_training_matches_single_process(tmp_path, degrees, parallel, tol):
     expected, bias = _run(str(tmp_path / "one"), **parallel)
     run_ranks(2, _worker, str(tmp_path / "two"), degrees, parallel, expected, bias, tol)

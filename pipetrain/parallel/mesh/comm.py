@@ -8,6 +8,7 @@ tensor-parallel region is entered and left with matching communication in both d
     reduce_from_tp       forward: all-reduce over tp        backward: identity                (g)
     gather_sequence      forward: all-gather along T        backward: reduce-scatter along T
     reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
+    gather_sequence_replicated  forward: all-gather along T   backward: this rank's slice along T
     gather_over_cp       forward: all-gather K/V along T      backward: reduce-scatter along T (over cp)
     all_to_all_tokens    forward: all-to-all, uneven splits   backward: the reverse all-to-all (over ep)
 
@@ -411,6 +412,19 @@ def gather_over_cp(x: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
     reduce-scatter along T (every rank's queries give a partial gradient of every key and value). The same
     collective pair as sequence parallelism's gather, over the cp group."""
     return gather_sequence(x, cp_group)
+
+
+def _own_slice(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
+    """This rank's 1/n of x along dim (no communication)."""
+    chunk = x.shape[dim] // group_size(pg)
+    return x.narrow(dim, group_rank(pg) * chunk, chunk).contiguous()
+
+
+def gather_sequence_replicated(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:
+    """forward: all-gather along T, (B, T/tp, E) -> (B, T, E); backward: this rank's T/tp slice of the
+    gradient, not summed. For a gathered tensor that feeds replicated computation only (a MoE router's
+    logits under sequence parallelism): every rank then holds the whole, identical gradient of all of T."""
+    return x if group_size(tp_group) == 1 else _AlongSequence.apply(x, tp_group, all_gather, _own_slice)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp_group: ProcessGroup) -> torch.Tensor:

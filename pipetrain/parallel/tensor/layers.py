@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.models.moe import Experts, MoE
-from pipetrain.parallel.mesh.comm import (copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence)
+from pipetrain.parallel.mesh.comm import (copy_to_tp, gather_sequence, gather_sequence_replicated, reduce_from_tp,
+                                          reduce_scatter_sequence)
 from pipetrain.parallel.data.allreduce import allreduce_grads
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import tensor_parallel_problems
@@ -62,8 +63,9 @@ TP_PLAN: dict[str, str] = {
     "attn.q_norm": "qk_norm",  # qwen3_moe: one (K,) weight over this rank's heads only, gradient tp-partial
     "attn.k_norm": "qk_norm",
     # a mixture of experts ("mlp" is then a models.moe.MoE): the router stays replicated outside the region
-    # (every tp rank sees the same tokens, so routing needs no collective); each expert is F-sharded like
-    # the MLP, and the experts' summed output leaves the region with the MLP's one all-reduce
+    # (every tp rank routes the same whole sequence); each expert is F-sharded like the MLP, and the experts'
+    # summed output leaves the region with the MLP's one all-reduce (reduce-scatter along T under sp)
+    "mlp.router": "router",   # sp only: (B, T/tp, D) -> logits all-gathered to (B, T, E), gradient tp-partial
     "mlp.experts": "experts",
     "mlp.shared": "region",
     "mlp.shared.gate": "column",
@@ -275,16 +277,37 @@ class ExpertRegion:
     """A MoE's tp region around its F-sharded experts (MoE.expert_region). enter: the tokens and their
     routing weights through f (forward identity, backward all-reduce: each rank's expert shards give a
     partial gradient of both); leave: g, the experts' partial outputs summed over tp. The router runs
-    outside, on the replicated input, so its gradient is whole on every rank."""
+    outside, on the replicated input, so its gradient is whole on every rank.
+
+    Under sequence parallelism the MoE's input is this rank's (B, T/tp, D): enter all-gathers it along T
+    (backward reduce-scatter, as the dense MLP's region) and leave reduce-scatters the summed output back
+    to (B, T/tp, D). The router sees the whole sequence through its gathered logits (_gather_router_logits),
+    so every tp rank makes tp=1's routing decisions, per-sequence aux loss and counts."""
+
+    def __init__(self, dims: ParallelDims, sequence_parallel: bool = False):
+        self.tp_group, self.sequence_parallel = dims.tp_group, sequence_parallel
+
+    def enter(self, x, topk_w):
+        x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        return x, copy_to_tp(topk_w, self.tp_group)
+
+    def leave(self, y):
+        return reduce_scatter_sequence(y, self.tp_group) if self.sequence_parallel else \
+            reduce_from_tp(y, self.tp_group)
+
+
+class _GatherRouterLogits:
+    """Forward hook on a MoE router under sequence parallelism: its logits of this rank's (B, T/tp, D)
+    tokens all-gathered to the whole sequence's (B, T, E). Everything after them (softmax, top-k, the aux
+    loss, and through f the routing weights) is replicated over tp, so their gradient is already whole on
+    every rank: the gather's backward keeps this rank's slice without summing. The router weight's
+    gradient then covers only this rank's tokens: tp-partial, summed like a sequence-parallel norm's."""
 
     def __init__(self, dims: ParallelDims):
         self.tp_group = dims.tp_group
 
-    def enter(self, x, topk_w):
-        return copy_to_tp(x, self.tp_group), copy_to_tp(topk_w, self.tp_group)
-
-    def leave(self, y):
-        return reduce_from_tp(y, self.tp_group)
+    def __call__(self, module, args, logits):
+        return gather_sequence_replicated(logits, self.tp_group)
 
 
 @torch.no_grad()
@@ -346,7 +369,10 @@ def _parallel_module(kind: str, module: nn.Module, cfg: ModelConfig, dims: Paral
     if kind == "experts":
         return _shard_experts(module, dims)
     if kind == "region" and isinstance(module, MoE):
-        module.expert_region = ExpertRegion(dims)
+        module.expert_region = ExpertRegion(dims, sequence_parallel)
+    elif kind == "router" and sequence_parallel:
+        module.register_forward_hook(_GatherRouterLogits(dims))
+        module.tp_partial_grads = ("weight",)
     elif kind == "region":
         module.register_forward_pre_hook(_EnterRegion(dims, sequence_parallel))
     elif kind == "qk_norm":
