@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from pipetrain import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
 
@@ -49,6 +51,18 @@ def run_train(out_dir: str, overrides: list[str] = (), nproc: int = 1, recipe: s
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc, read_metrics(out_dir)
+
+
+def refused_in_process(capsys, out_dir: str, overrides: list[str] = (), extra_args=()) -> str:
+    """The one `error:` line of a one-process train.py run that must exit 2 before it trains, run through
+    pipetrain.cli.main in this process (as train.py calls it): a subprocess would spend seconds importing
+    torch again for a check that reads only the recipe. No traceback may reach stderr."""
+    sets = list(SMALL) + [f"run.output_dir={out_dir}"] + list(overrides)
+    code = cli.main(["--recipe", TINY] + [a for s in sets for a in ("--set", s)] + list(extra_args))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip().startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err[-2000:])
+    return lines[0]
 
 
 def checkpoint_tensors(ckpt_dir) -> dict:

@@ -60,7 +60,8 @@ def test_resume_is_bitwise_identical(reference_run, tmp_path, token_cache):
 
 @pytest.mark.parametrize("overrides,nproc", [
     (["parallel.zero=2"], 2),                                                    # one process -> dp2 zero2
-    (["parallel.zero=3"], 2),                                                    # one process -> dp2 zero3
+    pytest.param(["parallel.zero=3"], 2, marks=pytest.mark.slow),                # one process -> dp2 zero3
+    # (zero 3 <-> zero 0 checkpoints in the default run: tests/dist/test_zero3.py)
     pytest.param(["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4,  # -> tp2 x pp2
                  marks=pytest.mark.slow),
 ])
@@ -190,7 +191,8 @@ def _start(out, overrides, token_cache, nproc=1):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-@pytest.mark.parametrize("how", [[], ["checkpoint.async=true"]], ids=["sync", "async"])
+@pytest.mark.parametrize("how", [[], pytest.param(["checkpoint.async=true"], marks=pytest.mark.slow)],
+                         ids=["sync", "async"])  # async saves by default: tests/unit/test_async_checkpoint.py
 def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path, token_cache, how):
     proc = _start(tmp_path, ["train.steps=200", "checkpoint.every=1", "checkpoint.keep=3"] + how, token_cache)
     root = tmp_path / "checkpoints"

@@ -21,8 +21,16 @@ def short_documents(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_document_mask_layouts_match_single_process(tmp_path, short_documents, family):
+# The default run checks one two-process layout (tp 2 + sp: the mask crosses the sequence-parallel gather);
+# the four-process layouts (dp 2 with tp 2 + sp, dp 2 with pp 2) and gpt2 run with -m slow.
+TP2_SP = [("tp2sp", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2)]
+WIDE = [("tp2sp_dp2", ["parallel.tp=2", "parallel.sequence_parallel=true"], 4), ("pp2_dp2", ["parallel.pp=2"], 4)]
+
+
+@pytest.mark.parametrize("family,layouts", [("llama", TP2_SP),
+                                            pytest.param("llama", WIDE, marks=pytest.mark.slow, id="llama-wide"),
+                                            pytest.param("gpt2", TP2_SP + WIDE, marks=pytest.mark.slow, id="gpt2")])
+def test_document_mask_layouts_match_single_process(tmp_path, short_documents, family, layouts):
     unmasked = [f"data.path={short_documents}", f"model.family={family}", "train.steps=6", "run.eval_every=3",
                 "parallel.microbatches=2"]
     common = unmasked + ["data.document_mask=true"]
@@ -37,8 +45,7 @@ def test_document_mask_layouts_match_single_process(tmp_path, short_documents, f
     assert proc.returncode == 0, proc.stderr[-4000:]
     apart = max(abs(a - b) / abs(b) for a, b in zip(step_losses(plain), ref))
     assert len(step_losses(plain)) == 6 and apart > 10 * LOSS_TOL, f"unmasked losses within {apart:.1e} of masked"
-    for name, layout, nproc in [("tp2sp_dp2", ["parallel.tp=2", "parallel.sequence_parallel=true"], 4),
-                                ("pp2_dp2", ["parallel.pp=2"], 4)]:
+    for name, layout, nproc in layouts:
         proc, metrics = run_train(str(tmp_path / name), common + layout, nproc=nproc, cache_dir=cache)
         assert proc.returncode == 0, proc.stderr[-4000:]
         got = step_losses(metrics)

@@ -117,6 +117,7 @@ def test_peft_and_merged_exports_give_pipetrains_logits(run, hf_model, tmp_path)
         torch.testing.assert_close(generation_model(ids), ours, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a second training run for one error line; LoRA's export and resume tests stay in the default run
 def test_peft_export_of_a_run_without_lora_is_one_line(run, hf_model, tmp_path):
     _, data, cache, _ = run
     plain = [o for o in LORA if not o.startswith("model.lora")] + ["train.steps=1"]

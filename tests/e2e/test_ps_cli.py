@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.e2e.common import checkpoint_tensors, run_train
+from tests.e2e.common import checkpoint_tensors, refused_in_process, run_train
 from tests.harness import our_traceback_frames
 
 PS = ["parallel.ps_servers=1", "parallel.dp=2", "train.steps=4", "run.eval_every=2", "checkpoint.every=2"]
@@ -52,18 +52,12 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.strip().startswith("error: ")]
 
 
-def _refused(tmp_path, overrides, extra_args=()) -> str:
-    """The one `error:` line of a one-process launch that must exit 2 without a traceback."""
-    proc, _ = run_train(str(tmp_path), overrides, extra_args=extra_args)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = _error_lines(proc.stderr)
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
-
-
-def test_bad_parameter_server_input_exits_2_with_one_line_naming_the_key(tmp_path):
-    """One process each: the recipe checks run before the world is looked at; the world check is the same
-    arithmetic (processes - servers against dp*tp*pp) whether it counts WORLD_SIZE or --dry-run's --nproc."""
+def test_bad_parameter_server_input_exits_2_with_one_line_naming_the_key(tmp_path, capsys):
+    """One process each (in this process): the recipe checks run before the world is looked at; the world
+    check is the same arithmetic (processes - servers against dp*tp*pp) whether it counts WORLD_SIZE or
+    --dry-run's --nproc."""
+    def _refused(tmp_path, overrides, extra_args=()):
+        return refused_in_process(capsys, str(tmp_path), overrides, extra_args)
     assert "leaves no worker" in _refused(tmp_path, ["parallel.ps_servers=1"])
     tied = _refused(tmp_path, ["parallel.ps_servers=1", "model.tie_embeddings=true"])
     assert "needs an untied input embedding" in tied and "model.tie_embeddings=false" in tied, tied

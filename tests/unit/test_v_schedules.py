@@ -171,6 +171,7 @@ def test_zbv_fixed_order_is_valid_within_1f1b_memory_and_reaches_the_fill_from_2
         assert first_other == 2 * (4 - r) - 1, (r, order[:first_other + 1])
 
 
+@pytest.mark.slow  # ~30 s of list scheduling over pp 2..8; the fixed-order and validator tests stay in the default run
 def test_zbv_on_stage_costs_is_valid_and_keeps_the_fixed_order_unless_another_is_clearly_shorter():
     """zbv ordered for uneven stages (the head's stage about 3 blocks, as pipeline.stage_costs gives; and
     seeded random costs) is a valid schedule within the 2p bound for pp 2..8, microbatches pp..4pp: the
