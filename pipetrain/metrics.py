@@ -27,7 +27,8 @@ import time
 import torch
 
 from pipetrain.config import ConfigError, Recipe
-from pipetrain.plan.memory import model_params, rank_memory
+from pipetrain.plan.memory import rank_memory
+from pipetrain.plan.shapes import model_params
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device, no sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {

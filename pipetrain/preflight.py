@@ -22,7 +22,8 @@ from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.corpus import source_files
 from pipetrain.plan.devices import load_profile
-from pipetrain.plan.memory import RankMemory, model_params, run_memory
+from pipetrain.plan.memory import RankMemory, run_memory
+from pipetrain.plan.shapes import model_params
 from pipetrain.plan.search import state_floor
 
 GB = 1e9

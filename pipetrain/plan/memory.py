@@ -2,10 +2,8 @@
 
 Model states (exact for the parameter and AdamW tensors a run allocates, see tests/unit/test_plan_memory.py):
 parameters are fp32 and are the master weights (train.precision=bf16 autocasts compute only), gradients are
-fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers, split tp ways the way
-parallel/tensor/layers.py splits them (column: output rows / tp, row: input columns / tp with the bias replicated,
-kv: split when tp divides n_kv_heads, else replicated; embedding and head: vocab rows / tp; norms
-replicated). The tied head on a last stage that is not on the first stage's rank is a copy. ZeRO shards
+fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers with the local shapes
+pipetrain.plan.shapes gives (tp's splits, experts / ep). ZeRO shards
 each parameter's dim 0 in dp row ranges (parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
 Expert parallelism (parallel.ep) keeps num_experts/ep experts per rank; ZeRO shards them over expert-dp
 (dp/ep ranks: parallel/expert/zero.py), the rest over dp.
@@ -41,6 +39,7 @@ from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_f
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
+from pipetrain.plan.shapes import expert_shapes, kv_rows, numel, param_shapes, rows_numel
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -94,72 +93,6 @@ class RankMemory:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
-
-
-def kv_rows(m: ModelConfig, tp: int) -> int:
-    """Rows of wk / wv a tp rank holds: its share of the kv heads, or all of them when replicated."""
-    return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.kv_heads * m.head_dim
-
-
-def expert_shapes(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, ...]]:
-    """One block's stacked expert weights on one rank: E/ep experts, F-sharded over tp."""
-    E, Fe, D = m.num_experts // ep, m.expert_ffn // tp, m.d_model
-    return [(E, Fe, D), (E, Fe, D), (E, D, Fe)] if m.is_moe else []
-
-
-def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: bool,
-                 tied_copy: bool, servers: bool = False, ep: int = 1) -> list[tuple[int, ...]]:
-    """Local shapes of the parameters of one rank holding `layers` (and the embedding if first, the final
-    norm and head if last; the head is a copy of the tied embedding when tied_copy). servers: parameter
-    servers hold the input embedding (a first stage has none). ep: experts are split ep ways."""
-    D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
-    gpt2 = m.family == "gpt2"
-    qkv_bias = m.has_qkv_bias or gpt2
-    norm = [(D,), (D,)] if gpt2 else [(D,)]
-    q_rows, kv_local = m.n_heads * K // tp, kv_rows(m, tp)
-    block = norm + [(q_rows, D), (kv_local, D), (kv_local, D), (D, m.n_heads * K // tp)]
-    block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
-    block += [(D,)] if gpt2 else []  # wo bias, replicated
-    block += [(K,), (K,)] if m.has_qk_norm else []  # q/k norms, replicated
-    if m.is_moe:  # router (replicated), E/ep experts F-sharded like the MLP, the shared MLP
-        Fs = m.shared_expert_intermediate_size // tp
-        block += norm + [(m.num_experts, D)] + expert_shapes(m, tp, ep) + ([(Fs, D), (Fs, D), (D, Fs)] if Fs else [])
-    else:
-        block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
-    block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
-    shapes = []
-    if first:
-        if not servers:
-            shapes.append((V // tp, D))
-        if gpt2:
-            shapes.append((m.max_seq_len, D))
-    shapes += block * len(layers)
-    if last:
-        shapes += norm
-        if not m.tied or tied_copy:
-            shapes.append((V // tp, D))
-    return shapes
-
-
-def model_params(m: ModelConfig) -> int:
-    """Parameters of the whole model (count_params of a build), by arithmetic: no layer is built, so a
-    size check on a recipe with a million layers answers at once."""
-    ends = sum(_numel(s) for s in param_shapes(m, 1, [], True, True, False))
-    block = sum(_numel(s) for s in param_shapes(m, 1, [0], False, False, False))
-    return ends + m.n_layers * block
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _rows_numel(shape: tuple[int, ...], dp: int) -> int:
-    """Elements of dp rank 0's row shard (the largest) of a parameter of this local shape."""
-    rows = -(-shape[0] // dp)  # dp_row_ranges gives rank 0 the ceiling
-    return rows * _numel(shape) // shape[0]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -216,15 +149,15 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     layers, first, last, copy = rank_stages(recipe, pp_rank)
     ends = param_shapes(m, p.tp, [], first, last, copy, servers=p.ps_servers > 0)
     block = param_shapes(m, p.tp, [0], False, False, False, ep=p.ep)
-    full = sum(map(_numel, ends)) + len(layers) * sum(map(_numel, block))
-    shard = sum(_rows_numel(s, shards) for s in ends) + len(layers) * sum(_rows_numel(s, shards) for s in block)
+    full = sum(map(numel, ends)) + len(layers) * sum(map(numel, block))
+    shard = sum(rows_numel(s, shards) for s in ends) + len(layers) * sum(rows_numel(s, shards) for s in block)
     if p.ep > 1 and shards > 1:  # experts shard over expert-dp (dp / ep ranks) instead of dp
         experts = expert_shapes(m, p.tp, p.ep)
-        shard += len(layers) * sum(_rows_numel(s, max(1, shards // p.ep)) - _rows_numel(s, shards) for s in experts)
+        shard += len(layers) * sum(rows_numel(s, max(1, shards // p.ep)) - rows_numel(s, shards) for s in experts)
     if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus the two largest units
-        blk = sum(map(_numel, block)) if layers else 0
-        embed = sum(map(_numel, param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0)))
-        head = sum(map(_numel, param_shapes(m, p.tp, [], False, last, copy)))
+        blk = sum(map(numel, block)) if layers else 0
+        embed = sum(map(numel, param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0)))
+        head = sum(map(numel, param_shapes(m, p.tp, [], False, last, copy)))
         return FP32 * (shard + sum(sorted([blk, blk, embed, head])[-2:])), FP32 * shard, FP32 * MOMENTS * shard
     grads = shard if p.zero == 2 and shards > 1 else full
     optim = shard if shards > 1 else full

@@ -25,7 +25,8 @@ from pipetrain.parallel.mesh.rules import context_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import RankMemory, model_params, rank_memory, run_memory
+from pipetrain.plan.memory import RankMemory, rank_memory, run_memory
+from pipetrain.plan.shapes import model_params
 
 KEYS = ("dp", "tp", "pp", "cp", "schedule", "virtual_stages", "split_backward", "microbatches", "zero", "recompute",
         "sequence_parallel")

@@ -16,7 +16,7 @@ from pipetrain.config.loading import MAX_RECIPE_DEPTH
 from pipetrain.models import build, count_params
 from pipetrain.models import decoder as decoder_module
 from pipetrain.plan.__main__ import main as plan_main
-from pipetrain.plan.memory import model_params
+from pipetrain.plan.shapes import model_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "recipes", "tiny.yaml")

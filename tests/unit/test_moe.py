@@ -10,7 +10,7 @@ from pipetrain.generate.load import latest_checkpoint, model_from_checkpoint
 from pipetrain.models import build, count_params, flops_per_token, materialize
 from pipetrain.models.moe import MoE, grouped_swiglu, grouped_swiglu_loop, moe_step_end, route_topk
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
-from pipetrain.plan.memory import model_params
+from pipetrain.plan.shapes import model_params
 from tests.unit.common import build_trainer
 
 MOE = ModelConfig(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -1,0 +1,75 @@
+"""The parameters a rank holds, by arithmetic: local shapes of one rank's share of the model, with no layer
+built (so a size check on a recipe with a million layers answers at once). A rank holds its pp stage(s)'
+layers split tp ways the way parallel/tensor/layers.py splits them (column: output rows / tp, row: input
+columns / tp with the bias replicated, kv: split when tp divides n_kv_heads, else replicated; embedding and
+head: vocab rows / tp; norms replicated; experts: num_experts / ep of them, F-sharded over tp). The tied head
+on a last stage that is not on the first stage's rank is a copy. pipetrain.plan.memory builds on these."""
+from __future__ import annotations
+
+from pipetrain.config import ModelConfig
+
+
+def kv_rows(m: ModelConfig, tp: int) -> int:
+    """Rows of wk / wv a tp rank holds: its share of the kv heads, or all of them when replicated."""
+    return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.kv_heads * m.head_dim
+
+
+def expert_shapes(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, ...]]:
+    """One block's stacked expert weights on one rank: E/ep experts, F-sharded over tp."""
+    E, Fe, D = m.num_experts // ep, m.expert_ffn // tp, m.d_model
+    return [(E, Fe, D), (E, Fe, D), (E, D, Fe)] if m.is_moe else []
+
+
+def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: bool,
+                 tied_copy: bool, servers: bool = False, ep: int = 1) -> list[tuple[int, ...]]:
+    """Local shapes of the parameters of one rank holding `layers` (and the embedding if first, the final
+    norm and head if last; the head is a copy of the tied embedding when tied_copy). servers: parameter
+    servers hold the input embedding (a first stage has none). ep: experts are split ep ways."""
+    D, K, Fh, V = m.d_model, m.head_dim, m.ffn, m.vocab_size
+    gpt2 = m.family == "gpt2"
+    qkv_bias = m.has_qkv_bias or gpt2
+    norm = [(D,), (D,)] if gpt2 else [(D,)]
+    q_rows, kv_local = m.n_heads * K // tp, kv_rows(m, tp)
+    block = norm + [(q_rows, D), (kv_local, D), (kv_local, D), (D, m.n_heads * K // tp)]
+    block += [(q_rows,), (kv_local,), (kv_local,)] if qkv_bias else []
+    block += [(D,)] if gpt2 else []  # wo bias, replicated
+    block += [(K,), (K,)] if m.has_qk_norm else []  # q/k norms, replicated
+    if m.is_moe:  # router (replicated), E/ep experts F-sharded like the MLP, the shared MLP
+        Fs = m.shared_expert_intermediate_size // tp
+        block += norm + [(m.num_experts, D)] + expert_shapes(m, tp, ep) + ([(Fs, D), (Fs, D), (D, Fs)] if Fs else [])
+    else:
+        block += norm + ([] if gpt2 else [(Fh // tp, D)]) + [(Fh // tp, D), (D, Fh // tp)]
+    block += [(Fh // tp,), (D,)] if gpt2 else []  # up bias split, down bias replicated
+    shapes = []
+    if first:
+        if not servers:
+            shapes.append((V // tp, D))
+        if gpt2:
+            shapes.append((m.max_seq_len, D))
+    shapes += block * len(layers)
+    if last:
+        shapes += norm
+        if not m.tied or tied_copy:
+            shapes.append((V // tp, D))
+    return shapes
+
+
+def model_params(m: ModelConfig) -> int:
+    """Parameters of the whole model (count_params of a build), by arithmetic: no layer is built, so a
+    size check on a recipe with a million layers answers at once."""
+    ends = sum(numel(s) for s in param_shapes(m, 1, [], True, True, False))
+    block = sum(numel(s) for s in param_shapes(m, 1, [0], False, False, False))
+    return ends + m.n_layers * block
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def rows_numel(shape: tuple[int, ...], dp: int) -> int:
+    """Elements of dp rank 0's row shard (the largest) of a parameter of this local shape."""
+    rows = -(-shape[0] // dp)  # dp_row_ranges gives rank 0 the ceiling
+    return rows * numel(shape) // shape[0]
