@@ -1,6 +1,6 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
-    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--timeline zero3-trace.json]
+    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16] [--timeline zero3-trace.json]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -12,7 +12,11 @@ tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_
 one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
 group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
 each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
-gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments.
+gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments. "gathered MiB/step" is what zero 3's
+all-gathers received per step on a rank (UnitGatherer.gathered_bytes).
+
+--precision bf16: train.precision=bf16 for pipetrain (zero 3 gathers its linear weights in bf16); FSDP2 gets
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the same split of dtypes.
 
 --timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
 writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
@@ -51,20 +55,23 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _pipetrain(dims, zero: int, steps: int, out: str, timeline: bool = False) -> tuple[list[float], int, tuple]:
+def _pipetrain(dims, zero: int, steps: int, out: str, precision: str, timeline: bool = False) -> tuple:
     trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
-                            seq_len=SEQ, grad_clip=1.0)
-    times, events = [], []
+                            seq_len=SEQ, grad_clip=1.0, precision=precision)
+    gatherer = getattr(trainer.optimizer, "gatherer", None)
+    times, events, gathered = [], [], 0
     for step in range(steps + 1):
         if timeline and step == steps:
-            trainer.optimizer.gatherer.events = events
+            gatherer.events = events
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
         if len(times) == 1:
             _reset_hwm()
-    names = [u.name for u in trainer.optimizer.gatherer.units] if timeline else []
-    return times[1:], _model_state_bytes(trainer), (events, names)
+            gathered = -sum(gatherer.gathered_bytes.values()) if gatherer else 0
+    gathered += sum(gatherer.gathered_bytes.values()) if gatherer else 0
+    names = [u.name for u in gatherer.units] if timeline else []
+    return times[1:], _model_state_bytes(trainer), (events, names), gathered / steps
 
 
 def _spans(events: list) -> tuple[list, list]:
@@ -122,15 +129,17 @@ def _model_state_bytes(trainer) -> int:
     return held + grads + opt.state_bytes()
 
 
-def _fsdp2(dp: int, steps: int) -> list[float]:
+def _fsdp2(dp: int, steps: int, precision: str) -> list[float]:
     # torch's FSDP2 is the baseline being measured, imported only here
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (dp,))
     model = materialize(build(MODEL, device="meta"), MODEL, 0, "cpu")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
+                                  reduce_dtype=torch.float32)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     times = []
@@ -138,7 +147,7 @@ def _fsdp2(dp: int, steps: int) -> list[float]:
         tokens = torch.randint(0, MODEL.vocab_size, (PER_RANK, SEQ + 1), generator=gen)
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -149,33 +158,36 @@ def _fsdp2(dp: int, steps: int) -> list[float]:
     return times[1:]
 
 
-def _worker(rank, dp, mode, steps, init_file, out, results, timeline=None):
+def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
     try:
         if mode == "fsdp2":
             try:
-                times, state = _fsdp2(dp, steps), None
+                times, state, gathered = _fsdp2(dp, steps, precision), None, None
             except Exception as exc:  # record why fully_shard does not run here
                 results[rank] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 return
         else:
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
-            times, state, (events, names) = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps, run_dir,
-                                                       timeline is not None and mode == "zero3")
+            times, state, (events, names), gathered = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps,
+                                                                 run_dir, precision,
+                                                                 timeline is not None and mode == "zero3")
             if events and rank == 0:
                 _write_timeline(events, timeline, names)
-        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM"), "state": state}
+        results[rank] = {"step_s": statistics.median(times), "vm_hwm": proc_status_bytes("VmHWM"), "state": state,
+                         "gathered": gathered}
     finally:
         dist.destroy_process_group()
 
 
-def run(dp: int, mode: str, steps: int, timeline: str | None = None) -> dict:
+def run(dp: int, mode: str, steps: int, precision: str = "fp32", timeline: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, timeline), nprocs=dp)
+        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, precision, timeline),
+                 nprocs=dp)
         return dict(results)
 
 
@@ -187,23 +199,27 @@ def main() -> None:
     parser.add_argument("--no-fsdp", action="store_true")
     parser.add_argument("--modes", nargs="+", default=None, help="a subset of zero0 zero1 zero2 zero3 fsdp2")
     parser.add_argument("--timeline", default=None, help="write zero 3's last step (rank 0) as a Chrome trace here")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     params = count_params(build(MODEL, device="meta"))
     print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
           f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
-          f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo")
-    print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9}")
+          f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo; {args.precision}")
+    print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9} "
+          f"{'gathered MiB/step':>18}")
     modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
     for dp in args.dp:
         for mode in modes:
-            res = run(dp, mode, args.steps, args.timeline)
+            res = run(dp, mode, args.steps, args.precision, args.timeline)
             if any("error" in r for r in res.values()):
                 print(f"{dp:>3} {mode:<7} does not run: {next(r['error'] for r in res.values() if 'error' in r)}")
                 continue
             hwm = max(r["vm_hwm"] for r in res.values()) / GIB
             step = max(r["step_s"] for r in res.values())
             state = max(r["state"] for r in res.values()) / GIB if mode != "fsdp2" else float("nan")
-            print(f"{dp:>3} {mode:<7} {hwm:>24.3f} {state:>21.3f} {PER_RANK * SEQ * dp / step:>9.0f}", flush=True)
+            gathered = max(r["gathered"] or 0 for r in res.values()) / 2 ** 20
+            print(f"{dp:>3} {mode:<7} {hwm:>24.3f} {state:>21.3f} {PER_RANK * SEQ * dp / step:>9.0f} "
+                  f"{gathered:>18.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ from pipetrain.models import flops_per_token
 from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_stages, rank_tokens, schedule_shape
+from pipetrain.plan.memory import (FP32, MOMENTS, model_state_bytes, rank_stages, rank_tokens, schedule_shape,
+                                   zero3_gather_bytes)
 from pipetrain.plan.shapes import kv_rows
 
 
@@ -180,9 +181,11 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     if states is None:
         states = model_state_bytes(recipe, world_size, busiest)
     grad_bytes = states[0]
+    gather_bytes = grad_bytes
     if p.zero == 3 and dp > 1:  # states[0] is the rank's rows plus two units: the collectives move every parameter
         grad_bytes = model_state_bytes(dataclasses.replace(recipe, parallel=dataclasses.replace(p, zero=0)),
                                        world_size, busiest)[0]
+        gather_bytes = zero3_gather_bytes(recipe, busiest)  # bf16: the linear weights travel in bf16
     optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
     dp *= cp  # the gradient group (ParallelDims.dp_cp_group), and ZeRO's shard group
@@ -191,7 +194,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
         reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.reduce_scatter_ratio
     else:
         reduce = _ring(dp, grad_bytes, bw_dp, lat_dp, 2)
-    gather = _ring(dp, grad_bytes, bw_dp, lat_dp, 1) * profile.all_gather_ratio if zero >= 1 else 0.0
+    gather = _ring(dp, gather_bytes, bw_dp, lat_dp, 1) * profile.all_gather_ratio if zero >= 1 else 0.0
     # on a CPU profile gloo's reductions run on the ranks' own cores: nothing hides behind the backward
     exposed = (reduce if profile.cores else max(0.0, reduce - b_cost)) + (gather if zero < 3 else 0.0)
     if zero == 3:  # parallel/data/zero3.py: each unit gathered in every forward and backward pass, prefetched

@@ -155,13 +155,34 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
         experts = expert_shapes(m, p.tp, p.ep)
         shard += len(layers) * sum(rows_numel(s, max(1, shards // p.ep)) - rows_numel(s, shards) for s in experts)
     if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus the two largest units
-        blk = sum(map(numel, block)) if layers else 0
-        embed = sum(map(numel, param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0)))
-        head = sum(map(numel, param_shapes(m, p.tp, [], False, last, copy)))
-        return FP32 * (shard + sum(sorted([blk, blk, embed, head])[-2:])), FP32 * shard, FP32 * MOMENTS * shard
+        units = zero3_unit_bytes(recipe, pp_rank)
+        return FP32 * shard + sum(sorted([units[1], units[1], units[0], units[2]])[-2:]), FP32 * shard, \
+            FP32 * MOMENTS * shard
     grads = shard if p.zero == 2 and shards > 1 else full
     optim = shard if shards > 1 else full
     return FP32 * full, FP32 * grads, FP32 * MOMENTS * optim
+
+
+def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int]:
+    """Bytes of ZeRO-3's units gathered whole at this pp rank: (embedding, one block (0 without blocks), final
+    norm + head). Under train.precision=bf16 the linear weights are gathered and held in bf16
+    (parallel/data/zero3.py: every 2-D block weight, and an untied head), the rest in fp32."""
+    p, m = recipe.parallel, recipe.model
+    low = 2 if recipe.train.precision == "bf16" else FP32
+    layers, first, last, copy = rank_stages(recipe, pp_rank)
+
+    def size(shapes, linear_2d: bool) -> int:
+        return sum(numel(s) * (low if linear_2d and len(s) == 2 else FP32) for s in shapes)
+    embed = size(param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0), False)
+    block = size(param_shapes(m, p.tp, [0], False, False, False, ep=p.ep), True) if layers else 0
+    head = size(param_shapes(m, p.tp, [], False, last, copy), not m.tied)  # a tied head copy: fp32, synced over pp
+    return embed, block, head
+
+
+def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> int:
+    """Bytes one gather of every unit of this pp rank moves into it (zero3_unit_bytes, each block once)."""
+    embed, block, head = zero3_unit_bytes(recipe, pp_rank)
+    return embed + len(rank_stages(recipe, pp_rank)[0]) * block + head
 
 
 def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool,
@@ -213,7 +234,8 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     weight_casts = 0
     if t.precision == "bf16":  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
         block /= 2
-        if p.recompute != "full":
+        # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit)
+        if p.recompute != "full" and not (p.zero == 3 and zero_shards(recipe, world_size) > 1):
             params = model_state_bytes(recipe, world_size, pp_rank)[0]
             weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence

@@ -46,6 +46,8 @@ LAYOUTS = {
     "dp2_pp2_zbv": (4, GPT4, 1, 2, {"schedule": "zbv", "virtual_stages": 2, "split_backward": True}),
     "dp2_pp2_dualpipev": (4, LLAMA4, 1, 2, {"schedule": "dualpipev", "virtual_stages": 2, "microbatches": 4}),
 }
+# bf16 zero 3 against bf16 zero 1 (a tp 2 head and a pp 2 split backward: their gradient syncs keep some fp32)
+BF16_LAYOUTS = ("dp2_llama", "dp2_tp2", "dp2_pp2_split_backward")
 # Against the single process after a few AdamW steps (tests/dist/test_zero.py says why)
 AFTER_ADAM = dict(rtol=1e-4, atol=1e-5)
 
@@ -120,10 +122,37 @@ def _worker(rank, world_size, out, name):
     again = resumed.optimizer.gatherer.full_params()
     res["resume_bitwise"] = all(torch.equal(again[n], full[n]) for n in full)
 
-    if name == "dp2_llama":  # bf16 autocast over the gathered fp32 weights: zero 1's run within fp32 round-off
+    if name in BF16_LAYOUTS:  # bf16: zero 3 computes with bf16 linear weights gathered in bf16, zero 1 with autocast's
+        # bf16 copies of fp32 weights: the same values, so the losses agree within fp32 round-off
+        # plain F.linear (no accumulation fusion, whose Function saves the parameter itself): autocast saves its
+        # bf16 copy of an fp32 weight for backward, and the bf16 weight itself
         runs = [build_trainer(cfg, shared, dims, zero=z, bucket_bytes=BUCKET_BYTES, steps=2, precision="bf16",
-                              **COMMON) for z in (1, 3)]
-        res["bf16"] = [[t.train_step()["loss"] for _ in range(2)] for t in runs]
+                              fusion_min_numel=10 ** 9, **COMMON) for z in (1, 3)]
+        res["bf16"], copies, held = [], [], []
+        for t in runs:
+            params = list(t.model.parameters())
+            weights = {tuple(p.shape) for p in params if p.dim() == 2}
+            saved = []  # bf16 transposed weights (what F.linear's matmul saves) outside every parameter's storage
+
+            def pack(x, weights=weights, params=params, saved=saved):
+                if x.dtype == torch.bfloat16 and x.dim() == 2 and tuple(x.t().shape) in weights and \
+                        x.t().is_contiguous() and all(x.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+                                                      for p in params):
+                    saved.append(tuple(x.shape))
+                return x
+            for block in t.model.layers.values():  # parameter storage held while a block runs forward
+                block.register_forward_pre_hook(
+                    lambda m, a, params=params: held.append(sum(p.untyped_storage().nbytes() for p in params)))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                res["bf16"].append([t.train_step()["loss"] for _ in range(2)])
+            copies.append(len(saved))
+        res["bf16_weight_copies"] = copies  # zero 1: autocast's copies of every linear weight; zero 3: none
+        res["bf16_held"] = max(held[len(held) // 2:])  # zero 3's run
+        g = runs[1].optimizer.gatherer
+        res["bf16_params"] = sorted(n for n, p in runs[1].model.named_parameters() if p.dtype == torch.bfloat16)
+        res["bf16_linears"] = sorted(n for n, m in runs[1].model.named_modules() if isinstance(m, torch.nn.Linear))
+        res["bf16_gathered"] = {str(k): v for k, v in g.gathered_bytes.items()}
+        res["bf16_collectives"] = (g.collectives, g.gathers, [len(u.layouts) for u in g.units])
 
     # into zero 0 on one process and back
     ckpt = os.path.join(shared, "checkpoints", f"step-{STEPS - 1:08d}")
@@ -183,7 +212,20 @@ def _check(results, name):
         assert res["resumed_loss"] == res["losses"][-1] and res["resume_bitwise"], rank
         assert res["back_step"] == STEPS
         if "bf16" in res:
-            torch.testing.assert_close(res["bf16"][1], res["bf16"][0], **EXACT_FP32)
+            torch.testing.assert_close(res["bf16"][1], res["bf16"][0], **tol)
+            zero1_copies, zero3_copies = res["bf16_weight_copies"]
+            assert zero1_copies > 0 and zero3_copies == 0, res["bf16_weight_copies"]
+        if name == "dp2_llama":
+            # every linear weight (the untied head too) is bf16 in zero 3's model, nothing else
+            assert res["bf16_params"] == [f"{n}.weight" for n in res["bf16_linears"]], res["bf16_params"]
+            # a block and the head gather bf16 weights and fp32 norms (two all-gathers), the embedding one fp32
+            collectives, gathers, per_unit = res["bf16_collectives"]
+            assert per_unit == [1] + [2] * (len(per_unit) - 1) and gathers < collectives < 2 * gathers, per_unit
+            gathered = res["bf16_gathered"]
+            assert set(gathered) == {"torch.bfloat16", "torch.float32"}, gathered
+            # two blocks whole at most, their linear weights at 2 bytes (fp32: res["full_bytes"], 4 bytes)
+            norms = 4 * cfg.d_model * 2  # a llama block's two RMSNorm weights
+            assert res["bf16_held"] <= 2 * ((max(res["unit_bytes"]) - norms) // 2 + norms), res["bf16_held"]
     single = results[0]
     torch.testing.assert_close(single["single_loss"], single["losses"][-1], **AFTER_ADAM)
     for rank, res in enumerate(results):  # zero 0's weights, loaded back into zero 3's shards, exactly

@@ -25,15 +25,17 @@ BF16_LOSS = dict(rtol=2e-2, atol=0.0)  # bf16 keeps 8 mantissa bits: ~0.4% per o
 def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | None = None, *, zero: int = 0,
                   bucket_bytes: int | None = None, learnable: bool = False, steps: int = 4, lr: float = 1e-2,
                   global_batch: int = 8, seq_len: int = 16, precision: str = "fp32", grad_clip: float = 1.0,
-                  fused_loss="auto", compile: bool = False,
+                  fused_loss="auto", compile: bool = False, fusion_min_numel: int = 0,
                   resume: str | None = None, **parallel) -> Trainer:
     """pipetrain.build.build_trainer on synthetic tokens (random, or a fixed cycle a model learns in a
-    few steps), with ZeRO buckets of bucket_bytes when given."""
+    few steps), with ZeRO buckets of bucket_bytes when given; linears of at least fusion_min_numel weights use
+    gradient accumulation fusion (pipetrain/parallel/pipeline/weight_grads.py)."""
     dims = dims or ParallelDims()
     recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero=zero, **parallel),
                     train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
                                       warmup_steps=1, grad_clip=grad_clip, precision=precision, fused_loss=fused_loss,
-                                      compile=compile, grad_accumulation_fusion_min_numel=0),  # tiny weights: fuse them all
+                                      compile=compile,
+                                      grad_accumulation_fusion_min_numel=fusion_min_numel),  # 0: fuse tiny weights too
                     run=RunConfig(output_dir=out_dir, progress=False))
     rng = np.random.default_rng(0)
     num = 64 * (seq_len + 1)

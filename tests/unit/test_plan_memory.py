@@ -24,6 +24,7 @@ from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.stage import build_stage
 from pipetrain.parallel.pipeline.recompute import apply_recompute
+from pipetrain.parallel.data.zero3 import compute_in_bf16
 from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory, rank_stages,
                                    weight_grad_operand_bytes)
 from tests.harness import run_ranks, saved_activation_bytes
@@ -151,3 +152,24 @@ def test_zero3_parameters_are_rows_plus_the_two_largest_units_whole():
     params, grads, optim = model_state_bytes(recipe, 2, 0)  # dp 2 divides every dim 0 of this model
     assert params == 4 * (full // 2 + units[-1] + units[-2])
     assert grads == 4 * full // 2 and optim == 8 * full // 2
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2_tied"])
+def test_zero3_bf16_units_hold_linear_weights_in_bf16_and_save_no_weight_copies(model):
+    """train.precision=bf16 under zero 3: the gathered units hold the weights ZeRO-3 keeps in bf16 (counted here
+    from a built model with compute_in_bf16) at 2 bytes, the rest at 4; and no autocast weight copy is saved."""
+    def recipe(zero):
+        return Recipe(model=model, parallel=ParallelConfig(zero=zero),
+                      train=TrainConfig(global_batch=8, seq_len=16, precision="bf16"))
+    built = build(model, device="meta")
+    low = compute_in_bf16(built, ParallelDims())
+    full = sum(p.numel() for p in built.parameters())
+
+    def unit(*modules):
+        params = {id(p): p for m in modules for p in m.parameters()}.values()
+        return sum(p.numel() * (2 if id(p) in low else 4) for p in params)
+    block = unit(built.layers["0"])
+    units = sorted([block, block, unit(*[m for m in (built.embed, built.pos_embed) if m is not None]),
+                    unit(built.norm) if model.tied else unit(built.norm, built.head)])
+    assert model_state_bytes(recipe(3), 2, 0)[0] == 4 * full // 2 + units[-1] + units[-2]
+    assert activation_bytes(recipe(3), 2, 0) + 4 * full // 2 == activation_bytes(recipe(1), 2, 0)

@@ -247,10 +247,10 @@ class ZeroOptimizer:
     def _launch(self, bucket: _Bucket) -> None:
         """Copy the members' gradients rank-major into a flat buffer and start its dp reduction."""
         P = bucket.part
-        dtype, device = self.params[bucket.members[0]].dtype, self.params[bucket.members[0]].device
+        dtype, device = self._grad_dtype(bucket.members[0]), self.params[bucket.members[0]].device
         # a member with no gradient on any dp rank (same graph) reduces zeros and the step skips it;
         # padding is reduced like the rest and never read
-        pieces, offsets = self._placed(bucket, lambda i: self.params[i].grad, range(self.dp_size))
+        pieces, offsets = self._placed(bucket, self._grad, range(self.dp_size))
         flat = flatten(pieces, device, offsets=offsets, size=self.dp_size * P, dtype=dtype)  # (dp * P,)
         bucket.flat = flat
         self._in_flight.append(bucket)
@@ -261,10 +261,21 @@ class ZeroOptimizer:
             bucket.work = reduce_scatter_async(bucket.out, flat, self.dp_group)
         if self.stage >= 2:
             for i in bucket.members:
-                self._had_grad[i] = self.params[i].grad is not None
-                self.params[i].grad = None  # stages 2 and 3 keep only their rows, in bucket.out
+                self._had_grad[i] = self._grad(i) is not None
+                self._drop_grad(i)  # stages 2 and 3 keep only their rows, in bucket.out
         while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers alive at once
             self._finish(self._in_flight.pop(0))
+
+    def _grad(self, i: int) -> Optional[torch.Tensor]:
+        """Parameter i's accumulated gradient this step (ZeRO-3 keeps a bf16 weight's apart, in fp32)."""
+        return self.params[i].grad
+
+    def _grad_dtype(self, i: int) -> torch.dtype:
+        """The dtype parameter i's gradient is reduced in: its master's."""
+        return self.params[i].dtype
+
+    def _drop_grad(self, i: int) -> None:
+        self.params[i].grad = None
 
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for a bucket's reduction and point this rank's gradient shards at the result."""

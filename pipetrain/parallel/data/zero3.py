@@ -9,8 +9,7 @@ and optimizer state all cost 1/dp per rank.
 
 Units. The model stays blind: UnitGatherer wraps the stage's modules from outside, in forward order:
 the input embedding (with gpt2's position embedding), each transformer block, and the final norm with
-the head. A unit's parameters are all-gathered in their own dtype (fp32: under train.precision=bf16
-autocast casts them at each matmul, so fp32 travels, as with FSDP without a param_dtype).
+the head.
 - forward: a pre-hook gathers the unit (waiting for its prefetch) and starts the next unit's gather
   asynchronously, so that communication overlaps this unit's compute (only the next unit in the whole
   model: a rank's pipeline chunks, interleaved or in a V, run in the schedule's order, not the model's);
@@ -30,13 +29,24 @@ autocast casts them at each matmul, so fp32 travels, as with FSDP without a para
 At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
 counts them (peak_gathered) so tests can assert it.
 
+Dtypes (FSDP's mixed precision with param_dtype=bf16, reduce_dtype=fp32). The rows, the gradient rows and the
+AdamW moments are fp32. Under train.precision=bf16 the linear weights (compute_in_bf16: the weight of every
+linear that is its only user, outside the tp / pp gradient syncs) are bf16 tensors in the model: their rows
+are rounded to bf16 before the all-gather (half the bytes), and autocast, finding them already bf16, saves
+them and not a copy for backward, so freeing a unit frees the weights its backward will read (an fp32
+weight's bf16 copy would stay saved until then). Autocast would round them so at every matmul: the values
+computed with are those of zero 1's bf16 run. Their gradients arrive in bf16, one per microbatch and use,
+and are summed in fp32 beside the parameter (_main_grads), as zero 1's fp32 .grad sums them, then
+reduce-scattered in fp32. Norms, biases, embeddings (and a tied head) are gathered and kept in fp32, as
+autocast leaves them. fp32 runs gather everything in fp32.
+
 Freeing. A unit's parameters live in storages of their own (copied at construction if a parameter shares
 one); freeing resizes the storage to zero bytes, gathering resizes it back and copies the rows in, so
 tensors autograd saved in forward (the weights of a linear) see the gathered values again in backward.
 A parameter shared by two units (a tied embedding on a single stage) stays allocated while either is.
 
-Shapes: a unit's gather buffer is flat (dp * P,): part r holds rank r's rows of every member, P the
-largest rank's size (ZeroOptimizer's bucket layout).
+Shapes: a unit's gather buffers are flat (dp * P,), one per dtype: part r holds rank r's rows of every member of
+that dtype, P the largest rank's size (ZeroOptimizer's bucket layout).
 """
 from __future__ import annotations
 
@@ -52,9 +62,12 @@ from pipetrain.models.init import param_layout
 from pipetrain.optim.adamw import ReadBox
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.flat import copy_back_, flatten
-from pipetrain.parallel.data.grads import tied_copy_names
+from pipetrain.parallel.data.grads import model_parallel_synced_params, tied_copy_names
 from pipetrain.parallel.data.zero import ZeroOptimizer, _Bucket
 from pipetrain.parallel.mesh.comm import all_gather_async
+from pipetrain.parallel.tensor.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
+
+LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ReplicatedKVLinear)  # autocast runs their matmuls
 
 
 @dataclass
@@ -62,13 +75,30 @@ class _Unit:
     name: str
     position: int                          # in the whole model: embed -1, block i at i, head n_layers
     modules: list[nn.Module]               # in forward order: pre-hook on the first, post-hook on the last
-    layout: _Bucket                        # members (indices into ZeroOptimizer.params) and their rank-major places
-    flat: Optional[torch.Tensor] = field(default=None, repr=False)  # (dp * P,) while a gather is in flight
-    work: Optional[object] = field(default=None, repr=False)
+    layouts: list[_Bucket]                 # per dtype: members (indices into ZeroOptimizer.params), rank-major places
+    flats: list[torch.Tensor] = field(default_factory=list, repr=False)  # (dp * P,) each while gathers are in flight
+    works: list[object] = field(default_factory=list, repr=False)
     prefetched_by: Optional[tuple[str, int]] = None  # (phase, unit) whose hook started the gather in flight
     gathered: bool = False
     has_backward: bool = True              # its last forward's output needed a gradient (not so for a frozen
                                            # embedding under LoRA): only then does backward gather it
+
+    @property
+    def members(self) -> list[int]:
+        return [i for layout in self.layouts for i in layout.members]
+
+
+def compute_in_bf16(model: nn.Module, dims) -> set[int]:
+    """ids of the parameters ZeRO-3 gathers and keeps in bf16 under train.precision=bf16: the weight of a linear
+    that no other module uses (not a tied embedding), whose gradient no tp / pp sync reads (the tied head copy,
+    a kv weight replicated over tp)."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((module, name))
+    synced = {id(p) for p in model_parallel_synced_params(model, dims)}
+    return {pid for pid, uses in users.items()
+            if pid not in synced and all(name == "weight" and isinstance(m, LINEARS) for m, name in uses)}
 
 
 def stage_units(model: nn.Module) -> list[tuple[str, int, list[nn.Module]]]:
@@ -125,6 +155,14 @@ class Zero3Optimizer(ZeroOptimizer):
                 if self.shards[i].numel(self.dp_rank):
                     self.rows[i] = self._rows(p.detach(), i).clone()
         self.reduce_scatters = 0
+        # bf16 compute weights (module docstring): the parameter becomes bf16, its rows stay the fp32 master
+        self._master_dtype = [p.dtype for p in self.params]
+        self._main_grads: dict[int, torch.Tensor] = {}  # fp32 sums of a bf16 weight's gradients this step
+        if cfg.precision == "bf16":
+            low = compute_in_bf16(model, dims)
+            for p in self.params:
+                if id(p) in low:
+                    p.data = p.data.to(torch.bfloat16)
         self.gatherer = UnitGatherer(self, model, reshard_after_forward)
         self.gatherer.free_all()
 
@@ -135,12 +173,40 @@ class Zero3Optimizer(ZeroOptimizer):
     def _all_gather_params(self) -> None:
         pass
 
+    def _make_hook(self, i: int):
+        count = super()._make_hook(i)
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None and p.grad.dtype != self._master_dtype[i]:  # a bf16 weight: summed in fp32
+                total = self._main_grads.get(i)
+                if total is None:
+                    self._main_grads[i] = p.grad.to(self._master_dtype[i])
+                else:
+                    total.add_(p.grad)
+                p.grad = None
+            count(p)
+        return hook
+
+    def _grad(self, i: int) -> Optional[torch.Tensor]:
+        return self._main_grads[i] if i in self._main_grads else self.params[i].grad
+
+    def _grad_dtype(self, i: int) -> torch.dtype:
+        return self._master_dtype[i]
+
+    def _drop_grad(self, i: int) -> None:
+        self._main_grads.pop(i, None)
+        self.params[i].grad = None
+
+    def grad_bytes(self) -> int:
+        return super().grad_bytes() + sum(g.numel() * g.element_size() for g in self._main_grads.values())
+
     def _launch(self, bucket) -> None:
         self.reduce_scatters += 1  # tests count them against the buckets: each gradient row reduced once a step
         super()._launch(bucket)
 
     def zero_grad(self) -> None:
         self.gatherer.free_all()  # units a failed step left gathered
+        self._main_grads = {}
         super().zero_grad()
 
     def reduce_grads(self) -> None:
@@ -192,7 +258,10 @@ class UnitGatherer:
         for name, position, modules in stage_units(model):
             members = sorted({index[id(p)] for m in modules for p in m.parameters()})
             seen.update(members)
-            self.units.append(_Unit(name, position, modules, opt._new_bucket(members, late=False)))
+            dtypes = sorted({opt.params[i].dtype for i in members}, key=str)
+            layouts = [opt._new_bucket([i for i in members if opt.params[i].dtype == dtype], late=False)
+                       for dtype in dtypes]
+            self.units.append(_Unit(name, position, modules, layouts))
         missing = [opt.shards[i].name for i in range(len(opt.params)) if i not in seen]
         assert not missing, f"UnitGatherer: parameters outside every unit: {missing}"
         for p in opt.params:  # storage of its own, so that freeing it frees nothing else
@@ -201,7 +270,9 @@ class UnitGatherer:
                 p.data = p.data.clone()
         self.num_gathered = 0  # units gathered or being gathered now
         self.peak_gathered = 0  # the most at once since reset_peak
-        self.gathers = 0  # all-gathers started
+        self.gathers = 0  # unit gathers started
+        self.collectives = 0  # all-gathers they issued (one per dtype in the unit)
+        self.gathered_bytes: dict[torch.dtype, int] = {}  # bytes those received, by dtype
         self.unused_prefetches = 0  # of them, freed before any pass waited for them
         # (phase, unit) whose prefetch of its neighbour was once unused: the schedule runs another chunk next
         self._no_prefetch: set[tuple[str, int]] = set()
@@ -266,7 +337,7 @@ class UnitGatherer:
         now = time.perf_counter()
         if event in ("forward", "forward_end", "backward", "wait"):
             for j, unit in enumerate(self.units):
-                if unit.work is not None and unit.work.is_completed():
+                if unit.works and all(work.is_completed() for work in unit.works):
                     self.events.append((now, "done", j))
         self.events.append((now, event, k))
 
@@ -278,22 +349,33 @@ class UnitGatherer:
     @torch.no_grad()
     def _start(self, k: int, phase: str = "", prefetched_by: int | None = None) -> None:
         """Start the all-gather of unit k's rows (nothing when gathered or already started)."""
-        unit, opt = self.units[k], self.opt
-        if unit.gathered or unit.work is not None:
+        unit = self.units[k]
+        if unit.gathered or unit.works:
             return
-        layout, dp = unit.layout, opt.dp_size
-        p0 = opt.params[layout.members[0]]
-        pieces = [opt.rows.get(i) for i in layout.members]
-        offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
-        mine = flatten(pieces, p0.device, offsets=offsets, size=layout.part, dtype=p0.dtype)  # (P,)
-        unit.flat = torch.empty(dp * layout.part, dtype=p0.dtype, device=p0.device)  # (dp * P,)
-        unit.work = all_gather_async(unit.flat, mine, opt.dp_group)
+        for layout in unit.layouts:
+            flat, work = self._all_gather(layout, self.opt.params[layout.members[0]].dtype)
+            unit.flats.append(flat)
+            unit.works.append(work)
         unit.prefetched_by = None if prefetched_by is None else (phase, prefetched_by)
         self._log(f"gather {phase}", k)
         self.gathers += 1
         if phase:
             self.unit_gathers[phase][k] += 1
         self._count(1)
+
+    def _all_gather(self, layout: _Bucket, dtype: torch.dtype, count: bool = True) -> tuple[torch.Tensor, object]:
+        """Start gathering every rank's rows of layout's members, rounded to dtype: ((dp * P,) buffer, work);
+        count: into collectives and gathered_bytes (training's gathers, not full_params')."""
+        opt = self.opt
+        device = opt.params[layout.members[0]].device
+        pieces = [opt.rows.get(i) for i in layout.members]
+        offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
+        mine = flatten(pieces, device, offsets=offsets, size=layout.part, dtype=dtype)  # (P,)
+        flat = torch.empty(opt.dp_size * layout.part, dtype=dtype, device=device)  # (dp * P,)
+        if count:
+            self.collectives += 1
+            self.gathered_bytes[dtype] = self.gathered_bytes.get(dtype, 0) + flat.numel() * flat.element_size()
+        return flat, all_gather_async(flat, mine, opt.dp_group)
 
     def _wait(self, k: int, phase: str = "") -> None:
         """Finish unit k's gather (starting it first if needed) and copy the rows into its parameters."""
@@ -305,31 +387,34 @@ class UnitGatherer:
         # under grad mode (a forward hook) refuses
         with torch.no_grad():
             self._log("wait", k)
-            unit.work.wait()
+            for work in unit.works:
+                work.wait()
             self._log("gathered", k)
-            for i in unit.layout.members:
-                p = opt.params[i]
-                p.untyped_storage().resize_(p.numel() * p.element_size())
-            # through .data, whose version counter is its own: the weights autograd saved in forward must not
-            # look modified in place when backward gathers them again
-            copy_back_(unit.flat, *opt._placed(unit.layout, lambda i: opt.params[i].data, range(opt.dp_size)))
-        unit.flat = unit.work = None
+            for layout, flat in zip(unit.layouts, unit.flats):
+                for i in layout.members:
+                    p = opt.params[i]
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                # through .data, whose version counter is its own: the weights autograd saved in forward must
+                # not look modified in place when backward gathers them again
+                copy_back_(flat, *opt._placed(layout, lambda i: opt.params[i].data, range(opt.dp_size)))
+        unit.flats, unit.works = [], []
         unit.gathered = True
 
     def _free(self, k: int) -> None:
         unit = self.units[k]
-        if unit.work is not None:  # a prefetch nobody used: finish it so its buffer can go
+        if unit.works:  # a prefetch nobody used: finish it so its buffers can go
             self.unused_prefetches += 1
             self._no_prefetch.add(unit.prefetched_by)
             with torch.no_grad():
-                unit.work.wait()
-            unit.flat = unit.work = None
+                for work in unit.works:
+                    work.wait()
+            unit.flats, unit.works = [], []
             self._count(-1)
             return
         if not unit.gathered:
             return
-        kept = {i for j, other in enumerate(self.units) if j != k and other.gathered for i in other.layout.members}
-        for i in unit.layout.members:
+        kept = {i for j, other in enumerate(self.units) if j != k and other.gathered for i in other.members}
+        for i in unit.members:
             if i not in kept:
                 self.opt.params[i].untyped_storage().resize_(0)
         unit.gathered = False
@@ -342,14 +427,19 @@ class UnitGatherer:
             for p in self.opt.params:
                 p.untyped_storage().resize_(0)
 
+    @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """A copy of every parameter's whole local tensor, gathered one unit at a time (for inspection)."""
-        out = {}
-        for k, unit in enumerate(self.units):
-            self._wait(k)
-            for i in unit.layout.members:
-                out[self.opt.shards[i].name] = self.opt.params[i].detach().clone()
-            self._free(k)
+        """A copy of every parameter's whole local tensor in its master dtype (the rows as they are, not rounded
+        to a bf16 weight's), one unit at a time, for inspection."""
+        opt, out = self.opt, {}
+        for unit in self.units:
+            for layout in unit.layouts:
+                dtype = opt._master_dtype[layout.members[0]]
+                flat, work = self._all_gather(layout, dtype, count=False)
+                work.wait()
+                whole = {i: torch.empty(opt.params[i].shape, dtype=dtype, device=flat.device) for i in layout.members}
+                copy_back_(flat, *opt._placed(layout, whole.get, range(opt.dp_size)))
+                out.update((opt.shards[i].name, t) for i, t in whole.items())
         return out
 
     def reset_peak(self) -> None:
