@@ -145,6 +145,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     apply_recompute(model, recipe.parallel)
     if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
         apply_compile(model)
+    act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:
@@ -164,7 +165,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
             print(f"resumed from {ckpt_dir} at step {start}; {max(0, logged - start)} logged step(s) after it are "
                   "lost and will be redone", flush=True)
 
-    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=next(model.parameters()).dtype,
+    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=act_dtype,
                                replicas=replica.num_replicas if replica else 1)
     actions, eval_actions = _build_schedules(recipe, dims)
     dynamic = _build_dynamic_batch(recipe, dims, loader)

@@ -264,6 +264,7 @@ class UnitGatherer:
             self.units.append(_Unit(name, position, modules, layouts))
         missing = [opt.shards[i].name for i in range(len(opt.params)) if i not in seen]
         assert not missing, f"UnitGatherer: parameters outside every unit: {missing}"
+        self._home_rows()
         for p in opt.params:  # storage of its own, so that freeing it frees nothing else
             storage = p.untyped_storage()
             if p.storage_offset() or storage.nbytes() != p.numel() * p.element_size():
@@ -283,6 +284,31 @@ class UnitGatherer:
         for k, unit in enumerate(self.units):
             unit.modules[0].register_forward_pre_hook(self._pre_hook(k))
             unit.modules[-1].register_forward_hook(self._post_hook(k))
+
+    def _home_rows(self) -> None:
+        """Move each layout's rows into one flat (P,) buffer in its gather order (the rows become views of it,
+        in place: AdamW and the checkpoints keep their tensors), so a gather sends that buffer as it is (or
+        one cast of it to bf16) instead of copying every row into a new one. A parameter in two units (a
+        tied embedding on one stage) lives in the first; the second layout copies its rows at each gather."""
+        opt, homed = self.opt, set()
+        self._row_buffers: dict[int, torch.Tensor] = {}  # id(layout) -> (P,) buffer
+        for unit in self.units:
+            for layout in unit.layouts:
+                if homed.intersection(layout.members):
+                    continue
+                i0 = layout.members[0]
+                buf = torch.zeros(layout.part, dtype=opt._master_dtype[i0], device=opt.params[i0].device)
+                with torch.no_grad():
+                    for j, i in enumerate(layout.members):
+                        rows = opt.rows.get(i)
+                        if rows is None:  # no rows on this rank
+                            continue
+                        start = layout.starts[opt.dp_rank][j]
+                        piece = buf[start:start + rows.numel()].view(rows.shape)
+                        piece.copy_(rows)
+                        rows.data = piece
+                homed.update(layout.members)
+                self._row_buffers[id(layout)] = buf
 
     # ---- hooks ----
     def _pre_hook(self, k: int):
@@ -368,9 +394,13 @@ class UnitGatherer:
         count: into collectives and gathered_bytes (training's gathers, not full_params')."""
         opt = self.opt
         device = opt.params[layout.members[0]].device
-        pieces = [opt.rows.get(i) for i in layout.members]
-        offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
-        mine = flatten(pieces, device, offsets=offsets, size=layout.part, dtype=dtype)  # (P,)
+        mine = self._row_buffers.get(id(layout))  # (P,)
+        if mine is None:
+            pieces = [opt.rows.get(i) for i in layout.members]
+            offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
+            mine = flatten(pieces, device, offsets=offsets, size=layout.part, dtype=dtype)
+        elif mine.dtype != dtype:
+            mine = mine.to(dtype)
         flat = torch.empty(opt.dp_size * layout.part, dtype=dtype, device=device)  # (dp * P,)
         if count:
             self.collectives += 1
