@@ -15,7 +15,8 @@
                 last microbatch's backward (parallel/data/zero.py, data/allreduce.py launch buckets then), the rest
                 exposed; ZeRO 1/2 add the parameter all-gather after the step, exposed; ZeRO 3 has none after
                 the step but gathers every unit's parameters in each microbatch's forward and again in its
-                backward (once per step with reshard_after_forward false), prefetched one unit ahead, so
+                backward (but the embedding's; once per step with reshard_after_forward false; the linear
+                weights in bf16 under train.precision bf16), prefetched one unit ahead, so
                 on devices they hide behind compute up to its length (on a CPU profile they are exposed).
                 Under cp the group is dp x cp (every cp rank holds the gradient of its own tokens)
     optimizer   the gradient norm and the AdamW update of the parameters this rank updates (its ZeRO shard),
@@ -185,7 +186,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     if p.zero == 3 and dp > 1:  # states[0] is the rank's rows plus two units: the collectives move every parameter
         grad_bytes = model_state_bytes(dataclasses.replace(recipe, parallel=dataclasses.replace(p, zero=0)),
                                        world_size, busiest)[0]
-        gather_bytes = zero3_gather_bytes(recipe, busiest)  # bf16: the linear weights travel in bf16
+        forward_bytes, backward_bytes = zero3_gather_bytes(recipe, busiest)  # bf16: linear weights in bf16
+        gather_bytes = (forward_bytes + backward_bytes) / 2 if p.reshard_after_forward else forward_bytes  # per pass
     optimizer = states[2] / MOMENTS / FP32 * OPTIMIZER_BYTES / profile.mem_bw * share
     bw_dp, lat_dp = _link(profile, world_size, ranks_per_node)
     dp *= cp  # the gradient group (ParallelDims.dp_cp_group), and ZeRO's shard group

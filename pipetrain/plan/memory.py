@@ -179,10 +179,12 @@ def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int]:
     return embed, block, head
 
 
-def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> int:
-    """Bytes one gather of every unit of this pp rank moves into it (zero3_unit_bytes, each block once)."""
+def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int]:
+    """Bytes a microbatch's (forward, backward) pass gathers into this pp rank: every unit once
+    (zero3_unit_bytes), but the embedding only in forward (its backward reads no weight)."""
     embed, block, head = zero3_unit_bytes(recipe, pp_rank)
-    return embed + len(rank_stages(recipe, pp_rank)[0]) * block + head
+    rest = len(rank_stages(recipe, pp_rank)[0]) * block + head
+    return embed + rest, rest
 
 
 def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool,

@@ -24,7 +24,9 @@ the head.
   so its W action runs with the unit freed; the reduce-scatter counts accumulations, so it waits for the
   last dW.
 - frozen parameters (LoRA's base) are sharded and gathered like the rest but have no bucket, hook or AdamW
-  state; a unit whose output needs no gradient (a frozen embedding) is never gathered in backward.
+  state; a unit whose output needs no gradient (a frozen embedding) is never gathered in backward, and
+  neither is the embedding unit: a lookup's backward adds rows of the output gradient at the ids (its
+  weight gradient is reduce-scattered like any other) and reads no weight.
 - every pass is logged to self.events when a list is set there (benchmarks/zero3.py --timeline).
 At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
 counts them (peak_gathered) so tests can assert it.
@@ -65,9 +67,11 @@ from pipetrain.parallel.data.flat import copy_back_, flatten
 from pipetrain.parallel.data.grads import model_parallel_synced_params, tied_copy_names
 from pipetrain.parallel.data.zero import ZeroOptimizer, _Bucket
 from pipetrain.parallel.mesh.comm import all_gather_async
-from pipetrain.parallel.tensor.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
+from pipetrain.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear,
+                                              VocabParallelEmbedding)
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ReplicatedKVLinear)  # autocast runs their matmuls
+EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # a lookup's backward scatters into rows: it reads no weight
 
 
 @dataclass
@@ -80,8 +84,10 @@ class _Unit:
     works: list[object] = field(default_factory=list, repr=False)
     prefetched_by: Optional[tuple[str, int]] = None  # (phase, unit) whose hook started the gather in flight
     gathered: bool = False
+    reads_weights_in_backward: bool = True  # False for the embedding unit: its backward reads the ids only
     has_backward: bool = True              # its last forward's output needed a gradient (not so for a frozen
-                                           # embedding under LoRA): only then does backward gather it
+                                           # embedding under LoRA) and it reads_weights_in_backward: only then
+                                           # does backward gather it
 
     @property
     def members(self) -> list[int]:
@@ -261,7 +267,8 @@ class UnitGatherer:
             dtypes = sorted({opt.params[i].dtype for i in members}, key=str)
             layouts = [opt._new_bucket([i for i in members if opt.params[i].dtype == dtype], late=False)
                        for dtype in dtypes]
-            self.units.append(_Unit(name, position, modules, layouts))
+            reads = not all(isinstance(m, EMBEDDINGS) for m in modules)
+            self.units.append(_Unit(name, position, modules, layouts, reads_weights_in_backward=reads))
         missing = [opt.shards[i].name for i in range(len(opt.params)) if i not in seen]
         assert not missing, f"UnitGatherer: parameters outside every unit: {missing}"
         self._home_rows()
@@ -330,10 +337,11 @@ class UnitGatherer:
                 self.units[k].has_backward = not torch.is_grad_enabled()  # evaluation says nothing of training
                 self._free(k)
                 return None
-            self.units[k].has_backward = True
+            unit = self.units[k]
+            unit.has_backward = unit.reads_weights_in_backward
             if self.reshard:
                 self._free(k)
-            return _Regather.apply(output, self, k)
+            return _Regather.apply(output, self, k) if unit.has_backward else None
         return hook
 
     def before_backward(self, k: int) -> None:
