@@ -4,8 +4,13 @@ reduce-scatters per step; per-rank parameter, gradient and optimizer bytes equal
 here from the parameter shapes alone); a checkpoint of row boxes (each written once) resumes bitwise in its
 own layout and loads into zero 0 on one process and back.
 
-dp 2 (a tied gpt2, whose single stage shares the embedding between the first and last unit; llama, with a
-bf16 comparison against zero 1; LoRA, whose frozen base is sharded too) runs in the default suite; dp 4,
+bf16 (BF16_LAYOUTS): zero 3 keeps its linear weights in bf16 and gathers them so, and its losses equal zero 1's
+bf16 run within fp32 round-off; autograd saves the gathered weights themselves, where zero 1 saves a bf16 copy
+of each (counted with saved_tensors_hooks); dp2_llama also checks which parameters are bf16, the two dtypes'
+all-gathers and the storage a running block holds.
+
+dp 2 (a tied gpt2, whose single stage shares the embedding between the first and last unit; llama, with the
+bf16 checks; LoRA, whose frozen base is sharded too) runs in the default suite; dp 4,
 HSDP (dp 4 as 2 replicas of dp_shard 2), dp 2 x tp 2, dp 2 x pp 2 under 1f1b, interleaved-1f1b, zbv,
 dualpipev and the split backward, and recomputation are slow-marked (each takes a minute here).
 """
