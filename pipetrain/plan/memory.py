@@ -154,35 +154,61 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     if p.ep > 1 and shards > 1:  # experts shard over expert-dp (dp / ep ranks) instead of dp
         experts = expert_shapes(m, p.tp, p.ep)
         shard += len(layers) * sum(rows_numel(s, max(1, shards // p.ep)) - rows_numel(s, shards) for s in experts)
-    if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus the two largest units
-        units = zero3_unit_bytes(recipe, pp_rank)
-        return FP32 * shard + sum(sorted([units[1], units[1], units[0], units[2]])[-2:]), FP32 * shard, \
-            FP32 * MOMENTS * shard
+    if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus two neighbouring units
+        return FP32 * shard + zero3_gathered_bytes(recipe, pp_rank), FP32 * shard, FP32 * MOMENTS * shard
     grads = shard if p.zero == 2 and shards > 1 else full
     optim = shard if shards > 1 else full
     return FP32 * full, FP32 * grads, FP32 * MOMENTS * optim
 
 
-def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int]:
+def _fp32_matmul_weights(recipe: Recipe, pp_rank: int) -> tuple[int, int]:
+    """(per block, head) elements of the weights ZeRO-3 keeps in fp32 although a matmul reads them: wk / wv
+    replicated over tp and a tied head (their gradients are synced, parallel/data/zero3.compute_in_bf16)."""
+    p, m = recipe.parallel, recipe.model
+    layers, first, last, copy = rank_stages(recipe, pp_rank)
+    kv = 2 * kv_rows(m, p.tp) * m.d_model if p.tp > 1 and m.kv_heads % p.tp else 0
+    head = (m.vocab_size // p.tp) * m.d_model if last and m.tied else 0
+    return kv, head
+
+
+def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int, int]:
     """Bytes of ZeRO-3's units gathered whole at this pp rank: (embedding, one block (0 without blocks), final
-    norm + head). Under train.precision=bf16 the linear weights are gathered and held in bf16
-    (parallel/data/zero3.py: every 2-D block weight, and an untied head), the rest in fp32."""
+    norm + head, bytes the embedding and head units share). A tied head on the embedding's own stage is the
+    embedding's table, gathered with either unit. Under train.precision=bf16 the linear weights are gathered
+    and held in bf16 (parallel/data/zero3.py), the rest in fp32 (_fp32_matmul_weights among them)."""
     p, m = recipe.parallel, recipe.model
     low = 2 if recipe.train.precision == "bf16" else FP32
     layers, first, last, copy = rank_stages(recipe, pp_rank)
+    kv, _ = _fp32_matmul_weights(recipe, pp_rank)
 
     def size(shapes, linear_2d: bool) -> int:
         return sum(numel(s) * (low if linear_2d and len(s) == 2 else FP32) for s in shapes)
     embed = size(param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0), False)
-    block = size(param_shapes(m, p.tp, [0], False, False, False, ep=p.ep), True) if layers else 0
+    block = size(param_shapes(m, p.tp, [0], False, False, False, ep=p.ep), True) + kv * (FP32 - low) if layers else 0
     head = size(param_shapes(m, p.tp, [], False, last, copy), not m.tied)  # a tied head copy: fp32, synced over pp
-    return embed, block, head
+    shared = FP32 * (m.vocab_size // p.tp) * m.d_model if first and last and m.tied and p.ps_servers == 0 else 0
+    return embed, block, head + shared, shared
+
+
+def zero3_gathered_bytes(recipe: Recipe, pp_rank: int) -> int:
+    """The most bytes of whole parameters a pp rank holds at once under ZeRO-3: the two units next to each
+    other in its unit order (parallel/data/zero3.UnitGatherer keeps a unit and its neighbour), or every unit
+    with reshard_after_forward false; a table two units share counted once."""
+    embed, block, head, shared = zero3_unit_bytes(recipe, pp_rank)
+    layers, first, last, _ = rank_stages(recipe, pp_rank)
+    units = ([embed] if first else []) + [block] * len(layers) + ([head] if last else [])
+    if not recipe.parallel.reshard_after_forward:
+        return sum(units) - shared
+    pairs = [a + b for a, b in zip(units, units[1:])]
+    if not layers and first and last:
+        pairs = [embed + head - shared]
+    return max(pairs or units or [0])
 
 
 def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int]:
     """Bytes a microbatch's (forward, backward) pass gathers into this pp rank: every unit once
     (zero3_unit_bytes), but the embedding only in forward (its backward reads no weight)."""
-    embed, block, head = zero3_unit_bytes(recipe, pp_rank)
+    embed, block, head, _ = zero3_unit_bytes(recipe, pp_rank)
     rest = len(rank_stages(recipe, pp_rank)[0]) * block + head
     return embed + rest, rest
 
@@ -236,8 +262,12 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     weight_casts = 0
     if t.precision == "bf16":  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
         block /= 2
-        # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit)
-        if p.recompute != "full" and not (p.zero == 3 and zero_shards(recipe, world_size) > 1):
+        if p.recompute != "full" and p.zero == 3 and zero_shards(recipe, world_size) > 1:
+            # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit), but
+            # for the few it keeps fp32
+            kv, head = _fp32_matmul_weights(recipe, pp_rank)
+            weight_casts = 2 * (kv * len(rank_stages(recipe, pp_rank)[0]) + head) // p.virtual_stages
+        elif p.recompute != "full":
             params = model_state_bytes(recipe, world_size, pp_rank)[0]
             weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence

@@ -141,17 +141,32 @@ def test_a_split_backward_holds_the_deferred_weight_gradient_operands_beyond_the
     assert rank_memory(split, 2)[0].total > rank_memory(joined, 2)[0].total
 
 
-def test_zero3_parameters_are_rows_plus_the_two_largest_units_whole():
-    """parallel.zero=3: every rank holds 1/dp of parameters, gradients and moments, plus two units (block,
-    embedding, norm + head) gathered whole; the units are counted here from a built model."""
-    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(zero=3), train=TrainConfig(global_batch=8, seq_len=16))
-    model = build(LLAMA, device="meta")
-    full = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.layers["0"].parameters())
-    units = sorted([block, block, model.embed.weight.numel(), model.head.weight.numel() + model.norm.weight.numel()])
-    params, grads, optim = model_state_bytes(recipe, 2, 0)  # dp 2 divides every dim 0 of this model
-    assert params == 4 * (full // 2 + units[-1] + units[-2])
-    assert grads == 4 * full // 2 and optim == 8 * full // 2
+def _zero3_units(model_cfg: ModelConfig, low: set[int]) -> list[int]:
+    """Bytes of each ZeRO-3 unit of a single stage, in order, counted from a built model (parameters in
+    `low` at 2 bytes); a tied head's unit holds the embedding's table."""
+    built = build(model_cfg, device="meta")
+
+    def unit(*modules):
+        params = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
+        return sum(p.numel() * (2 if id(p) in low(built) else 4) for p in params)
+    return ([unit(built.embed, built.pos_embed)] + [unit(block) for block in built.layers.values()]
+            + [unit(built.norm, built.head)])
+
+
+def test_zero3_parameters_are_rows_plus_two_neighbouring_units_whole():
+    """parallel.zero=3: every rank holds 1/dp of parameters, gradients and moments, plus a unit and its
+    neighbour (embedding, blocks, norm + head) gathered whole, or every unit with reshard_after_forward false;
+    the units are counted here from a built model (the tied gpt2's head unit holds the embedding's table)."""
+    for model_cfg in (LLAMA, GPT2):
+        full = sum(p.numel() for p in build(model_cfg, device="meta").parameters())
+        units = _zero3_units(model_cfg, lambda built: set())
+        for keep in (True, False):
+            recipe = Recipe(model=model_cfg, parallel=ParallelConfig(zero=3, reshard_after_forward=keep),
+                            train=TrainConfig(global_batch=8, seq_len=16))
+            params, grads, optim = model_state_bytes(recipe, 2, 0)  # dp 2 divides every dim 0 of these models
+            gathered = max(a + b for a, b in zip(units, units[1:])) if keep else 4 * full
+            assert params == 4 * full // 2 + gathered, (model_cfg.family, keep)
+            assert grads == 4 * full // 2 and optim == 8 * full // 2
 
 
 @pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2_tied"])
@@ -161,15 +176,9 @@ def test_zero3_bf16_units_hold_linear_weights_in_bf16_and_save_no_weight_copies(
     def recipe(zero):
         return Recipe(model=model, parallel=ParallelConfig(zero=zero),
                       train=TrainConfig(global_batch=8, seq_len=16, precision="bf16"))
-    built = build(model, device="meta")
-    low = compute_in_bf16(built, ParallelDims())
-    full = sum(p.numel() for p in built.parameters())
-
-    def unit(*modules):
-        params = {id(p): p for m in modules for p in m.parameters()}.values()
-        return sum(p.numel() * (2 if id(p) in low else 4) for p in params)
-    block = unit(built.layers["0"])
-    units = sorted([block, block, unit(*[m for m in (built.embed, built.pos_embed) if m is not None]),
-                    unit(built.norm) if model.tied else unit(built.norm, built.head)])
-    assert model_state_bytes(recipe(3), 2, 0)[0] == 4 * full // 2 + units[-1] + units[-2]
-    assert activation_bytes(recipe(3), 2, 0) + 4 * full // 2 == activation_bytes(recipe(1), 2, 0)
+    full = sum(p.numel() for p in build(model, device="meta").parameters())
+    units = _zero3_units(model, lambda built: compute_in_bf16(built, ParallelDims()))
+    assert model_state_bytes(recipe(3), 2, 0)[0] == 4 * full // 2 + max(a + b for a, b in zip(units, units[1:]))
+    # zero 1: a bf16 copy of every weight (2 of its 4 bytes); zero 3: of the tied head only, which stays fp32
+    tied_head = model.vocab_size * model.d_model if model.tied else 0
+    assert activation_bytes(recipe(3), 2, 0) + 4 * full // 2 == activation_bytes(recipe(1), 2, 0) + 2 * tied_head

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything one lent GPU is for, in one command that fits the device tool's 10-minute call:
+#
+#   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine)
+#
+# The machine has torch, Triton and transformers but no network and no `datasets`: nothing here downloads
+# or prepares a corpus (benchmarks/gpu.py uses synthetic tokens). pipetrain is installed in place without
+# dependencies; where pip cannot build it offline, a pipetrain/kernels link stands in for the install
+# mapping kernels/ -> pipetrain.kernels (setup.py).
+#
+# Writes under $OUT (the device tool's return folder; ./gpu-out elsewhere):
+#   card.txt              nvidia-smi's name and memory, and torch / Triton versions
+#   gpu-benchmark.md      benchmarks/gpu.py's tables (issue 34: compile, fp8, fused loss, the kernel table)
+#   gpu.log               its console output
+#   pytest-gpu.log        `pytest -m gpu`: the CUDA paths (Triton compiled, bf16, fp8, compile)
+#   moe.log               benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
+# Each step has its own timeout so a slow one cannot starve the rest: 300 + 150 + 40 s plus the install,
+# about 8.5 minutes, inside one 600 s call. The whole suite on the CUDA machine (`python -m pytest -q`,
+# the CPU-pinned tests must pass there too) needs a call of its own.
+# Multi-GPU comparisons (zero 3 against FSDP2, cp against torch's context_parallel) need several cards:
+# one card cannot run them (multi-process tests never put two ranks on one GPU).
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} > "$OUT/card.txt" 2>&1
+
+if ! pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+  ln -sfn ../kernels pipetrain/kernels
+  echo "pip install failed; pipetrain/kernels linked instead" >> "$OUT/install.log"
+fi
+
+step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit status in the log
+  local limit=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  echo "exit $? after $((SECONDS - start)) s: $*" >> "$OUT/$log"
+  tail -n 1 "$OUT/$log"
+}
+
+step 300 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
+step 150 pytest-gpu.log python -m pytest -q -m gpu -p no:cacheprovider
+step 40 moe.log python benchmarks/moe.py experts --reps 5
