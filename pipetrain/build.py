@@ -144,7 +144,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     set_aux_sequences(model, recipe.train.global_batch)  # MoE aux gradient per global-batch sequence
     apply_recompute(model, recipe.parallel)
     if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
-        apply_compile(model)
+        apply_compile(model, hooks_outside=recipe.parallel.zero == 3)  # ZeRO-3 hooks its gathers on blocks
     act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)

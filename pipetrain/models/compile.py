@@ -78,9 +78,12 @@ def compile_problems(device: torch.device, backend: str) -> list[str]:
     return []
 
 
-def apply_compile(model: nn.Module, backend: str | None = None) -> list[str]:
+def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: bool = False) -> list[str]:
     """Compile each transformer block of model (a Decoder or a pipeline stage of one) in place with
-    fullgraph=True; returns the compiled blocks' names. Call after every other wrapping (module docstring)."""
+    fullgraph=True; returns the compiled blocks' names. Call after every other wrapping (module docstring).
+    hooks_outside: compile each block's forward, not its whole call (nn.Module.compile traces the module's
+    hooks too), so that hooks registered on the block run eagerly around the graph: ZeRO-3's gathers, which
+    resize storage and wait on collectives (parallel/data/zero3.py)."""
     backend = backend or compile_backend()
     register_compile_ops()  # the Triton kernels' custom ops, before any trace (kernels/__init__.py)
     names = []
@@ -91,6 +94,9 @@ def apply_compile(model: nn.Module, backend: str | None = None) -> list[str]:
                 # backward's F and B, and the guard of a first trace that read the class default would
                 # fail then (a second compile). Inside the graph linear() never reads its value.
                 module.deferred = None
-        block.compile(fullgraph=True, backend=backend)
+        if hooks_outside:
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+        else:
+            block.compile(fullgraph=True, backend=backend)
         names.append(f"layers.{name}")
     return names
