@@ -16,7 +16,8 @@ from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
-from pipetrain.plan.memory import RankMemory, rank_stages
+from pipetrain.plan.memory import RankMemory
+from pipetrain.plan.shapes import rank_stages
 from pipetrain.plan.shapes import model_params
 from pipetrain.preflight import check_model_fits, device_memory
 

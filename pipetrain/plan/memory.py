@@ -25,21 +25,19 @@ the pre-flight check (pipetrain.preflight), train.py --dry-run and parallel.auto
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+from pipetrain.config import ModelConfig, Recipe
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
-from pipetrain.parallel.pipeline.stage import stage_layout
-from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, rank_chunk_of, simulate
+from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, simulate
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
-from pipetrain.plan.shapes import expert_shapes, kv_rows, numel, param_shapes, rows_numel
+from pipetrain.plan.shapes import expert_shapes, kv_rows, numel, param_shapes, rank_stages, rows_numel
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -93,37 +91,6 @@ class RankMemory:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
-
-
-@functools.lru_cache(maxsize=1024)
-def _stages(m: ModelConfig, pp: int, virtual_stages: int, stage_layers: tuple | None, seq_len: int,
-            schedule: str) -> tuple:
-    """pipeline.stage_layout, cached: the search asks for the same split for many layouts. m must be
-    hashable (_hashable_model)."""
-    pcfg = ParallelConfig(pp=pp, virtual_stages=virtual_stages, schedule=schedule,
-                          stage_layers=list(stage_layers) if stage_layers else None)
-    return tuple(tuple(s) for s in stage_layout(m, pcfg, seq_len))
-
-
-def _hashable_model(m: ModelConfig) -> ModelConfig:
-    """m with its list fields as tuples, so it can key a cache (a frozen dataclass with a list does not hash)."""
-    return dataclasses.replace(m, **{f.name: tuple(getattr(m, f.name)) for f in dataclasses.fields(m)
-                                     if isinstance(getattr(m, f.name), list)})
-
-
-def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
-    """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
-    p = recipe.parallel
-    if p.pp * p.virtual_stages == 1:  # one stage: no partition to compute (a million layers answers at once)
-        stages = (tuple(range(recipe.model.n_layers)),)
-    else:
-        stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages,
-                         tuple(p.stage_layers or ()) or None, recipe.train.seq_len, p.schedule)
-    num_stages = len(stages)
-    placement = placement_of(p.schedule)
-    mine = [s for s in range(num_stages) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]
-    first, last = 0 in mine, num_stages - 1 in mine
-    return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first
 
 
 def zero_shards(recipe: Recipe, world_size: int) -> int:

@@ -3,10 +3,16 @@ built (so a size check on a recipe with a million layers answers at once). A ran
 layers split tp ways the way parallel/tensor/layers.py splits them (column: output rows / tp, row: input
 columns / tp with the bias replicated, kv: split when tp divides n_kv_heads, else replicated; embedding and
 head: vocab rows / tp; norms replicated; experts: num_experts / ep of them, F-sharded over tp). The tied head
-on a last stage that is not on the first stage's rank is a copy. pipetrain.plan.memory builds on these."""
+on a last stage that is not on the first stage's rank is a copy; rank_stages says which layers (and ends) a pp
+rank holds. pipetrain.plan.memory builds on these."""
 from __future__ import annotations
 
-from pipetrain.config import ModelConfig
+import dataclasses
+import functools
+
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+from pipetrain.parallel.pipeline.schedules import placement_of, rank_chunk_of
+from pipetrain.parallel.pipeline.stage import stage_layout
 
 
 def kv_rows(m: ModelConfig, tp: int) -> int:
@@ -73,3 +79,34 @@ def rows_numel(shape: tuple[int, ...], dp: int) -> int:
     """Elements of dp rank 0's row shard (the largest) of a parameter of this local shape."""
     rows = -(-shape[0] // dp)  # dp_row_ranges gives rank 0 the ceiling
     return rows * numel(shape) // shape[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _stages(m: ModelConfig, pp: int, virtual_stages: int, stage_layers: tuple | None, seq_len: int,
+            schedule: str) -> tuple:
+    """pipeline.stage_layout, cached: the search asks for the same split for many layouts. m must be
+    hashable (_hashable_model)."""
+    pcfg = ParallelConfig(pp=pp, virtual_stages=virtual_stages, schedule=schedule,
+                          stage_layers=list(stage_layers) if stage_layers else None)
+    return tuple(tuple(s) for s in stage_layout(m, pcfg, seq_len))
+
+
+def _hashable_model(m: ModelConfig) -> ModelConfig:
+    """m with its list fields as tuples, so it can key a cache (a frozen dataclass with a list does not hash)."""
+    return dataclasses.replace(m, **{f.name: tuple(getattr(m, f.name)) for f in dataclasses.fields(m)
+                                     if isinstance(getattr(m, f.name), list)})
+
+
+def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
+    """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
+    p = recipe.parallel
+    if p.pp * p.virtual_stages == 1:  # one stage: no partition to compute (a million layers answers at once)
+        stages = (tuple(range(recipe.model.n_layers)),)
+    else:
+        stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages,
+                         tuple(p.stage_layers or ()) or None, recipe.train.seq_len, p.schedule)
+    num_stages = len(stages)
+    placement = placement_of(p.schedule)
+    mine = [s for s in range(num_stages) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]
+    first, last = 0 in mine, num_stages - 1 in mine
+    return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first

@@ -15,7 +15,7 @@ from pipetrain import preflight
 from pipetrain.config import ConfigError, ParallelConfig, Recipe, TrainConfig
 from pipetrain.dry_run import dry_run_details
 from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
-from pipetrain.plan import memory as memory_module
+from pipetrain.plan import shapes as shapes_module
 from pipetrain.plan.auto import resolve_auto
 from pipetrain.plan.devices import DEVICES, DeviceProfile
 from pipetrain.plan.memory import FP32, model_state_bytes, rank_memory, schedule_shape
@@ -109,8 +109,8 @@ def test_a_million_layer_pipeline_is_refused_before_any_stage_split(monkeypatch)
     def refuse(*args, **kwargs):
         raise AssertionError("the size check computed a stage split")
 
-    monkeypatch.setattr(memory_module, "stage_layout", refuse)
-    memory_module._stages.cache_clear()
+    monkeypatch.setattr(shapes_module, "stage_layout", refuse)
+    shapes_module._stages.cache_clear()
     recipe = _recipe({"pp": 2, "microbatches": 2})
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1_000_000))
     with pytest.raises(ConfigError, match="model.n_layers=1000000.*per rank"):

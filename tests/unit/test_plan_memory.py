@@ -25,8 +25,9 @@ from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.stage import build_stage
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.data.zero3 import compute_in_bf16
-from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory, rank_stages,
+from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory,
                                    weight_grad_operand_bytes)
+from pipetrain.plan.shapes import rank_stages
 from tests.harness import run_ranks, saved_activation_bytes
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
