@@ -45,6 +45,7 @@ from pipetrain.models import build, materialize
 from pipetrain.models.moe import set_aux_sequences
 from pipetrain.models.compile import apply_compile, check_compile, compile_backend
 from pipetrain.optim.build import build_optimizer, lr_at
+from pipetrain.parallel.data.zero3 import unit_gatherer
 from pipetrain.parallel.mesh.comm import broadcast_object_from_rank0
 from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.context.attention import apply_context_parallel
@@ -147,7 +148,9 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         apply_compile(model, hooks_outside=recipe.parallel.zero == 3)  # ZeRO-3 hooks its gathers on blocks
     act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
-        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
+        fused_head = (model.head,) if fused_loss_on(recipe, dims.device) and getattr(model, "head", None) else ()
+        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel,
+                                    keep_fp32=fused_head)
     else:
         optimizer = optimizer_factory(model, dims, recipe)
     if replica is not None:
@@ -165,7 +168,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
             print(f"resumed from {ckpt_dir} at step {start}; {max(0, logged - start)} logged step(s) after it are "
                   "lost and will be redone", flush=True)
 
-    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=act_dtype,
+    executor = _build_executor(recipe, dims, chunks, specs, act_dtype=act_dtype, gatherer=unit_gatherer(optimizer),
                                replicas=replica.num_replicas if replica else 1)
     actions, eval_actions = _build_schedules(recipe, dims)
     dynamic = _build_dynamic_batch(recipe, dims, loader)
@@ -239,9 +242,10 @@ def _build_loader(recipe: Recipe, dims: ParallelDims, tokenizer) -> Loader:
 
 
 def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype: torch.dtype,
-                    replicas: int = 1) -> Executor:
+                    replicas: int = 1, gatherer=None) -> Executor:
     """The executor of this rank's chunks: boundary activations (B/dp/microbatches, T or T/tp, D); replicas:
-    torchft replica groups, each with its own dims (dp over all of them is replicas x dims.dp)."""
+    torchft replica groups, each with its own dims (dp over all of them is replicas x dims.dp); gatherer:
+    ZeRO-3's UnitGatherer, which gathers the head around a fused loss (the head's forward does not run)."""
     p, t = recipe.parallel, recipe.train
     tp_group = dims.tp_group if dims.tp > 1 else None
     micro = t.global_batch // (replicas * dims.dp) // p.microbatches
@@ -258,6 +262,8 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
         chunks = [without_head(c) if spec.is_last else c for c, spec in zip(chunks, specs)]
 
         def loss_fn(hidden, targets):
+            if gatherer is not None:
+                return gatherer.call_outside(head, fused_loss_sum, hidden, head, targets, tp_group)
             return fused_loss_sum(hidden, head, targets, tp_group)
     return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype, loss_fn=loss_fn,
                     autocast=autocast)

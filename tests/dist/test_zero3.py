@@ -132,10 +132,15 @@ def _worker(rank, world_size, out, name):
         # bf16 copies of fp32 weights: the same values, so the losses agree within fp32 round-off. Twice: with plain
         # F.linear (autocast saves its bf16 copy of an fp32 weight for backward, and a bf16 weight itself), and with
         # gradient accumulation fusion (weight_grads.py adds bf16 dW into .grad, or defers it to the W action)
-        res["bf16"], res["bf16_fused"], copies, held = [], [], [], []
-        for fusion, key in ((10 ** 9, "bf16"), (0, "bf16_fused")):
+        # (and a third time with train.fused_loss, whose head stays fp32: the fused loss runs outside autocast)
+        res["bf16"], res["bf16_fused"], res["bf16_fused_loss"], copies, held = [], [], [], [], []
+        for fusion, key in ((10 ** 9, "bf16"), (0, "bf16_fused"), (0, "bf16_fused_loss")):
             runs = [build_trainer(cfg, shared, dims, zero=z, bucket_bytes=BUCKET_BYTES, steps=2, precision="bf16",
-                                  fusion_min_numel=fusion, **extra) for z in (1, 3)]
+                                  fusion_min_numel=fusion, fused_loss=True if key == "bf16_fused_loss" else "auto",
+                                  **extra)
+                    for z in (1, 3)]
+            if key == "bf16":
+                plain = runs  # zero 3 without the fused loss: every linear weight bf16
             for t in runs:
                 params = list(t.model.parameters())
                 weights = {tuple(p.shape) for p in params if p.dim() == 2}
@@ -157,11 +162,11 @@ def _worker(rank, world_size, out, name):
                     copies.append(len(saved))
         res["bf16_weight_copies"] = copies  # zero 1: autocast's copies of every linear weight; zero 3: none
         res["bf16_held"] = sorted(set(held[len(held) // 2:]))  # zero 3's run
-        block = next(iter(runs[1].model.layers.values()))  # its 2-D parameters are linear weights: bf16
+        block = next(iter(plain[1].model.layers.values()))  # its 2-D parameters are linear weights: bf16
         res["bf16_block"] = sum(p.numel() * (2 if p.dim() == 2 else 4) for p in block.parameters())
-        g = runs[1].optimizer.gatherer
-        res["bf16_params"] = sorted(n for n, p in runs[1].model.named_parameters() if p.dtype == torch.bfloat16)
-        res["bf16_linears"] = sorted(n for n, m in runs[1].model.named_modules() if isinstance(m, torch.nn.Linear))
+        g = plain[1].optimizer.gatherer
+        res["bf16_params"] = sorted(n for n, p in plain[1].model.named_parameters() if p.dtype == torch.bfloat16)
+        res["bf16_linears"] = sorted(n for n, m in plain[1].model.named_modules() if isinstance(m, torch.nn.Linear))
         res["bf16_gathered"] = {str(k): v for k, v in g.gathered_bytes.items()}
         res["bf16_collectives"] = (g.collectives, g.gathers, [len(u.layouts) for u in g.units])
 
@@ -226,6 +231,7 @@ def _check(results, name):
         if "bf16" in res:
             torch.testing.assert_close(res["bf16"][1], res["bf16"][0], **tol)
             torch.testing.assert_close(res["bf16_fused"][1], res["bf16_fused"][0], **tol)
+            torch.testing.assert_close(res["bf16_fused_loss"][1], res["bf16_fused_loss"][0], **tol)
             zero1_copies, zero3_copies = res["bf16_weight_copies"]
             if extra.get("recompute", "none") == "none":  # recomputation's own saved-tensor hooks hide them
                 assert zero1_copies > 0 and zero3_copies == 0, res["bf16_weight_copies"]

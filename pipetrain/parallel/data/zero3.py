@@ -27,6 +27,8 @@ the head.
   state; a unit whose output needs no gradient (a frozen embedding) is never gathered in backward, and
   neither is the embedding unit: a lookup's backward adds rows of the output gradient at the ids (its
   weight gradient is reduce-scattered like any other) and reads no weight.
+- a module read without its forward running (train.fused_loss applies the head's weight in the loss) is
+  gathered around that call by call_outside, which handles the call's output as the post-hook would.
 - every pass is logged to self.events when a list is set there (benchmarks/zero3.py --timeline).
 At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
 counts them (peak_gathered) so tests can assert it.
@@ -94,17 +96,28 @@ class _Unit:
         return [i for layout in self.layouts for i in layout.members]
 
 
-def compute_in_bf16(model: nn.Module, dims) -> set[int]:
+def compute_in_bf16(model: nn.Module, dims, keep_fp32: tuple = ()) -> set[int]:
     """ids of the parameters ZeRO-3 gathers and keeps in bf16 under train.precision=bf16: the weight of a linear
     that no other module uses (not a tied embedding), whose gradient no tp / pp sync reads (the tied head copy,
-    a kv weight replicated over tp)."""
+    a kv weight replicated over tp), and that is not in a keep_fp32 module (a head train.fused_loss reads: the
+    fused loss runs outside autocast, in the dtype of the weight and hidden state, fp32 as with zero 1)."""
     users: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             users.setdefault(id(p), []).append((module, name))
     synced = {id(p) for p in model_parallel_synced_params(model, dims)}
+    synced |= {id(p) for m in keep_fp32 for p in m.parameters()}
     return {pid for pid, uses in users.items()
             if pid not in synced and all(name == "weight" and isinstance(m, LINEARS) for m, name in uses)}
+
+
+def unit_gatherer(optimizer) -> Optional["UnitGatherer"]:
+    """The UnitGatherer of a ZeRO-3 optimizer, also inside a wrapper across replicas (HSDP); None otherwise."""
+    while optimizer is not None:
+        if isinstance(optimizer, Zero3Optimizer):
+            return optimizer.gatherer
+        optimizer = getattr(optimizer, "wrapped", None)
+    return None
 
 
 def stage_units(model: nn.Module) -> list[tuple[str, int, list[nn.Module]]]:
@@ -143,7 +156,7 @@ class Zero3Optimizer(ZeroOptimizer):
     Same interface as ZeroOptimizer, plus param_items / load_param_items for checkpoints."""
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, keep_fp32: tuple = ()):
         super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap)
         for view in self.views.values():  # the rows become the masters, in storage of their own
             view.data = view.data.clone()
@@ -165,7 +178,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self._master_dtype = [p.dtype for p in self.params]
         self._main_grads: dict[int, torch.Tensor] = {}  # fp32 sums of a bf16 weight's gradients this step
         if cfg.precision == "bf16":
-            low = compute_in_bf16(model, dims)
+            low = compute_in_bf16(model, dims, keep_fp32)
             for p in self.params:
                 if id(p) in low:
                     p.data = p.data.to(torch.bfloat16)
@@ -343,6 +356,17 @@ class UnitGatherer:
                 self._free(k)
             return _Regather.apply(output, self, k) if unit.has_backward else None
         return hook
+
+    def call_outside(self, module: nn.Module, fn, *args):
+        """fn(*args), which reads module's parameters where module's own forward does not run (train.fused_loss
+        applies the head's weight inside the loss): module's unit is gathered around the call, and fn's output
+        is handled as the unit's post-hook handles a forward's output, so the unit is freed (with
+        reshard_after_forward) and backward gathers it again before fn's backward reads the weight."""
+        k = next(j for j, unit in enumerate(self.units) if any(m is module for m in unit.modules))
+        self._wait(k, "forward")
+        out = fn(*args)
+        wrapped = self._post_hook(k)(module, args, out)
+        return out if wrapped is None else wrapped
 
     def before_backward(self, k: int) -> None:
         if self.reshard:

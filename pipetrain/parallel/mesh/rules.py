@@ -115,8 +115,6 @@ def zero3_problems(r: Recipe) -> list[str]:
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "use parallel.dp_sync=bsp or parallel.zero=2"),
         (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
          "set parallel.ps_servers=0"),
-        (t.fused_loss is True, "train.fused_loss=true (it reads the head's weight outside the head's gathered unit)",
-         "set train.fused_loss=false"),
     ]  # fault_tolerance=torchft refuses every zero stage (_fault_tolerance_problems)
     return [f"{key}: does not combine with {why} yet; {fix}" for on, key, fix in refused if on]
 
