@@ -159,7 +159,7 @@ def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int, int]:
 
 def zero3_gathered_bytes(recipe: Recipe, pp_rank: int) -> int:
     """The most bytes of whole parameters a pp rank holds at once under ZeRO-3: the two units next to each
-    other in its unit order (parallel/data/zero3.UnitGatherer keeps a unit and its neighbour), or every unit
+    other in its unit order (parallel/data/units.UnitGatherer keeps a unit and its neighbour), or every unit
     with reshard_after_forward false; a table two units share counted once."""
     embed, block, head, shared = zero3_unit_bytes(recipe, pp_rank)
     layers, first, last, _ = rank_stages(recipe, pp_rank)
