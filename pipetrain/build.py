@@ -148,9 +148,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         apply_compile(model, hooks_outside=recipe.parallel.zero == 3)  # ZeRO-3 hooks its gathers on blocks
     act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
-        fused_head = (model.head,) if fused_loss_on(recipe, dims.device) and getattr(model, "head", None) else ()
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel,
-                                    keep_fp32=fused_head)
+                                    keep_fp32=fused_loss_head(model, recipe, dims.device))
     else:
         optimizer = optimizer_factory(model, dims, recipe)
     if replica is not None:
@@ -281,6 +280,13 @@ def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:
     if recipe.train.fused_loss == "auto":
         return device.type in FUSED_LOSS_MEASURED_FASTER
     return bool(recipe.train.fused_loss)
+
+
+def fused_loss_head(model: nn.Module, recipe: Recipe, device: torch.device) -> tuple:
+    """(the head,) when this stage holds one and the fused loss reads it (ZeRO-3 keeps its weight fp32: the
+    fused loss runs outside autocast), else ()."""
+    head = getattr(model, "head", None)
+    return (head,) if head is not None and fused_loss_on(recipe, device) else ()
 
 
 def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) -> list:

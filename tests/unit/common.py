@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipetrain.build import build_trainer as build_run_trainer, fused_loss_on
+from pipetrain.build import build_trainer as build_run_trainer, fused_loss_head
 from pipetrain.checkpoint.save import owned_tensors
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
@@ -49,9 +49,8 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
     if zero and bucket_bytes is not None:
         def factory(model, dims, recipe):
             if zero == 3:
-                head = (model.head,) if fused_loss_on(recipe, dims.device) and getattr(model, "head", None) else ()
                 return Zero3Optimizer(model, dims, recipe.train, recipe.parallel.reshard_after_forward,
-                                      bucket_bytes=bucket_bytes, keep_fp32=head)
+                                      bucket_bytes=bucket_bytes, keep_fp32=fused_loss_head(model, recipe, dims.device))
             return ZeroOptimizer(model, dims, recipe.train, stage=zero, bucket_bytes=bucket_bytes)
     return build_run_trainer(recipe, dims, loader=loader, optimizer_factory=factory, resume=resume)
 
