@@ -142,16 +142,19 @@ def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int, int]:
     """Bytes of ZeRO-3's units gathered whole at this pp rank: (embedding, one block (0 without blocks), final
     norm + head, bytes the embedding and head units share). A tied head on the embedding's own stage is the
     embedding's table, gathered with either unit. Under train.precision=bf16 the linear weights are gathered
-    and held in bf16 (parallel/data/zero3.py), the rest in fp32 (_fp32_matmul_weights among them)."""
-    p, m = recipe.parallel, recipe.model
-    low = 2 if recipe.train.precision == "bf16" else FP32
+    and held in bf16 (parallel/data/zero3.py), the rest in fp32 (_fp32_matmul_weights among them); under fp8
+    a block's linears (all fp8 linears, parallel/tensor/fp8.FP8_PLAN) at one byte, the head in bf16."""
+    p, m, precision = recipe.parallel, recipe.model, recipe.train.precision
+    low = 2 if precision in ("bf16", "fp8") else FP32
+    block_low = 1 if precision == "fp8" else low  # fp8 refuses the replicated kv heads _fp32_matmul_weights counts
     layers, first, last, copy = rank_stages(recipe, pp_rank)
     kv, _ = _fp32_matmul_weights(recipe, pp_rank)
 
-    def size(shapes, linear_2d: bool) -> int:
+    def size(shapes, linear_2d: bool, low: int = low) -> int:
         return sum(numel(s) * (low if linear_2d and len(s) == 2 else FP32) for s in shapes)
     embed = size(param_shapes(m, p.tp, [], first, False, False, servers=p.ps_servers > 0), False)
-    block = size(param_shapes(m, p.tp, [0], False, False, False, ep=p.ep), True) + kv * (FP32 - low) if layers else 0
+    block = size(param_shapes(m, p.tp, [0], False, False, False, ep=p.ep), True, block_low) + kv * (FP32 - low) \
+        if layers else 0
     head = size(param_shapes(m, p.tp, [], False, last, copy), not m.tied)  # a tied head copy: fp32, synced over pp
     shared = FP32 * (m.vocab_size // p.tp) * m.d_model if first and last and m.tied and p.ps_servers == 0 else 0
     return embed, block, head + shared, shared

@@ -107,7 +107,6 @@ def test_parallel_problems_keep_the_messages_config_gave(parallel, message):
 
 
 @pytest.mark.parametrize("parallel, train, model, key", [
-    ({}, dict(precision="fp8"), {}, "train.precision=fp8"),
     (dict(dp_sync="diloco"), {}, {}, "parallel.dp_sync=diloco"),
     (dict(ps_servers=1), {}, dict(tie_embeddings=False), "parallel.ps_servers"),
 ])
@@ -134,6 +133,12 @@ def test_zero3_takes_every_schedule_split_backward_lora_hsdp_dbs_and_bf16(parall
     recipe = Recipe(model=dataclasses.replace(LLAMA, **model), parallel=ParallelConfig(zero=3, **parallel),
                     train=TrainConfig(global_batch=8, seq_len=16, precision="bf16"))
     assert parallel_problems(recipe) == []
+
+
+def test_zero3_takes_fp8_with_tp_and_pp():
+    recipe = Recipe(model=LLAMA, parallel=ParallelConfig(zero=3, tp=2, pp=2, microbatches=2, sequence_parallel=True),
+                    train=TrainConfig(global_batch=8, seq_len=16, precision="fp8", compile=True))
+    assert parallel_problems(recipe) == [] and layout_problems(recipe, 8) == []
 
 
 # -- one place for the rules on parallel keys -------------------------------------------------------------

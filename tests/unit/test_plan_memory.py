@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.stage import build_stage
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.data.zero3 import compute_in_bf16
+from pipetrain.parallel.tensor.fp8 import FP8_PLAN
 from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory,
                                    weight_grad_operand_bytes)
 from pipetrain.plan.shapes import rank_stages
@@ -142,14 +144,16 @@ def test_a_split_backward_holds_the_deferred_weight_gradient_operands_beyond_the
     assert rank_memory(split, 2)[0].total > rank_memory(joined, 2)[0].total
 
 
-def _zero3_units(model_cfg: ModelConfig, low: set[int]) -> list[int]:
+def _zero3_units(model_cfg: ModelConfig, low: set[int], fp8: bool = False) -> list[int]:
     """Bytes of each ZeRO-3 unit of a single stage, in order, counted from a built model (parameters in
-    `low` at 2 bytes); a tied head's unit holds the embedding's table."""
+    `low` at 2 bytes; fp8: the weights of the fp8 linears, FP8_PLAN, at 1); a tied head's unit holds the
+    embedding's table."""
     built = build(model_cfg, device="meta")
+    one = {id(m.weight) for name, m in built.named_modules() if fp8 and re.sub(r"^layers\.\d+\.", "", name) in FP8_PLAN}
 
     def unit(*modules):
         params = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
-        return sum(p.numel() * (2 if id(p) in low(built) else 4) for p in params)
+        return sum(p.numel() * (1 if id(p) in one else 2 if id(p) in low(built) else 4) for p in params)
     return ([unit(built.embed, built.pos_embed)] + [unit(block) for block in built.layers.values()]
             + [unit(built.norm, built.head)])
 
@@ -183,3 +187,14 @@ def test_zero3_bf16_units_hold_linear_weights_in_bf16_and_save_no_weight_copies(
     # zero 1: a bf16 copy of every weight (2 of its 4 bytes); zero 3: of the tied head only, which stays fp32
     tied_head = model.vocab_size * model.d_model if model.tied else 0
     assert activation_bytes(recipe(3), 2, 0) + 4 * full // 2 == activation_bytes(recipe(1), 2, 0) + 2 * tied_head
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2_tied"])
+def test_zero3_fp8_units_hold_fp8_weights_at_one_byte(model):
+    """train.precision=fp8 under zero 3: a unit holds its fp8 linears' weights (FP8_PLAN) gathered at one byte,
+    the other weights compute_in_bf16 picks (an untied head) at 2, the rest at 4."""
+    recipe = Recipe(model=model, parallel=ParallelConfig(zero=3),
+                    train=TrainConfig(global_batch=8, seq_len=16, precision="fp8"))
+    full = sum(p.numel() for p in build(model, device="meta").parameters())
+    units = _zero3_units(model, lambda built: compute_in_bf16(built, ParallelDims()), fp8=True)
+    assert model_state_bytes(recipe, 2, 0)[0] == 4 * full // 2 + max(a + b for a, b in zip(units, units[1:]))

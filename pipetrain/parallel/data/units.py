@@ -47,6 +47,7 @@ import torch.nn as nn
 from pipetrain.parallel.data.flat import copy_back_, flatten
 from pipetrain.parallel.data.zero import _Bucket
 from pipetrain.parallel.mesh.comm import all_gather_async
+from pipetrain.parallel.tensor.fp8 import FORWARD_DTYPE, quantize
 from pipetrain.parallel.tensor.layers import VocabParallelEmbedding
 
 EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # a lookup's backward scatters into rows: it reads no weight
@@ -113,8 +114,8 @@ class UnitGatherer:
         for name, position, modules in stage_units(model):
             members = sorted({index[id(p)] for m in modules for p in m.parameters()})
             seen.update(members)
-            dtypes = sorted({opt.params[i].dtype for i in members}, key=str)
-            layouts = [opt._new_bucket([i for i in members if opt.params[i].dtype == dtype], late=False)
+            dtypes = sorted({opt.gather_dtype(i) for i in members}, key=str)
+            layouts = [opt._new_bucket([i for i in members if opt.gather_dtype(i) == dtype], late=False)
                        for dtype in dtypes]
             reads = not all(isinstance(m, EMBEDDINGS) for m in modules)
             self.units.append(_Unit(name, position, modules, layouts, reads_weights_in_backward=reads))
@@ -125,6 +126,7 @@ class UnitGatherer:
             storage = p.untyped_storage()
             if p.storage_offset() or storage.nbytes() != p.numel() * p.element_size():
                 p.data = p.data.clone()
+        self.scales_stale = True  # fp8 weights' scales must be computed before their next gather
         self.num_gathered = 0  # units gathered or being gathered now
         self.peak_gathered = 0  # the most at once since reset_peak
         self.gathers = 0  # unit gathers started
@@ -246,8 +248,11 @@ class UnitGatherer:
         unit = self.units[k]
         if unit.gathered or unit.works:
             return
+        if self.scales_stale and any(i in self.opt.fp8_weights for i in unit.members):
+            self.opt.fp8_scales()  # every rank gathers its units in the same order: all reach this together
+            self.scales_stale = False
         for layout in unit.layouts:
-            flat, work = self._all_gather(layout, self.opt.params[layout.members[0]].dtype)
+            flat, work = self._all_gather(layout, self.opt.gather_dtype(layout.members[0]))
             unit.flats.append(flat)
             unit.works.append(work)
         unit.prefetched_by = None if prefetched_by is None else (phase, prefetched_by)
@@ -263,7 +268,9 @@ class UnitGatherer:
         opt = self.opt
         device = opt.params[layout.members[0]].device
         mine = self._row_buffers.get(id(layout))  # (P,)
-        if mine is None:
+        if dtype == FORWARD_DTYPE:  # fp8 weights: each one's rows quantised with its whole weight's scale
+            mine = self._quantized_rows(layout)
+        elif mine is None:
             pieces = [opt.rows.get(i) for i in layout.members]
             offsets = [layout.starts[opt.dp_rank][j] for j in range(len(layout.members))]
             mine = flatten(pieces, device, offsets=offsets, size=layout.part, dtype=dtype)
@@ -273,7 +280,26 @@ class UnitGatherer:
         if count:
             self.collectives += 1
             self.gathered_bytes[dtype] = self.gathered_bytes.get(dtype, 0) + flat.numel() * flat.element_size()
+        if dtype == FORWARD_DTYPE:  # bytes: not every backend reduces float8, and a gather only moves bytes
+            return flat, all_gather_async(flat.view(torch.uint8), mine.view(torch.uint8), opt.dp_group)
         return flat, all_gather_async(flat, mine, opt.dp_group)
+
+    def _quantized_rows(self, layout: _Bucket) -> torch.Tensor:
+        """(P,) float8_e4m3fn: this rank's rows of layout's fp8 weights, each quantised with its Fp8Weight's
+        scale, at their places in the gather buffer."""
+        opt = self.opt
+        out = torch.zeros(layout.part, dtype=FORWARD_DTYPE, device=opt.params[layout.members[0]].device)
+        for j, i in enumerate(layout.members):
+            rows = opt.rows.get(i)
+            if rows is not None:
+                start = layout.starts[opt.dp_rank][j]
+                out[start:start + rows.numel()] = quantize(rows.reshape(-1), opt.fp8_weights[i].scale, FORWARD_DTYPE)
+        return out
+
+    def target(self, i: int) -> torch.Tensor:
+        """The tensor a gather fills for parameter i: the parameter, or an fp8 linear's Fp8Weight data."""
+        holder = self.opt.fp8_weights.get(i)
+        return self.opt.params[i] if holder is None else holder.data
 
     def _wait(self, k: int, phase: str = "") -> None:
         """Finish unit k's gather (starting it first if needed) and copy the rows into its parameters."""
@@ -290,11 +316,11 @@ class UnitGatherer:
             self._log("gathered", k)
             for layout, flat in zip(unit.layouts, unit.flats):
                 for i in layout.members:
-                    p = opt.params[i]
-                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                    t = self.target(i)
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
                 # through .data, whose version counter is its own: the weights autograd saved in forward must
                 # not look modified in place when backward gathers them again
-                copy_back_(flat, *opt._placed(layout, lambda i: opt.params[i].data, range(opt.dp_size)))
+                copy_back_(flat, *opt._placed(layout, lambda i: self.target(i).data, range(opt.dp_size)))
         unit.flats, unit.works = [], []
         unit.gathered = True
 
@@ -314,7 +340,7 @@ class UnitGatherer:
         kept = {i for j, other in enumerate(self.units) if j != k and other.gathered for i in other.members}
         for i in unit.members:
             if i not in kept:
-                self.opt.params[i].untyped_storage().resize_(0)
+                self.target(i).untyped_storage().resize_(0)
         unit.gathered = False
         self._count(-1)
 
@@ -322,8 +348,9 @@ class UnitGatherer:
         for k in range(len(self.units)):
             self._free(k)
         if self.num_gathered == 0:  # storage a constructor filled (materialize, a load) goes too
-            for p in self.opt.params:
+            for i, p in enumerate(self.opt.params):
                 p.untyped_storage().resize_(0)
+                self.target(i).untyped_storage().resize_(0)
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ autocast leaves them. fp32 runs gather everything in fp32.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -35,6 +36,7 @@ from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.grads import model_parallel_synced_params, tied_copy_names
 from pipetrain.parallel.data.units import UnitGatherer
 from pipetrain.parallel.data.zero import ZeroOptimizer
+from pipetrain.parallel.tensor.fp8 import FORWARD_DTYPE, Fp8Weight, weight_scales
 from pipetrain.parallel.tensor.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ReplicatedKVLinear)  # autocast runs their matmuls
@@ -91,10 +93,21 @@ class Zero3Optimizer(ZeroOptimizer):
         # bf16 compute weights (module docstring): the parameter becomes bf16, its rows stay the fp32 master
         self._master_dtype = [p.dtype for p in self.params]
         self._main_grads: dict[int, torch.Tensor] = {}  # fp32 sums of a bf16 weight's gradients this step
-        if cfg.precision == "bf16":
+        # fp8 linears' weights (module docstring, "fp8"): gathered quantised into an Fp8Weight of their module
+        self.fp8_weights: dict[int, Fp8Weight] = {}
+        self.fp8_tp_group = None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for module in model.modules():
+            spec = getattr(module, "fp8", None)
+            if spec is not None and index.get(id(module.weight)) is not None:
+                holder = Fp8Weight(module.weight.shape, module.weight.device)
+                module.fp8 = dataclasses.replace(spec, gathered=holder)
+                self.fp8_weights[index[id(module.weight)]] = holder
+                self.fp8_tp_group = spec.tp_group
+        if cfg.precision in ("bf16", "fp8"):  # fp8: the other linears (the head) run under bf16 autocast
             low = compute_in_bf16(model, dims, keep_fp32)
-            for p in self.params:
-                if id(p) in low:
+            for i, p in enumerate(self.params):
+                if id(p) in low and i not in self.fp8_weights:
                     p.data = p.data.to(torch.bfloat16)
         self.gatherer = UnitGatherer(self, model, reshard_after_forward)
         self.gatherer.free_all()
@@ -120,6 +133,19 @@ class Zero3Optimizer(ZeroOptimizer):
             count(p)
         return hook
 
+    def gather_dtype(self, i: int) -> torch.dtype:
+        """The dtype parameter i is gathered and computed in: its own, or float8 for an fp8 linear's weight."""
+        return FORWARD_DTYPE if i in self.fp8_weights else self.params[i].dtype
+
+    def fp8_scales(self) -> None:
+        """Set every fp8 weight's scale from its rows on all dp (and tp) ranks: the whole weight's amax, as the
+        fp8 linear of zero 0-2 takes it from the weight it is given (one all-reduce per group for them all)."""
+        ids = sorted(self.fp8_weights)
+        groups = [self.dp_group] + ([self.fp8_tp_group] if self.fp8_tp_group is not None else [])
+        scales = weight_scales([self.rows.get(i) for i in ids], groups)  # (n,)
+        for i, scale in zip(ids, scales):
+            self.fp8_weights[i].scale.data.copy_(scale)
+
     def _grad(self, i: int) -> Optional[torch.Tensor]:
         return self._main_grads[i] if i in self._main_grads else self.params[i].grad
 
@@ -137,8 +163,13 @@ class Zero3Optimizer(ZeroOptimizer):
         self.reduce_scatters += 1  # tests count them against the buckets: each gradient row reduced once a step
         super()._launch(bucket)
 
+    def step(self, lr: float) -> None:
+        super().step(lr)
+        self.gatherer.scales_stale = True  # the masters moved: fp8 weights need new scales (evaluation next)
+
     def zero_grad(self) -> None:
         self.gatherer.free_all()  # units a failed step left gathered
+        self.gatherer.scales_stale = True  # (rows a rerun or a load may have replaced since the last step)
         self._main_grads = {}
         super().zero_grad()
 
@@ -149,7 +180,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now: its rows plus whatever unit storage is gathered."""
         rows = sum(v.numel() * v.element_size() for v in self.rows.values())
-        full = sum(p.untyped_storage().nbytes() for p in self.params)
+        full = sum(self.gatherer.target(i).untyped_storage().nbytes() for i in range(len(self.params)))
         return rows + full
 
     # ---- checkpoints: the model's weights are row boxes from every dp rank, like the moments ----
@@ -178,3 +209,4 @@ class Zero3Optimizer(ZeroOptimizer):
                 offsets, shape = shard.box(self.dp_rank)
                 saved = "embed.weight" if shard.name in tied else shard.name
                 rows.copy_(read(saved, shard.global_shape, offsets, shape))
+        self.gatherer.scales_stale = True

@@ -110,8 +110,6 @@ def zero3_problems(r: Recipe) -> list[str]:
         return []
     why = "parallel.zero=3"
     refused = [
-        (t.precision == "fp8", "train.precision=fp8 (float8 linears over gathered weights)",
-         "use train.precision=bf16 or parallel.zero=2"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "use parallel.dp_sync=bsp or parallel.zero=2"),
         (p.ps_servers > 0 if isinstance(p.ps_servers, int) else False, "parallel.ps_servers",
          "set parallel.ps_servers=0"),

@@ -110,8 +110,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
         x_scale = tensor_scale(x2, FORWARD_DTYPE, spec.tp_group)
-        w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
-        xq, wq = quantize(x2, x_scale, FORWARD_DTYPE), quantize(weight, w_scale, FORWARD_DTYPE)
+        xq = quantize(x2, x_scale, FORWARD_DTYPE)
+        if spec.gathered is not None:  # ZeRO-3 gathered the weight already quantised (weight holds no values)
+            wq, w_scale = spec.gathered.data, spec.gathered.scale
+        else:
+            w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
+            wq = quantize(weight, w_scale, FORWARD_DTYPE)
         with torch.autocast(device, enabled=False):
             y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware)  # (N, D_out)
             if bias is not None:
@@ -137,12 +141,38 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class Fp8Weight:
+    """A weight ZeRO-3 gathers in float8 (pipetrain/parallel/data/zero3.py): data, the quantised whole weight
+    (D_out, D_in) float8_e4m3fn, whose storage is freed and refilled with its unit, and scale, the fp32 scalar
+    it was quantised with (the whole weight's, from weight_scales). The linear's fp32 parameter then holds no
+    values: its rows are the master."""
+
+    def __init__(self, shape: torch.Size, device: torch.device):
+        self.data = torch.empty(shape, dtype=FORWARD_DTYPE, device=device)
+        self.scale = torch.ones((), device=device)
+
+
+def weight_scales(shards: list, groups: list) -> torch.Tensor:
+    """The float8_e4m3fn scales of whole weights from every rank's part of each: shards, this rank's rows of
+    each weight (None: it holds none); groups, the process groups the parts are spread over (dp, and tp
+    for a tp-sharded weight, as tensor_scale reduces it). One all-reduce (max) per group for all the
+    weights together. Returns (len(shards),) fp32, equal to tensor_scale of each whole weight."""
+    device = next((s.device for s in shards if s is not None), torch.device("cpu"))
+    amax = torch.stack([s.detach().abs().amax().float() if s is not None and s.numel()
+                        else torch.zeros((), device=device) for s in shards])  # (n,)
+    for group in groups:
+        all_reduce_max_(amax, group)
+    return scale_from_amax(amax, FORWARD_DTYPE)
+
+
 @dataclass(frozen=True)
 class Fp8Linear:
     """A module's fp8 setting (its `fp8` attribute, read by weight_grads.linear): callable as the linear.
-    tp_group: amaxes are reduced over it (None at tp=1); hardware: torch._scaled_mm, else emulated."""
+    tp_group: amaxes are reduced over it (None at tp=1); hardware: torch._scaled_mm, else emulated;
+    gathered: the weight ZeRO-3 gathered in float8 (then the weight argument is not read), else None."""
     tp_group: object = None
     hardware: bool = False
+    gathered: Fp8Weight | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _Fp8LinearFn.apply(x, weight, bias, self)

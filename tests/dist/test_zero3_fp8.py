@@ -1,0 +1,132 @@
+"""ZeRO-3 with train.precision=fp8 on gloo CPU processes (emulated fp8): the fp8 linears' weights are gathered
+already quantised, one byte an element, with the whole weight's scale (pipetrain/parallel/data/zero3.py).
+
+Against one process: dp 2 under zero 3 quantises exactly as one process with the same two microbatches, so
+their losses are equal bit for bit (as zero 2's are, tests/dist/test_fp8.py). Against zero 1 in the same
+layout: dp 2 x tp 2 with sequence parallelism (the scales reduced over dp and tp) and dp 2 x pp 2 with the
+split backward, slow-marked. dp 2 also checks what a block holds as it starts (its fp8 weights at one byte),
+the bytes gathered in each dtype, that autograd saves the gathered fp8 weight itself where zero 1 saves a
+quantised copy of every weight, and a bitwise resume."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.tensor.fp8 import FORWARD_DTYPE
+from tests.harness import EXACT_FP32, rank_results
+from tests.unit.common import LLAMA, build_trainer
+
+STEPS = 3
+LLAMA4 = dataclasses.replace(LLAMA, n_layers=4)
+# name: (world size, tp, pp, parallel keys)
+LAYOUTS = {
+    "dp2": (2, 1, 1, {}),
+    "dp2_tp2": (4, 2, 1, {"sequence_parallel": True}),
+    "dp2_pp2_split_backward": (4, 1, 2, {"schedule": "1f1b", "split_backward": True}),
+}
+KEYS = dict(precision="fp8", learnable=True, microbatches=2)
+
+
+def _trainer(out: str, dims: ParallelDims, **keys):
+    os.makedirs(out, exist_ok=True)
+    return build_trainer(LLAMA4, out, dims, **KEYS, **keys)
+
+
+def _skewed(trainer, dims: ParallelDims):
+    """trainer, with tp rank 1's shard of the first block's wq (column-parallel: its rows) 2^-12 times its
+    value at tp > 1, so that the whole weight's scale leaves most of that shard fp8 subnormals and a scale taken
+    per shard would not (tests/dist/test_fp8.py does this to single linears)."""
+    if dims.tp > 1 and dims.tp_rank == 1 and len(trainer.model.layers):
+        weight = next(iter(trainer.model.layers.values())).attn.wq.weight
+        opt = trainer.optimizer
+        with torch.no_grad():  # zero 3: the rows are the master (the parameter holds no values)
+            rows = weight if not hasattr(opt, "rows") else \
+                opt.rows.get(next(i for i, p in enumerate(opt.params) if p is weight))
+            if rows is not None:
+                rows.mul_(2.0 ** -12)
+    return trainer
+
+
+def _saved_fp8(trainer) -> tuple[int, int]:
+    """One training step of trainer; the fp8 tensors autograd saved for backward: (the gathered fp8 weights
+    themselves (zero 3's Fp8Weight data), every other one (quantised inputs, and copies of weights))."""
+    holders = [m.fp8.gathered.data for m in trainer.model.modules()
+               if getattr(m, "fp8", None) is not None and m.fp8.gathered is not None]
+    saved = [0, 0]
+
+    def pack(x):
+        if x.dtype == FORWARD_DTYPE:
+            saved[0 if any(x is h for h in holders) else 1] += 1
+        return x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        trainer.train_step()
+    return tuple(saved)
+
+
+def _worker(rank, world_size, out, name):
+    _, tp, pp, extra = LAYOUTS[name]
+    dims = ParallelDims.from_degrees(tp=tp, pp=pp)
+    shared = os.path.join(out, "zero3")
+    z3 = _skewed(_trainer(shared, dims, zero=3, steps=STEPS, **extra), dims)
+    opt = z3.optimizer
+    res = {"fp8_weights": len(opt.fp8_weights),
+           "fp8_modules": sum(getattr(m, "fp8", None) is not None for m in z3.model.modules())}
+    held = []
+    for block in z3.model.layers.values():  # storage of parameters and fp8 weights as each block starts
+        block.register_forward_pre_hook(lambda m, a: held.append(
+            sum(opt.gatherer.target(i).untyped_storage().nbytes() for i in range(len(opt.params)))))
+    res["losses"] = []
+    for step in range(STEPS):
+        res["losses"].append(z3.train_step()["loss"])
+        if step == STEPS - 2:
+            z3.checkpointer.save(z3)
+    res["held"] = sorted(set(held))
+    block = next(iter(z3.model.layers.values()))
+    res["block_bytes"] = sum(p.numel() * (1 if p.dim() == 2 else 4) for p in block.parameters())
+    res["gathered"] = {str(k): v for k, v in opt.gatherer.gathered_bytes.items()}
+    res["has_head"] = getattr(z3.model, "head", None) is not None
+    res["resumed"] = _trainer(shared, dims, zero=3, steps=STEPS, resume="auto", **extra).train_step()["loss"]
+    if name == "dp2":  # one process, the same two microbatches
+        if rank == 0:
+            single = _trainer(os.path.join(out, "single"), ParallelDims(), steps=STEPS)
+            res["reference"] = [single.train_step()["loss"] for _ in range(STEPS)]
+        runs = [_trainer(os.path.join(out, f"saved{z}"), dims, zero=z, steps=1, **extra)
+                for z in (1, 3)]
+        res["saved"] = [_saved_fp8(t) for t in runs]
+        res["saved_per_step"] = res["fp8_weights"] * KEYS["microbatches"]  # each linear's W, per microbatch
+    z1 = _skewed(_trainer(os.path.join(out, "zero1"), dims, zero=1, steps=STEPS, **extra), dims)
+    res["zero1"] = [z1.train_step()["loss"] for _ in range(STEPS)]
+    return res
+
+
+def _check(results, name):
+    for rank, res in enumerate(results):
+        assert res["losses"] == res["zero1"], (rank, res["losses"], res["zero1"])
+        if "reference" in res:  # dp 2, rank 0: one process (gradients summed in another order)
+            torch.testing.assert_close(res["losses"], res["reference"], **EXACT_FP32)
+        assert res["fp8_weights"] == res["fp8_modules"] > 0, res
+        assert res["resumed"] == res["losses"][-1], (rank, res["resumed"], res["losses"])
+        # a block runs with only its own weights whole (the next one's gather is in flight), fp8 at one byte
+        assert res["held"] == [res["block_bytes"]], (rank, res["held"], res["block_bytes"])
+        # blocks gather fp8 weights and fp32 norms; the head (an untied llama's, on the last stage) bf16
+        head = {"torch.bfloat16"} if res["has_head"] else set()
+        assert set(res["gathered"]) == {str(FORWARD_DTYPE), "torch.float32"} | head, res["gathered"]
+        if name == "dp2":
+            # zero 1 saves a quantised copy of each weight, zero 3 the gathered weight (freed with its unit)
+            (zero1_gathered, zero1_fresh), (zero3_gathered, zero3_fresh) = res["saved"]
+            assert zero1_gathered == 0 and zero3_gathered == zero1_fresh - zero3_fresh == res["saved_per_step"], \
+                res["saved"]
+
+
+def test_zero3_fp8_dp2_equals_one_process_bit_for_bit(tmp_path):
+    _check(rank_results(2, _worker, str(tmp_path), "dp2"), "dp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_tp2", "dp2_pp2_split_backward"])
+def test_zero3_fp8_layouts_equal_zero1(tmp_path, name):
+    _check(rank_results(LAYOUTS[name][0], _worker, str(tmp_path), name), name)
