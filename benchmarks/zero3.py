@@ -1,6 +1,6 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
-    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16] [--timeline zero3-trace.json]
+    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16|fp8] [--timeline zero3-trace.json]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -17,6 +17,10 @@ all-gathers received per step on a rank (UnitGatherer.gathered_bytes).
 
 --precision bf16: train.precision=bf16 for pipetrain (zero 3 gathers its linear weights in bf16); FSDP2 gets
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the same split of dtypes.
+
+--precision fp8: train.precision=fp8 (emulated on this CPU: the float8 values are multiplied in fp32), zero 3
+gathering the fp8 linears' weights in float8. FSDP2 is not run: its float8 all-gather is torchao's, whose
+CPU matmuls are not pipetrain's emulation, so a time ratio would compare the two matmuls, not the sharding.
 
 --timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
 writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
@@ -163,6 +167,10 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
     try:
+        if mode == "fsdp2" and precision == "fp8":
+            results[rank] = {"error": "fp8 is compared on a GPU (torchao's float8 all-gather there; pipetrain's "
+                                      "fp8 is emulated on the CPU)"}
+            return
         if mode == "fsdp2":
             try:
                 times, state, gathered = _fsdp2(dp, steps, precision), None, None
@@ -199,7 +207,7 @@ def main() -> None:
     parser.add_argument("--no-fsdp", action="store_true")
     parser.add_argument("--modes", nargs="+", default=None, help="a subset of zero0 zero1 zero2 zero3 fsdp2")
     parser.add_argument("--timeline", default=None, help="write zero 3's last step (rank 0) as a Chrome trace here")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32")
     args = parser.parse_args()
     params = count_params(build(MODEL, device="meta"))
     print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "

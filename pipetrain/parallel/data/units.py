@@ -32,6 +32,9 @@ one); freeing resizes the storage to zero bytes, gathering resizes it back and c
 tensors autograd saved in forward (the weights of a linear) see the gathered values again in backward.
 A parameter shared by two units (a tied embedding on a single stage) stays allocated while either is.
 
+fp8 weights (train.precision=fp8, zero3.py) are gathered quantised into their Fp8Weight (target), not into
+the parameter, through a uint8 view (a gather moves bytes; not every backend takes float8 dtypes).
+
 Shapes: a unit's gather buffers are flat (dp * P,), one per dtype: part r holds rank r's rows of every member of
 that dtype, P the largest rank's size (ZeroOptimizer's bucket layout).
 """

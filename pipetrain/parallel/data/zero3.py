@@ -20,6 +20,19 @@ computed with are those of zero 1's bf16 run. Their gradients arrive in bf16, on
 and are summed in fp32 beside the parameter (_main_grads), as zero 1's fp32 .grad sums them, then
 reduce-scattered in fp32. Norms, biases, embeddings (and a tied head) are gathered and kept in fp32, as
 autocast leaves them. fp32 runs gather everything in fp32.
+
+fp8 (train.precision=fp8, torchtitan's float8 all-gather for FSDP2). The fp8 linears (parallel/tensor/fp8.py)
+quantise their weight with the whole weight's scale anyway, so zero 3 quantises before gathering: each fp8
+weight's rows (fp32 masters) are rounded to float8_e4m3fn with that scale and gathered at one byte an element
+into an Fp8Weight that the module's Fp8Linear reads (spec.gathered) instead of quantising the weight. The
+scales come from the rows: every weight's amax over its rows, all-reduced (max) over dp and tp in one
+collective per group, once per step (fp8_scales, before the first gather after a step, a zero_grad or a
+load), which is the amax the fp8 linear of zero 0-2 takes over the whole weight (and over tp): the
+quantised weights, and so the losses, are zero 1's bit for bit. The linear's fp32 parameter stays in the
+model, holds no values, and receives its fp32 gradient as any other. The fp8 weight autograd saves for
+backward is the gathered one (freed with its unit, gathered again for backward) instead of a quantised copy.
+The other linears (an untied head) are bf16 as under train.precision=bf16, since fp8 runs them under bf16
+autocast.
 """
 from __future__ import annotations
 
