@@ -26,24 +26,25 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
                   bucket_bytes: int | None = None, learnable: bool = False, steps: int = 4, lr: float = 1e-2,
                   global_batch: int = 8, seq_len: int = 16, precision: str = "fp32", grad_clip: float = 1.0,
                   fused_loss="auto", compile: bool = False, fusion_min_numel: int = 0,
-                  resume: str | None = None, **parallel) -> Trainer:
+                  resume: str | None = None, val_fraction: float = 0.0, **parallel) -> Trainer:
     """pipetrain.build.build_trainer on synthetic tokens (random, or a fixed cycle a model learns in a
     few steps), with ZeRO buckets of bucket_bytes when given; linears of at least fusion_min_numel weights use
-    gradient accumulation fusion (pipetrain/parallel/pipeline/weight_grads.py)."""
+    gradient accumulation fusion (pipetrain/parallel/pipeline/weight_grads.py); val_fraction of the windows held
+    out for evaluate() (2 batches of it)."""
     dims = dims or ParallelDims()
     recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero=zero, **parallel),
                     train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
                                       warmup_steps=1, grad_clip=grad_clip, precision=precision, fused_loss=fused_loss,
                                       compile=compile,
                                       grad_accumulation_fusion_min_numel=fusion_min_numel),  # 0: fuse tiny weights too
-                    run=RunConfig(output_dir=out_dir, progress=False))
+                    run=RunConfig(output_dir=out_dir, progress=False, eval_batches=2))
     rng = np.random.default_rng(0)
     num = 64 * (seq_len + 1)
     tokens = (np.arange(num) * 5 % model_cfg.vocab_size if learnable
               else rng.integers(0, model_cfg.vocab_size, num)).astype(np.int32)
     # data seed 2: the 8-step learning check in test_memory is a seed lottery (ratios 0.49-0.77 over seeds 1-6
     # with either sample order); seed 1 misses 0.65 under the O(1) window order of pipetrain/data/order.py
-    data = PackedData(tokens, np.ones(num, dtype=bool), seq_len, 0.0, 2)
+    data = PackedData(tokens, np.ones(num, dtype=bool), seq_len, val_fraction, 2)
     loader = Loader(data, global_batch, dims.dp_rank, dims.dp)
     factory = None
     if zero and bucket_bytes is not None:

@@ -28,7 +28,7 @@ from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.data.zero3 import compute_in_bf16
 from pipetrain.parallel.tensor.fp8 import FP8_PLAN
 from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory,
-                                   weight_grad_operand_bytes)
+                                   weight_grad_operand_bytes, zero3_unit_bytes)
 from pipetrain.plan.shapes import rank_stages
 from tests.harness import run_ranks, saved_activation_bytes
 from tests.unit.common import GPT2, LLAMA, build_trainer
@@ -197,4 +197,6 @@ def test_zero3_fp8_units_hold_fp8_weights_at_one_byte(model):
                     train=TrainConfig(global_batch=8, seq_len=16, precision="fp8"))
     full = sum(p.numel() for p in build(model, device="meta").parameters())
     units = _zero3_units(model, lambda built: compute_in_bf16(built, ParallelDims()), fp8=True)
+    embed, block, head, _ = zero3_unit_bytes(recipe, 0)
+    assert (embed, block, head) == (units[0], units[1], units[-1]), ((embed, block, head), units)
     assert model_state_bytes(recipe, 2, 0)[0] == 4 * full // 2 + max(a + b for a, b in zip(units, units[1:]))

@@ -155,7 +155,7 @@ class Zero3Optimizer(ZeroOptimizer):
         fp8 linear of zero 0-2 takes it from the weight it is given (one all-reduce per group for them all)."""
         ids = sorted(self.fp8_weights)
         groups = [self.dp_group] + ([self.fp8_tp_group] if self.fp8_tp_group is not None else [])
-        scales = weight_scales([self.rows.get(i) for i in ids], groups)  # (n,)
+        scales = weight_scales([self.rows.get(i) for i in ids], groups, self.params[ids[0]].device)  # (n,)
         for i, scale in zip(ids, scales):
             self.fp8_weights[i].scale.data.copy_(scale)
 

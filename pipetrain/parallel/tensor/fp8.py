@@ -149,15 +149,16 @@ class Fp8Weight:
 
     def __init__(self, shape: torch.Size, device: torch.device):
         self.data = torch.empty(shape, dtype=FORWARD_DTYPE, device=device)
+        self.data.untyped_storage().resize_(0)  # gathered with its unit; until then it holds nothing
         self.scale = torch.ones((), device=device)
 
 
-def weight_scales(shards: list, groups: list) -> torch.Tensor:
+def weight_scales(shards: list, groups: list, device: torch.device) -> torch.Tensor:
     """The float8_e4m3fn scales of whole weights from every rank's part of each: shards, this rank's rows of
     each weight (None: it holds none); groups, the process groups the parts are spread over (dp, and tp
     for a tp-sharded weight, as tensor_scale reduces it). One all-reduce (max) per group for all the
-    weights together. Returns (len(shards),) fp32, equal to tensor_scale of each whole weight."""
-    device = next((s.device for s in shards if s is not None), torch.device("cpu"))
+    weights together. Returns (len(shards),) fp32 on device (the groups' backend's), equal to tensor_scale of
+    each whole weight."""
     amax = torch.stack([s.detach().abs().amax().float() if s is not None and s.numel()
                         else torch.zeros((), device=device) for s in shards])  # (n,)
     for group in groups:
