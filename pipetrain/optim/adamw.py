@@ -51,6 +51,18 @@ def build_adamw(params_or_groups, cfg: TrainConfig) -> torch.optim.AdamW:
                              fused=fused or None, foreach=None if fused else True)
 
 
+def step_adamw(opt: torch.optim.Optimizer) -> None:
+    """opt.step() with the CPU as the default device. torch's AdamW (2.11 at least) makes each parameter's
+    "step" counter on the default device at the first step, and its foreach and single-tensor paths need
+    that counter on the CPU; a program that sets another default device (torch.set_default_device) would
+    have it there and fail. Under the usual CPU default this is opt.step() itself."""
+    if torch.get_default_device().type == "cpu":
+        opt.step()
+        return
+    with torch.device("cpu"):
+        opt.step()
+
+
 def is_tied(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "cfg", None), "tied", False))
 

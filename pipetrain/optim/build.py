@@ -16,7 +16,7 @@ from pipetrain import lr_schedule
 from pipetrain.config import TrainConfig
 # build_adamw is re-exported for benchmarks/foundation.py's plain-PyTorch baseline
 from pipetrain.optim.adamw import (ReadBox, StateEntry, build_adamw, is_tied, param_boxes,  # noqa: F401
-                                   param_groups, set_lr)
+                                   param_groups, set_lr, step_adamw)
 from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
                                        torch_opt_state_items)
 from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads, tied_copy_names
@@ -57,7 +57,7 @@ class Optimizer:
 
     def step(self, lr: float) -> None:
         set_lr(self.torch_opt, lr)
-        self.torch_opt.step()
+        step_adamw(self.torch_opt)
         self.steps_taken += 1
 
     def _entries(self) -> list[StateEntry]:

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from pipetrain.faults import Faults
 from pipetrain.models.init import init_rows
-from pipetrain.optim.adamw import decays, set_lr
+from pipetrain.optim.adamw import decays, set_lr, step_adamw
 from pipetrain.optim.torch_opt import build_torch_opt, load_torch_opt_state, torch_opt_state_items
 from pipetrain.parallel.mesh.comm import isend, recv_, recv_any_
 from pipetrain.parallel.ps.protocol import (HEADER, OP_APPLY, OP_PULL, OP_PUSH, OP_SAVE, OP_STOP, PS_DEVICE,
@@ -236,7 +236,7 @@ class Server:
     def _adamw(self, grad: torch.Tensor, lr: float) -> None:
         self.weight.grad = grad
         set_lr(self.torch_opt, lr)
-        self.torch_opt.step()
+        step_adamw(self.torch_opt)
         self.weight.grad = None
         self.version += 1
         self.steps_taken += 1

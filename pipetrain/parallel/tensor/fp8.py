@@ -70,7 +70,7 @@ def tensor_scale(x: torch.Tensor, dtype: torch.dtype, tp_group=None) -> torch.Te
     """Scale of the whole tensor: its amax, reduced (max) over tp_group when x is one rank's part of it."""
     amax = x.detach().abs().amax().float().reshape(1)
     if tp_group is not None:
-        all_reduce_max_(amax, tp_group)
+        amax = all_reduce_max_(amax, tp_group)
     return scale_from_amax(amax, dtype).reshape(())
 
 
@@ -162,7 +162,7 @@ def weight_scales(shards: list, groups: list, device: torch.device) -> torch.Ten
     amax = torch.stack([s.detach().abs().amax().float() if s is not None and s.numel()
                         else torch.zeros((), device=device) for s in shards])  # (n,)
     for group in groups:
-        all_reduce_max_(amax, group)
+        amax = all_reduce_max_(amax, group)
     return scale_from_amax(amax, FORWARD_DTYPE)
 
 
