@@ -23,8 +23,20 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
     HAS_TRITON = False
 
-if HAS_TRITON:  # launchers call kernels through it: a plain launch in eager, a kernel inductor sees when traced
-    from torch.library import wrap_triton
+if HAS_TRITON:
+    from torch.library import wrap_triton as _torch_wrap_triton
+
+    def wrap_triton(kernel):
+        """The launchers call kernels through this: torch.library.wrap_triton(kernel), a plain launch in eager
+        and a kernel inductor sees when traced. Under the Triton interpreter (TRITON_INTERPRET=1) a torch whose
+        wrap_triton takes compiled kernels only (2.11 refuses the interpreter's functions) gets the kernel
+        itself: launched as it is, opaque to a graph around it."""
+        try:
+            return _torch_wrap_triton(kernel)
+        except RuntimeError:
+            if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+                return kernel
+            raise
 else:  # pragma: no cover - the launchers are never called without triton
     wrap_triton = None
 

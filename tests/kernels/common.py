@@ -17,6 +17,37 @@ BF16 = dict(rtol=2**-7, atol=1e-5)
 BF16_OPS = dict(rtol=2**-5, atol=2**-7)
 
 
+def _squeeze_interpreter_indices() -> None:
+    """(At import, so that the gloo workers of a kernel test, which import this module, get it too.)
+    Triton 3.6's interpreter (the lent GPUs' Triton) makes a kernel scalar an index with int() of its
+    (1,)-shaped numpy array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"): every kernel loop over a runtime bound (range(pid, N, num_programs), range(0, V, BLOCK))
+    failed there. Later Tritons squeeze the array first; this wraps the interpreter's patch of tl.tensor to
+    do the same, where numpy refuses. Test infrastructure only: compiled kernels never take this path."""
+    import numpy as np
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: the kernel tests take the torch references
+        return
+    try:
+        int(np.zeros(1))
+        return  # this numpy converts (1,) arrays: nothing to fix
+    except TypeError:
+        pass
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patched.squeezes = True
+    interpreter._patch_lang_tensor = patched
+
+
+_squeeze_interpreter_indices()
+
+
 def fresh_seed() -> int:
     """A new seed every run (quoted in failure messages so a failure can be replayed)."""
     return random.SystemRandom().randrange(2**31)

@@ -26,7 +26,9 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _IMPORTED_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
-from tests.kernels.common import force_triton, poisoned  # noqa: E402,F401  (fixtures for every kernel test)
+from tests.kernels.common import force_triton, poisoned  # noqa: E402,F401  (fixtures for every kernel test;
+# importing it also squeezes the Triton 3.6 interpreter's indices, see tests/kernels/common.py)
+
 
 
 def _triton_compiled_in_process() -> bool:
