@@ -141,32 +141,24 @@ class _ThenCopy:
 # ---- primitives: the only callers of torch.distributed collectives ----
 
 def all_reduce_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
-    """Sum x over pg in place and return it (inside a compiled block: the sum as a new tensor, _traced)."""
-    if group_size(pg) > 1:
-        check_devices("all_reduce_", pg, x)
-        if torch.compiler.is_compiling():
-            return _traced(x, "sum", pg)
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg)
-    return x
+    """Sum x over pg in place and return it (inside a compiled block: a new tensor, see _all_reduce)."""
+    return _all_reduce(x, pg, "sum", "all_reduce_")
 
 
 def all_reduce_max_(x: torch.Tensor, pg: ProcessGroup) -> torch.Tensor:
-    """Elementwise maximum of x over pg, in place; returns x (inside a compiled block: a new tensor, _traced)."""
+    """Elementwise maximum of x over pg, in place; returns x (inside a compiled block: a new tensor)."""
+    return _all_reduce(x, pg, "max", "all_reduce_max_")
+
+
+def _all_reduce(x: torch.Tensor, pg: ProcessGroup, op: str, call: str) -> torch.Tensor:
+    """Inside a compiled block (train.compile) the functional all-reduce, out of place, as all_gather's: torch
+    2.11 lost the gradient through dynamo's own rewrite of the in-place call (docs/compile.md)."""
     if group_size(pg) > 1:
-        check_devices("all_reduce_max_", pg, x)
+        check_devices(call, pg, x)
         if torch.compiler.is_compiling():
-            return _traced(x, "max", pg)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=pg)
+            return funcol.all_reduce(x, op, pg)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=pg)
     return x
-
-
-def _traced(x: torch.Tensor, op: str, pg: ProcessGroup) -> torch.Tensor:
-    """An all-reduce inside a compiled block (train.compile): the functional form, out of place, as all_gather
-    and reduce_scatter use. Dynamo could rewrite the in-place dist.all_reduce itself, but torch 2.11's compiled
-    autograd then lost the gradient through the tp all-reduce whose result is an autograd.Function's output
-    (a tp 2 compiled block's parameters got zero gradients; torch 2.13 does not): so callers use the returned
-    tensor, never x."""
-    return funcol.all_reduce(x, op, pg)
 
 
 def all_gather(x: torch.Tensor, dim: int, pg: ProcessGroup) -> torch.Tensor:
