@@ -84,6 +84,42 @@ def test_fp8_linear_under_bf16_autocast_returns_bf16_and_fp32_weight_grads():
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
+def _train_linear(hardware: bool, shape=(4, 16, 64), d_out=48):
+    torch.manual_seed(0)
+    x = (torch.randn(*shape) * 3).requires_grad_()
+    w = (torch.randn(d_out, shape[-1]) * 0.02).requires_grad_()
+    g = torch.randn(*shape[:-1], d_out) * 1e-3
+    y = Fp8Linear(hardware=hardware)(x, w)
+    (y * g).sum().backward()
+    return y.detach(), x.grad, w.grad
+
+
+def test_the_scaled_mm_path_matches_the_emulation_on_cpu():
+    # torch._scaled_mm also runs on the CPU (torch 2.11 and 2.13), so the hardware path's operand layouts
+    # and scales are checked here, not only on a GPU; only the summation order may differ
+    for got, want in zip(_train_linear(hardware=True), _train_linear(hardware=False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+def test_only_the_forward_gemm_takes_fast_accumulation(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def recording(a, b, **kwargs):
+        calls.append((a.dtype, b.dtype, a.is_contiguous(), b.t().is_contiguous(), kwargs.get("use_fast_accum")))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    _train_linear(hardware=True)
+    e4, e5 = FORWARD_DTYPE, GRAD_DTYPE
+    # y = xq Wq^T (fast, torchao's choice for the output), dx = gq Wq, dW = gq^T xq (full accumulation);
+    # a row-major, b column-major, as cuBLASLt's fp8 GEMM needs
+    assert calls == [(e4, e4, True, True, True), (e5, e4, True, True, False), (e5, e4, True, True, False)]
+    calls.clear()
+    _train_linear(hardware=True, shape=(3, 5, 24), d_out=8)  # not multiples of 16: the emulation, no call
+    assert calls == []
+
+
 def test_a_gpu_older_than_sm89_is_refused_in_one_line_unless_emulation_is_asked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
@@ -109,3 +145,34 @@ def test_fp8_converts_the_block_linears_and_leaves_embedding_head_and_norms(tmp_
     converted = sorted(n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None)
     assert converted == sorted(f"layers.{i}.{name}" for i in range(LLAMA.n_layers) for name in fp8.FP8_PLAN)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+
+
+def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_blocks(tmp_path, monkeypatch):
+    """The hardware path forced on the CPU, where torch._scaled_mm runs too: every block linear's three GEMMs
+    take it, eager and inside compiled blocks (one graph), and the run follows the emulated one to round-off
+    (the products are the same; only summation order differs)."""
+    from pipetrain.models.compile import BACKEND_ENV
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def losses(name, hardware, **keys):
+        monkeypatch.setattr(fp8, "uses_hardware", lambda device, emulate: hardware)
+        (tmp_path / name).mkdir()
+        trainer = build_trainer(LLAMA, str(tmp_path / name), steps=3, microbatches=2, precision="fp8", **keys)
+        return [trainer.train_step()["loss"] for _ in range(3)]
+
+    emulated = losses("emulated", False)
+    assert calls == []
+    hardware = losses("hardware", True)
+    linears = LLAMA.n_layers * len(fp8.FP8_PLAN)
+    assert len(calls) == 3 * linears * 2 * 3  # 3 GEMMs per linear, 2 microbatches, 3 steps
+    assert hardware == pytest.approx(emulated, rel=1e-5)
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    from torch._dynamo.utils import counters
+    counters.clear()
+    calls.clear()
+    compiled = losses("compiled", True, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert calls, "the compiled blocks did not call torch._scaled_mm"
+    assert compiled[0] == hardware[0] and compiled == pytest.approx(hardware, rel=1e-3)

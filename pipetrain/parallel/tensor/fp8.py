@@ -14,8 +14,8 @@ HYBRID format use):
 - quantise: q = clamp(v * scale, -fp8_max, fp8_max).to(fp8) (the clamp saturates: a cast of an out-of-range
   value to float8_e4m3fn gives NaN); dequantise: q / scale;
 - the three matmuls y = xq Wq^T, dx = dyq Wq, dW = dyq^T xq accumulate in fp32 and multiply by both inverse
-  scales; y and dx come out in the autocast dtype (bf16) or x's dtype, dW in the weight's dtype (fp32);
-  db = sum(dy) in high precision.
+  scales (on the hardware, y with fast accumulation: FORWARD_FAST_ACCUM); y and dx come out in the autocast
+  dtype (bf16) or x's dtype, dW in the weight's dtype (fp32); db = sum(dy) in high precision.
 No scale is state: nothing carries from one step to the next (no amax history), so a checkpoint holds no fp8
 state and a resumed run continues bit for bit.
 
@@ -51,6 +51,9 @@ from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
 
 FORWARD_DTYPE = torch.float8_e4m3fn   # x and W
 GRAD_DTYPE = torch.float8_e5m2        # dy
+# The forward GEMM (y = x W^T) accumulates fast on the hardware, the two gradient GEMMs in full: torchao's
+# float8 training defaults (what torchtitan's fp8 figures used); gradients need the precision more.
+FORWARD_FAST_ACCUM = True
 AMAX_EPS = 1e-12                      # an all-zero tensor gets a finite scale (its values quantise to 0)
 MIN_CAPABILITY = (8, 9)               # torch._scaled_mm: Ada, Hopper and newer
 FP8_PLAN = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
@@ -90,14 +93,16 @@ def _hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, hardware: bool) -> torch.Tensor:
+              out_dtype: torch.dtype, hardware: bool, fast_accum: bool = False) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for fp8 a (M, K), b (K, N): fp32 accumulation, out_dtype result.
-    hardware: torch._scaled_mm (sm_89+; shapes that are not multiples of 16 fall back to the emulation)."""
+    hardware: torch._scaled_mm (sm_89+; shapes that are not multiples of 16 fall back to the emulation).
+    fast_accum: the hardware's fp8 accumulation without its periodic promotion to fp32 (faster on Hopper,
+    with an error that grows with K); the emulation sums in fp32 either way."""
     inverse = a_scale.reciprocal() * b_scale.reciprocal()  # exact: both are powers of two
     if hardware and _hardware_shapes_ok(a, b):
         # a row-major, b column-major, scales as the multipliers that dequantise
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accum)
     return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
 
 
@@ -117,7 +122,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
             wq = quantize(weight, w_scale, FORWARD_DTYPE)
         with torch.autocast(device, enabled=False):
-            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware)  # (N, D_out)
+            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         ctx.save_for_backward(xq, x_scale, wq, w_scale)
