@@ -90,6 +90,29 @@ def test_grouped_swiglu_matches_the_loop_with_empty_experts():
     torch.testing.assert_close(grouped_swiglu_loop(x, counts.tolist(), gate, up, down), ref)
 
 
+def test_the_grouped_mm_path_matches_the_loop_in_values_and_gradients(monkeypatch):
+    """torch._grouped_mm runs on the CPU too (torch 2.11 and 2.13), so the CUDA path's offsets and transposed
+    weight views are checked here with its condition forced: bf16, empty experts, forward and backward."""
+    from pipetrain.models import moe
+    torch.manual_seed(0)
+    E, D, Fh = 4, 16, 32
+    counts = torch.tensor([10, 0, 14, 0])
+    leaves = [torch.randn(24, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
+    real, calls, real_ok = torch._grouped_mm, [], moe._grouped_mm_ok
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(k["offs"].tolist()) or real(*a, **k))
+    results = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, gate: grouped)
+        x, gate, up, down = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+        y = grouped_swiglu(x, counts, gate, up, down)
+        y.float().square().sum().backward()
+        results[grouped] = [y, x.grad, gate.grad, up.grad, down.grad]
+    assert calls == [[10, 10, 24, 24]] * 3  # gate, up, down: one grouped GEMM each, cumulative row offsets
+    for got, want in zip(results[True], results[False]):  # the same bf16 products; equal here, bf16's ulp allowed
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    assert not real_ok(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 8, dtype=torch.bfloat16))  # CPU
+
+
 def _explicit_aux(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The per-sequence balance loss written out: mean over sequences of E/(kT) sum_e count_e * mean_t p_e."""
     probs = F.softmax(moe.router(x), dim=-1, dtype=torch.float32)  # (B, T, E)
