@@ -9,7 +9,7 @@ from tests.e2e.common import ROOT
 ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain, train.compile=true",
         "pipetrain, train.precision=fp8 |", "pipetrain, train.precision=fp8 + train.compile=true",
         "pipetrain, train.fused_loss=true", "the same model in a plain PyTorch loop",
-        "torch.compile of the plain loop", "transformers (sdpa)"]
+        "torch.compile of the plain loop", "transformers (sdpa)", "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch"]
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
@@ -28,3 +28,32 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     assert len(measured) >= 6, text
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """The file is rewritten after every row, so a GPU session's time limit loses only the rows not yet run
+    (they come in the order of issue 34's targets)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "benchmarks", "gpu.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    done = []
+
+    def fake_row(model, label, kind, overrides, setup, out_dir, peak):
+        if len(done) == 3:
+            raise TimeoutError("the session's time limit")
+        done.append(label)
+        return {"implementation": label, "tokens_per_s": 1000.0 * len(done), "first_step_s": 1.0, "step_s": 1.0,
+                "peak_gib": None}
+
+    monkeypatch.setattr(bench, "run_row", fake_row)
+    out = tmp_path / "gpu.md"
+    try:
+        bench.main(["--cpu-smoke", "--out", str(out), "--work-dir", str(tmp_path / "runs")])
+    except TimeoutError:
+        pass
+    assert done == ["pipetrain Trainer (Triton kernels)", "pipetrain, train.compile=true",
+                    "torch.compile of the plain loop"]
+    text = out.read_text()
+    assert all(f"| {label} | {1000 * (i + 1):,}" in text for i, label in enumerate(done)), text
