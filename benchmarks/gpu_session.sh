@@ -42,7 +42,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
   shift 2
   local start=$SECONDS
   timeout "$limit" "$@" > "$OUT/$log" 2>&1
-  echo "exit $? after $((SECONDS - start)) s: $*" >> "$OUT/$log"
+  printf "\nexit %s after %s s: %s\n" "$?" "$((SECONDS - start))" "$*" >> "$OUT/$log"
   tail -n 1 "$OUT/$log"
 }
 
