@@ -16,7 +16,8 @@ the device (no dataset, no network). Default: the llama 1.0B model of issue 34 a
 MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
 pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
 Without CUDA (or with --cpu-smoke) a tiny model runs 2 steps per row on the CPU in fp32, compile rows with the
-"eager" backend: it checks that every row runs and the file is written; its numbers mean nothing.
+"eager" backend (the plain loop) and "aot_eager" (train.compile): it checks that every row runs, the profile is
+taken and the file is written; its numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import ConfigError, ModelConfig, load_recipe  # noqa: E402
 from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.metrics import peak_tflops  # noqa: E402
 from pipetrain.models import build, flops_per_token, materialize  # noqa: E402
+from pipetrain.models.compile import BACKEND_ENV  # noqa: E402
+from step_profile import amdahl_bound, format_profiles, profile_step  # noqa: E402  (benchmarks/step_profile.py)
 
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
@@ -68,6 +71,8 @@ ROWS = [
     ("pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain-torch", []),
     ("transformers (sdpa)", "hf", None),
 ]
+BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
+PROFILED = (BF16_COMPILE, FP8_COMPILE)  # two more steps under torch.profiler (benchmarks/step_profile.py)
 
 
 @dataclasses.dataclass
@@ -182,8 +187,6 @@ def _kernels_env(value: str | None):
 def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir: str, peak: float | None) -> dict:
     """One row of the table: its numbers, or its status (unsupported, out of memory, failed)."""
     row = {"implementation": label}
-    if setup.smoke and kind.startswith("pipetrain") and any(o.startswith("train.compile") for o in overrides or ()):
-        return {**row, "status": "skipped in --cpu-smoke (inductor compiles for minutes on a CPU)"}
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(setup.device)
@@ -194,6 +197,11 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
             else:
                 step, cfg = _loop_row(model, kind, setup)
             first, median = _timed(step, setup)
+            if label in PROFILED:
+                try:
+                    row["profile"] = profile_step(step, setup.device)
+                except Exception as exc:  # noqa: BLE001  (a profiler problem must not cost the row)
+                    row["profile_error"] = f"{type(exc).__name__}: {exc}"[:200]
     except ConfigError as exc:
         return {**row, "status": f"unsupported: {str(exc).split(';')[0][:120]}"}  # the recipe's own words
     except torch.cuda.OutOfMemoryError:
@@ -246,6 +254,23 @@ def format_ratios(rows: list[dict]) -> list[str]:
     return lines
 
 
+def format_profile_section(rows: list[dict]) -> list[str]:
+    """Where the compile rows' steps go, and the most fp8 could give: issue 34 asks for this when fp8 + compile
+    gains less than 1.2x over bf16 + compile."""
+    profiles = {r["implementation"]: r["profile"] for r in rows if "profile" in r}
+    lines = [f"- {r['implementation']}: profile failed ({r['profile_error']})" for r in rows if "profile_error" in r]
+    if not profiles:
+        return lines
+    lines = ["Where a step's time goes (2 more steps under torch.profiler; categories by kernel name, "
+             "benchmarks/step_profile.py):", "", *format_profiles(profiles), "", *lines]
+    bf16 = profiles.get(BF16_COMPILE)
+    if bf16 and sum(bf16.values()):
+        share = bf16["gemm"] / sum(bf16.values())
+        lines.append(f"- {BF16_COMPILE}: GEMMs are {share:.0%} of the kernel time, so GEMMs at fp8's 2x peak and "
+                     f"nothing else faster give at most {amdahl_bound(share):.2f}x (Amdahl)")
+    return lines
+
+
 def kernel_table(setup: Setup, repeats: int) -> list[str]:
     """benchmarks/kernels.py's table (its cases and measurement), on the GPU; the agreement check on the CPU."""
     spec = importlib.util.spec_from_file_location("kernel_bench", os.path.join(ROOT, "benchmarks", "kernels.py"))
@@ -280,6 +305,8 @@ def main(argv=None) -> int:
     if smoke and not args.cpu_smoke:
         print("benchmarks/gpu.py needs a CUDA GPU for its numbers (an H100 or H200 for issue 34's table); none "
               "found, so it runs the CPU smoke instead (the wiring only, numbers meaningless)")
+    if smoke:  # train.compile's rows trace as inductor does but run eager kernels: seconds, not minutes
+        os.environ[BACKEND_ENV] = "aot_eager"
     device = torch.device("cpu" if smoke else "cuda")
     setup = Setup(device, torch.float32 if smoke else torch.bfloat16, 32 if smoke else 2048, 2 if smoke else 16,
                   2 if smoke else args.steps, smoke)
@@ -308,7 +335,7 @@ def main(argv=None) -> int:
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
             write(format_model_table(name, rows, peak))
-        table = format_model_table(name, rows, peak) + [""] + format_ratios(rows)
+        table = format_model_table(name, rows, peak) + [""] + format_ratios(rows) + [""] + format_profile_section(rows)
         print("\n".join(table), flush=True)
         lines += table + [""]
     kernels = kernel_table(setup, args.kernel_repeats)

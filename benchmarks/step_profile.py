@@ -1,0 +1,76 @@
+"""Where a training step's time goes, by kind of work: benchmarks/gpu.py's answer to issue 34's "if fp8's gain
+is smaller than 1.2x, show from a profile where the step's time goes and what caps it".
+
+profile_step(step, device) runs `step` twice under torch.profiler and sums, per category, the kernels' device
+time on CUDA (the self time of the aten ops on the CPU, where only the wiring is checked). Categories come from
+the kernel names (CATEGORIES, first match wins; the rest is "elementwise and other"):
+- gemm: cuBLAS / CUTLASS kernels (nvjet, xmma, gemm), aten's matmuls on the CPU;
+- attention: flash / memory-efficient attention;
+- fp8 scaling: amax reductions and float8 casts (inductor names its fused kernels after the ops they fuse);
+- optimizer: fused AdamW, multi-tensor kernels;
+- communication: NCCL.
+
+amdahl_bound(gemm_fraction, speedup) is what a step could gain at most if only its GEMMs ran `speedup` times
+faster (fp8 tensor cores: 2x bf16's peak): 1 / (1 - f + f / speedup).
+"""
+from __future__ import annotations
+
+import torch
+
+CATEGORIES = (  # attention before gemm (CUTLASS attention kernels), gemm before fp8 scaling (e4m3 GEMMs)
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::_scaled_mm")),
+    ("fp8 scaling", ("amax", "float8", "e4m3", "e5m2")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("communication", ("nccl", "c10d")),
+)
+OTHER = "elementwise and other"
+COLUMNS = tuple(name for name, _ in CATEGORIES) + (OTHER,)
+
+
+def category(name: str) -> str:
+    lower = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in lower for n in needles):
+            return label
+    return OTHER
+
+
+def profile_step(step, device: torch.device, steps: int = 2) -> dict[str, float]:
+    """Seconds per step in each category (COLUMNS), from `steps` calls of step() under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+    totals = dict.fromkeys(COLUMNS, 0.0)
+    for event in prof.key_averages():
+        if on_cuda:  # the kernels themselves: device time, each counted once
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = event.self_device_time_total
+        else:
+            us = event.self_cpu_time_total
+        totals[category(event.key)] += us / 1e6 / steps
+    return totals
+
+
+def amdahl_bound(gemm_fraction: float, speedup: float = 2.0) -> float:
+    return 1.0 / (1.0 - gemm_fraction + gemm_fraction / speedup)
+
+
+def format_profiles(profiles: dict[str, dict[str, float]]) -> list[str]:
+    """A markdown table, ms per step in each category and the GEMMs' share, one row per profiled row."""
+    lines = ["| implementation | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | total ms | gemm share |",
+             "| --- |" + " ---: |" * (len(COLUMNS) + 2)]
+    for label, totals in profiles.items():
+        total = sum(totals.values())
+        share = totals["gemm"] / total if total else 0.0
+        lines.append(f"| {label} | " + " | ".join(f"{totals[c] * 1e3:.1f}" for c in COLUMNS)
+                     + f" | {total * 1e3:.1f} | {share:.0%} |")
+    return lines
