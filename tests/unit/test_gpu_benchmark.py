@@ -53,6 +53,7 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
                 "peak_gib": None}
 
     monkeypatch.setattr(bench, "run_row", fake_row)
+    monkeypatch.setenv(bench.BACKEND_ENV, "aot_eager")  # main() sets it for the smoke: undone after the test
     out = tmp_path / "gpu.md"
     try:
         bench.main(["--cpu-smoke", "--out", str(out), "--work-dir", str(tmp_path / "runs")])
