@@ -2,6 +2,7 @@
 # Everything one lent GPU is for, in one command that fits the device tool's 10-minute call:
 #
 #   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine)
+#   bash benchmarks/gpu_session.sh suite      the rest of the suite there instead (tests/dist, tests/e2e)
 #
 # The machine has torch, Triton and transformers but no network and no `datasets`: nothing here downloads
 # or prepares a corpus (benchmarks/gpu.py uses synthetic tokens). pipetrain is installed in place without
@@ -21,7 +22,8 @@
 # so if it overruns its 360 s only the last rows are lost (the issue asks for under 5 minutes; the first
 # run on a card says whether it is). The two test runs share their 150 s: they time nothing, and the CPU
 # one never touches the GPU; the timed steps (gpu.py, moe.py) run alone. The rest of the suite on the
-# CUDA machine (tests/dist and tests/e2e, about 13 minutes on 2 cores) needs a call of its own.
+# CUDA machine (tests/dist and tests/e2e, about 13 minutes on 2 cores) needs a call of its own: the `suite`
+# argument runs the two folders side by side, 560 s each, writing pytest-dist.log and pytest-e2e.log.
 # Multi-GPU comparisons (zero 3 against FSDP2, cp against torch's context_parallel) need several cards:
 # one card cannot run them (multi-process tests never put two ranks on one GPU).
 set -u
@@ -46,9 +48,16 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
   tail -n 1 "$OUT/$log"
 }
 
+PYTEST=(python -m pytest -v -rfE --tb=short -p no:cacheprovider)  # -v: a cut-short run still names its failures
+if [ "${1:-}" = suite ]; then  # a session of its own: the multi-process tests, which must see no GPU
+  step 560 pytest-dist.log "${PYTEST[@]}" --basetemp=/tmp/pt-dist tests/dist &
+  step 560 pytest-e2e.log "${PYTEST[@]}" --basetemp=/tmp/pt-e2e tests/e2e
+  wait
+  exit 0
+fi
+
 step 360 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
-step 150 pytest-cpu.log python -m pytest -v -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt-cpu tests/unit \
-  tests/kernels &
+step 150 pytest-cpu.log "${PYTEST[@]}" --basetemp=/tmp/pt-cpu tests/unit tests/kernels &
 step 150 pytest-gpu.log python -m pytest -q -m gpu -p no:cacheprovider --basetemp=/tmp/pt-gpu
 wait
 step 40 moe.log python benchmarks/moe.py experts --reps 5
