@@ -30,13 +30,15 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+sys.path.insert(0, ROOT)
 
 from pipetrain.build import build_trainer  # noqa: E402
 from pipetrain.config import ConfigError, ModelConfig, load_recipe  # noqa: E402
@@ -44,7 +46,19 @@ from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.metrics import peak_tflops  # noqa: E402
 from pipetrain.models import build, flops_per_token, materialize  # noqa: E402
 from pipetrain.models.compile import BACKEND_ENV  # noqa: E402
-from step_profile import amdahl_bound, format_profiles, profile_step  # noqa: E402  (benchmarks/step_profile.py)
+
+
+def _load_benchmark(name: str):
+    """benchmarks/<name>.py as a module, without putting benchmarks/ on sys.path (its kernels.py would shadow
+    the kernels package)."""
+    spec = importlib.util.spec_from_file_location(f"pipetrain_bench_{name}", os.path.join(ROOT, "benchmarks",
+                                                                                         f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+step_profile = _load_benchmark("step_profile")
 
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
@@ -190,6 +204,10 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(setup.device)
+    # dynamo's caches outlive a model: without a reset a row would reuse an earlier row's compiled graph (its
+    # guards do not read PIPETRAIN_KERNELS), and its first step would not include compiling
+    torch._dynamo.reset()
+    counters.clear()
     try:
         with _kernels_env("torch" if kind in ("pipetrain-torch", "plain", "compiled") else None):
             if kind.startswith("pipetrain"):
@@ -197,21 +215,26 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
             else:
                 step, cfg = _loop_row(model, kind, setup)
             first, median = _timed(step, setup)
+            graphs = counters["stats"]["unique_graphs"]
             if label in PROFILED:
                 try:
-                    row["profile"] = profile_step(step, setup.device)
+                    row["profile"] = step_profile.profile_step(step, setup.device)
                 except Exception as exc:  # noqa: BLE001  (a profiler problem must not cost the row)
                     row["profile_error"] = f"{type(exc).__name__}: {exc}"[:200]
     except ConfigError as exc:
         return {**row, "status": f"unsupported: {str(exc).split(';')[0][:120]}"}  # the recipe's own words
     except torch.cuda.OutOfMemoryError:
         return {**row, "status": "out of memory"}
+    except Exception as exc:  # noqa: BLE001  (one row's failure must not cost the rows after it)
+        traceback.print_exc()
+        first_line = (str(exc).splitlines() or [""])[0][:150]
+        return {**row, "status": f"failed: {type(exc).__name__}: {first_line}"}
     finally:
         step = None
         gc.collect()
     tok_s = setup.tokens / median
     on_cuda = setup.device.type == "cuda"
-    row.update(tokens_per_s=tok_s, first_step_s=first, step_s=median,
+    row.update(tokens_per_s=tok_s, first_step_s=first, step_s=median, graphs=graphs,
                peak_gib=torch.cuda.max_memory_allocated(setup.device) / 2**30 if on_cuda else None)
     if peak:
         row["mfu"] = flops_per_token(cfg, setup.seq_len) * tok_s / (peak * 1e12)
@@ -219,18 +242,20 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
 
 
 def format_model_table(name: str, rows: list[dict], peak: float | None) -> list[str]:
-    lines = [f"| model | implementation | tokens/s | MFU ({peak:g} TFLOP/s) | peak GiB | first step s |"
-             if peak else "| model | implementation | tokens/s | MFU | peak GiB | first step s |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    """graphs: the graphs torch.compile made for the row (0: eager), its first step's seconds include compiling
+    them."""
+    mfu_head = f"MFU ({peak:g} TFLOP/s)" if peak else "MFU"
+    lines = [f"| model | implementation | tokens/s | {mfu_head} | peak GiB | first step s | graphs |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rows):
         model = name if i == 0 else ""
         if "status" in r:
-            lines.append(f"| {model} | {r['implementation']} | {r['status']} | | | |")
+            lines.append(f"| {model} | {r['implementation']} | {r['status']} | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a"
         gib = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
         lines.append(f"| {model} | {r['implementation']} | {r['tokens_per_s']:,.0f} | {mfu} | {gib} | "
-                     f"{r['first_step_s']:.1f} |")
+                     f"{r['first_step_s']:.1f} | {r['graphs']} |")
     return lines
 
 
@@ -262,20 +287,18 @@ def format_profile_section(rows: list[dict]) -> list[str]:
     if not profiles:
         return lines
     lines = ["Where a step's time goes (2 more steps under torch.profiler; categories by kernel name, "
-             "benchmarks/step_profile.py):", "", *format_profiles(profiles), "", *lines]
+             "benchmarks/step_profile.py):", "", *step_profile.format_profiles(profiles), "", *lines]
     bf16 = profiles.get(BF16_COMPILE)
     if bf16 and sum(bf16.values()):
         share = bf16["gemm"] / sum(bf16.values())
         lines.append(f"- {BF16_COMPILE}: GEMMs are {share:.0%} of the kernel time, so GEMMs at fp8's 2x peak and "
-                     f"nothing else faster give at most {amdahl_bound(share):.2f}x (Amdahl)")
+                     f"nothing else faster give at most {step_profile.amdahl_bound(share):.2f}x (Amdahl)")
     return lines
 
 
 def kernel_table(setup: Setup, repeats: int) -> list[str]:
     """benchmarks/kernels.py's table (its cases and measurement), on the GPU; the agreement check on the CPU."""
-    spec = importlib.util.spec_from_file_location("kernel_bench", os.path.join(ROOT, "benchmarks", "kernels.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_benchmark("kernels")
     if setup.device.type != "cuda":
         return ["kernel table: needs a CUDA GPU (benchmarks/kernels.py); not measured in --cpu-smoke"]
     lines = [f"kernels at llama-3-8B shapes {bench.FULL}, bf16, median of {repeats} forward+backward",
@@ -334,8 +357,9 @@ def main(argv=None) -> int:
             done = rows[-1]
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
-            write(format_model_table(name, rows, peak))
-        table = format_model_table(name, rows, peak) + [""] + format_ratios(rows) + [""] + format_profile_section(rows)
+            table = [*format_model_table(name, rows, peak), "", *format_ratios(rows), "",
+                     *format_profile_section(rows)]
+            write(table)
         print("\n".join(table), flush=True)
         lines += table + [""]
     kernels = kernel_table(setup, args.kernel_repeats)

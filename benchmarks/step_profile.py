@@ -2,11 +2,16 @@
 is smaller than 1.2x, show from a profile where the step's time goes and what caps it".
 
 profile_step(step, device) runs `step` twice under torch.profiler and sums, per category, the kernels' device
-time on CUDA (the self time of the aten ops on the CPU, where only the wiring is checked). Categories come from
+time on CUDA (the self time of the aten ops on the CPU, where only the wiring is checked). Named ranges
+(record_function, inductor's "## Call CompiledFxGraph ##", "Optimizer.step") also appear as device events there,
+spanning the kernels inside them: they are left out, as torch's own tables leave them out. Categories come from
 the kernel names (CATEGORIES, first match wins; the rest is "elementwise and other"):
 - gemm: cuBLAS / CUTLASS kernels (nvjet, xmma, gemm), aten's matmuls on the CPU;
 - attention: flash / memory-efficient attention;
-- fp8 scaling: amax reductions and float8 casts (inductor names its fused kernels after the ops they fuse);
+- fp8 scaling: the kernels that compute amaxes and scales or cast to float8. Inductor names a fused kernel after
+  the aten ops in it (on the CPU the quantisation compiles to cpp_fused__to_copy_abs_amax_clamp_exp2_floor_log2_
+  mul_reciprocal_view_0), so these are the kernels with amax, clamp or exp2/log2 in their names (nothing else in
+  these models clamps), with whatever inductor fused into them;
 - optimizer: fused AdamW, multi-tensor kernels;
 - communication: NCCL.
 
@@ -21,7 +26,7 @@ CATEGORIES = (  # attention before gemm (CUTLASS attention kernels), gemm before
     ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::_scaled_mm")),
-    ("fp8 scaling", ("amax", "float8", "e4m3", "e5m2")),
+    ("fp8 scaling", ("amax", "clamp", "exp2", "log2", "float8", "e4m3", "e5m2")),
     ("optimizer", ("adam", "multi_tensor")),
     ("communication", ("nccl", "c10d")),
 )
@@ -48,10 +53,16 @@ def profile_step(step, device: torch.device, steps: int = 2) -> dict[str, float]
             step()
         if on_cuda:
             torch.cuda.synchronize(device)
+    return sum_by_category(prof.key_averages(), on_cuda, steps)
+
+
+def sum_by_category(events, on_cuda: bool, steps: int) -> dict[str, float]:
+    """Seconds per step in each category from the profiler's averaged events: on CUDA the kernels' device time
+    (each kernel counted once: CPU ops and named ranges are skipped), on the CPU the ops' self time."""
     totals = dict.fromkeys(COLUMNS, 0.0)
-    for event in prof.key_averages():
-        if on_cuda:  # the kernels themselves: device time, each counted once
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+    for event in events:
+        if on_cuda:
+            if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
                 continue
             us = event.self_device_time_total
         else:

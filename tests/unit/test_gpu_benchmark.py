@@ -1,8 +1,11 @@
 """benchmarks/gpu.py's CPU smoke: one command writes the markdown table with every row of issue 34's table
 (pipetrain eager, kernels=torch, compile, fp8, fused loss, the plain loop, its torch.compile, transformers)."""
+import importlib.util
 import os
 import subprocess
 import sys
+
+import torch
 
 from tests.e2e.common import ROOT
 
@@ -27,6 +30,12 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     measured = [line for line in table if line.split("|")[3].strip().replace(",", "").isdigit()]
     # every row runs on the CPU too (train.compile's rows with aot_eager)
     assert len(measured) == len(ROWS), text
+    # each compiled row compiles its own graph (dynamo is reset between rows: no row reuses another's trace, which
+    # would leave the PIPETRAIN_KERNELS=torch row running the Triton ops' graph), and an eager row none
+    graphs = {line.split("|")[2].strip(): int(line.split("|")[7]) for line in measured}
+    compiled = [row for row in graphs if "compile" in row]
+    assert len(compiled) == 4 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
     # the two compile rows are profiled: a row each in the profile table, which starts with the label
@@ -38,11 +47,7 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
 def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """The file is rewritten after every row, so a GPU session's time limit loses only the rows not yet run
     (they come in the order of issue 34's targets)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "benchmarks", "gpu.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # its dataclass looks its module up there
-    spec.loader.exec_module(bench)
+    bench = _load("gpu", monkeypatch)
     done = []
 
     def fake_row(model, label, kind, overrides, setup, out_dir, peak):
@@ -50,7 +55,7 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
             raise TimeoutError("the session's time limit")
         done.append(label)
         return {"implementation": label, "tokens_per_s": 1000.0 * len(done), "first_step_s": 1.0, "step_s": 1.0,
-                "peak_gib": None}
+                "peak_gib": None, "graphs": 0}
 
     monkeypatch.setattr(bench, "run_row", fake_row)
     monkeypatch.setenv(bench.BACKEND_ENV, "aot_eager")  # main() sets it for the smoke: undone after the test
@@ -65,16 +70,27 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     assert all(f"| {label} | {1000 * (i + 1):,}" in text for i, label in enumerate(done)), text
 
 
+def _load(name: str, monkeypatch=None):
+    """benchmarks/<name>.py as a module (benchmarks/ stays off sys.path: its kernels.py would shadow kernels)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, f"bench_{name}", module)  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_step_profile_sorts_kernels_by_kind_and_bounds_what_faster_gemms_give():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import step_profile as sp
-    names = {  # kernel names as an H100 trace shows them (cuBLAS, flash attention, inductor, fused AdamW, NCCL)
+    sp = _load("step_profile")
+    names = {  # cuBLAS, flash attention, fused AdamW and NCCL names as an H100 trace shows them; inductor's after
+        # the scheme of the CPU's (cpp_fused__to_copy_abs_amax_clamp_exp2_floor_log2_mul_reciprocal_view_0)
         "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cublas": "gemm",
         "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": "gemm",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
-        "triton_red_fused__to_copy_abs_amax_0": "fp8 scaling",
-        "triton_poi_fused__to_copy_clamp_mul_float8_1": "fp8 scaling",
+        "triton_red_fused_abs_amax_0": "fp8 scaling",
+        "triton_poi_fused__to_copy_clamp_mul_1": "fp8 scaling",
+        "triton_poi_fused_exp2_floor_log2_reciprocal_2": "fp8 scaling",
         "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
         "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
         "triton_poi_fused_add_mul_silu_0": sp.OTHER,
@@ -86,3 +102,24 @@ def test_the_step_profile_sorts_kernels_by_kind_and_bounds_what_faster_gemms_giv
     table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.006, attention=0.002,
                                              **{sp.OTHER: 0.002})})
     assert table[2] == "| row | 2.0 | 6.0 | 0.0 | 0.0 | 0.0 | 2.0 | 10.0 | 60% |", table
+
+
+def test_the_step_profile_counts_each_kernel_once_on_cuda():
+    """Named ranges (inductor's compiled-graph call, Optimizer.step) are device events on CUDA too, spanning
+    the kernels inside them: counting them would count those kernels twice."""
+    from types import SimpleNamespace
+    sp = _load("step_profile")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, device, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, self_cpu_time_total=us,
+                               is_user_annotation=annotation)
+
+    events = [event("nvjet_tst_128x256", cuda, 6000), event("triton_poi_fused_add_mul_silu_0", cuda, 2000),
+              event("## Call CompiledFxGraph fabc ##", cuda, 9000, annotation=True),
+              event("Optimizer.step#AdamW.step", cuda, 1000, annotation=True),
+              event("aten::mm", cpu, 500)]
+    totals = sp.sum_by_category(events, on_cuda=True, steps=2)
+    assert totals["gemm"] == 0.003 and totals[sp.OTHER] == 0.001 and totals["optimizer"] == 0.0, totals
+
+
