@@ -74,12 +74,15 @@ def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
         y = Fp8Linear(hardware=hardware)(xi, wi)
         (y * g).sum().backward()
         grads[hardware] = (y.detach(), xi.grad, wi.grad)
-    # the same fp8 products. The gradients differ only in summation order; y is summed with the hardware's fast
-    # accumulation (FORWARD_FAST_ACCUM: about 14 mantissa bits kept on Hopper, not fp32's 23)
-    (y_hw, *grads_hw), (y_emulated, *grads_emulated) = grads[True], grads[False]
-    torch.testing.assert_close(y_hw, y_emulated, rtol=2 ** -10, atol=2 ** -10 * y_emulated.abs().max().item())
-    for got, want in zip(grads_hw, grads_emulated):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The same fp8 products, summed differently: the emulation in fp32, the tensor cores keeping about 14 bits
+    # while they accumulate (DeepSeek-V3 measured this on Hopper). Within one promotion interval (128 here or
+    # more; the inner dimensions are 64, 48 and 64) that holds with or without fast accumulation, so each
+    # product can be rounded at 2^-14 of a partial sum: at most K * 2^-14 = 2^-8 of the largest partial sum,
+    # allowed here as 2^-7 of the largest value (a partial sum can exceed it). A wrong scale (a power of two)
+    # or a transposed operand is far outside that.
+    for got, want in zip(grads[True], grads[False]):
+        bound = 2 ** -7 * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0.0, atol=bound)
 
 
 def test_train_compile_on_cuda_matches_eager(tmp_path, bf16_on_cuda):

@@ -179,3 +179,30 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
     compiled = losses("compiled", True, compile=True)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert compiled[0] == marked[0] and compiled == pytest.approx(marked, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_scaled_mm_path_to_eager_values():
+    """Inductor (not only aot_eager) with the hardware path: its fused amax / scale / cast kernels and the
+    _scaled_mm extern call give eager's output and gradients (about 10 s of compiling on 2 cores)."""
+    torch.manual_seed(0)
+    spec = Fp8Linear(hardware=True)
+    w1 = torch.nn.Parameter(torch.randn(48, 64) * 0.02)
+    w2 = torch.nn.Parameter(torch.randn(64, 48) * 0.02)
+    x = torch.randn(4, 16, 64) * 3
+
+    def run(fn):
+        w1.grad = w2.grad = None
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.square().sum().backward()
+        return y.detach(), xi.grad, w1.grad.clone(), w2.grad.clone()
+
+    def forward(xi):
+        return spec(torch.relu(spec(xi, w1)), w2)
+
+    eager = run(forward)
+    compiled = run(torch.compile(forward, backend="inductor", fullgraph=True))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    assert not torch.equal(eager[0], (torch.relu(x @ w1.t()) @ w2.t()).detach())  # it did quantise
