@@ -2,6 +2,7 @@
 and a reader over whole optimizer-state tensors."""
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import numpy as np
@@ -82,3 +83,12 @@ def zero_formula_bytes(zero) -> int:
     x element size x this rank's rows of every parameter (= 2 x 4 x local params / dp for fp32 when dp
     divides every dim 0)."""
     return sum(2 * p.element_size() * s.numel(zero.dp_rank) for p, s in zip(zero.params, zero.shards))
+
+
+def patch_torch_op(monkeypatch, name: str, stand_in: Callable) -> None:
+    """monkeypatch torch.<name> (torch._scaled_mm, torch._grouped_mm) for one test. Inductor keeps the op it finds
+    when its matmul lowerings are first imported (an extern kernel under the op's __name__), so they are imported
+    first: a compile later in this process must never get the test's stand-in."""
+    importlib.import_module("torch._inductor.kernel.mm")
+    importlib.import_module("torch._inductor.kernel.mm_grouped")
+    monkeypatch.setattr(torch, name, stand_in)

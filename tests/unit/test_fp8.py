@@ -8,7 +8,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.tensor import fp8
 from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, dequantize, fp8_problem, quantize,
                                            scale_from_amax, tensor_scale)
-from tests.unit.common import LLAMA, build_trainer
+from tests.unit.common import LLAMA, build_trainer, patch_torch_op
 
 EXACT = dict(rtol=0.0, atol=0.0)
 
@@ -109,7 +109,7 @@ def test_only_the_forward_gemm_takes_fast_accumulation(monkeypatch):
         calls.append((a.dtype, b.dtype, a.is_contiguous(), b.t().is_contiguous(), kwargs.get("use_fast_accum")))
         return real(a, b, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    patch_torch_op(monkeypatch, "_scaled_mm", recording)
     _train_linear(hardware=True)
     e4, e5 = FORWARD_DTYPE, GRAD_DTYPE
     # y = xq Wq^T (fast, torchao's choice for the output), dx = gq Wq, dW = gq^T xq (full accumulation);
@@ -163,7 +163,7 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
         return [trainer.train_step()["loss"] for _ in range(3)]
 
     calls = []
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    patch_torch_op(monkeypatch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     emulated = losses("emulated", False)
     assert calls == []
     hardware = losses("hardware", True)
@@ -171,7 +171,7 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
     assert hardware == pytest.approx(emulated, rel=1e-5)
     # a traced graph cannot count calls (a side effect), so the marker is a _scaled_mm whose results are halved:
     # the compiled run follows the eager run that halves them, not the plain hardware run
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 0.5)
+    patch_torch_op(monkeypatch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 0.5)
     marked = losses("marked", True)
     assert marked[0] != hardware[0]
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")

@@ -11,7 +11,7 @@ from pipetrain.models import build, count_params, flops_per_token, materialize
 from pipetrain.models.moe import MoE, grouped_swiglu, grouped_swiglu_loop, moe_step_end, route_topk
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.plan.shapes import model_params
-from tests.unit.common import build_trainer
+from tests.unit.common import build_trainer, patch_torch_op
 
 MOE = ModelConfig(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
@@ -99,7 +99,7 @@ def test_the_grouped_mm_path_matches_the_loop_in_values_and_gradients(monkeypatc
     counts = torch.tensor([10, 0, 14, 0])
     leaves = [torch.randn(24, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
     real, calls, real_ok = torch._grouped_mm, [], moe._grouped_mm_ok
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(k["offs"].tolist()) or real(*a, **k))
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda *a, **k: calls.append(k["offs"].tolist()) or real(*a, **k))
     results = {}
     for grouped in (True, False):
         monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, gate: grouped)
