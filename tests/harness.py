@@ -12,6 +12,9 @@ import gc
 import multiprocessing
 import os
 import re
+import runpy
+import subprocess
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -35,12 +38,15 @@ TP_FP32 = dict(rtol=1e-4, atol=1e-5)     # tp splits reductions over D and F, ch
 DEFAULT_DEVICE_ENV = "PIPETRAIN_TEST_DEFAULT_DEVICE"
 
 
-# Workers start from a fork server that has already imported torch and pipetrain (the first run_ranks call
-# starts it): a spawned worker spends seconds importing them again, which summed over the suite's ~150
-# multi-process tests was minutes of its run time. The server forks clean processes (it never runs a test,
-# never touches CUDA), so each worker starts from freshly imported modules, as a spawned one does. Workers
-# take the environment run_ranks saw (a fork server keeps the one it started with): see _worker.
-_PRELOAD = ["torch", "torch.distributed", "pipetrain.build", "pipetrain.trainer", "tests.harness"]
+# Workers start from a fork server that has already imported torch, dynamo and pipetrain (the first run_ranks
+# or run_script call starts it): a spawned worker spends seconds importing them again (torch.optim's
+# Optimizer imports torch._dynamo when it is built: 2 s of every training process), which summed over the
+# suite's multi-process tests and one-process train.py runs was minutes of its run time. The server forks
+# clean processes (it never runs a test, never touches CUDA), so each worker starts from freshly imported
+# modules, as a spawned one does. Workers take the environment their caller saw (a fork server keeps the
+# one it started with): see _worker and _script.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "pipetrain.build", "pipetrain.trainer", "tests.harness"]
+_PYTHONPATH = os.environ.get("PYTHONPATH")  # the fork server's import path is this process's
 
 
 def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, default_device, fn, args, env=None):
@@ -69,6 +75,55 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300, default_device
         mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "rdzv"), timeout_s, default_device, fn,
                                           args, dict(os.environ)),
                            nprocs=world_size, start_method="forkserver")
+
+
+def _script(target: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+    """`python target *args` (a .py file, or a module as for -m) in a fork of the server, with env and cwd,
+    its standard output and error (the file descriptors, so C code's writes too) going to files."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count()))
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.argv = [target, *args]
+    if target.endswith(".py"):
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+def run_script(target: str, args: list[str], env: dict | None = None, cwd: str = ROOT,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, target or -m target, *args], capture_output=True, text=True, env=env,
+    cwd=cwd, timeout=timeout), run in a fork of the server above instead: the same script in a process of
+    its own, without its seconds of imports. Exit status as Python gives it (sys.exit's code; 1 and the
+    traceback on stderr for an exception; minus the signal for a signal). An env whose PYTHONPATH is not
+    this process's (a stand-in package) needs a real interpreter: it gets one. env None: this process's."""
+    env = dict(os.environ) if env is None else env
+    cmd = [sys.executable, *([target] if target.endswith(".py") else ["-m", target]), *args]
+    if env.get("PYTHONPATH") != _PYTHONPATH:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = multiprocessing.get_context("forkserver").Process(target=_script,
+                                                                 args=(target, list(args), env, cwd, out, err))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            proc.kill()
+            proc.join()
+        read = [open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else ""
+                for path in (out, err)]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=read[0], stderr=read[1])
+    return subprocess.CompletedProcess(cmd, proc.exitcode, read[0], read[1])
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from pipetrain.config import TrainConfig
 from pipetrain.models import param_layout

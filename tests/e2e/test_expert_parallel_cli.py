@@ -3,16 +3,14 @@ the single-process run's, its checkpoint reads back as one whole model (the end-
 a transformers model with pipetrain's logits; an ep that does not divide the experts is one error line and
 exit 2. (The router's aux-free bias under ep is checked against one process in tests/dist; an export refuses a
 trained bias, tests/unit/test_moe_hf.py.)"""
-import subprocess
-import sys
 
 import torch
 
 from pipetrain.checkpoint.read import read_manifest
 from pipetrain.generate.load import model_from_checkpoint
 from pipetrain.hf.peft_export import checkpoint_model_config
-from tests.e2e.common import ROOT, run_train, step_losses
-from tests.harness import EXACT_FP32
+from tests.e2e.common import run_train, step_losses
+from tests.harness import EXACT_FP32, run_script
 
 MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
        "model.moe_intermediate_size=64", "model.router_aux_loss_coef=0.01",
@@ -40,8 +38,7 @@ def test_ep2_train_py_matches_single_process(tmp_path, token_cache):
     from transformers import AutoModelForCausalLM  # deferred: heavy, only this part needs it
 
     ckpt = tmp_path / "two" / "checkpoints" / "step-00000004"
-    res = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(tmp_path / "hf")],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = run_script("pipetrain.hf", ["export", str(ckpt), str(tmp_path / "hf")])
     assert res.returncode == 0, res.stderr[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     model, recipe = model_from_checkpoint(str(ckpt))  # the whole model, as generate reads it

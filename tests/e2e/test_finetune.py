@@ -1,8 +1,6 @@
 """Fine-tuning a local Hugging Face model from train.py, and exporting the result back to HF."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from pipetrain.data import IGNORE_INDEX, Loader, build_data
 from pipetrain.hf.peft_export import checkpoint_model_config
 from pipetrain.models import build, materialize
 from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama
+from tests.harness import run_script
 
 FINETUNE = os.path.join(ROOT, "recipes", "finetune-llama.yaml")
 FT = ["run.sample_tokens=0", "run.progress=false", "run.log_every=1", "train.steps=3", "train.seq_len=32", "train.global_batch=4", "run.eval_batches=1", "run.eval_every=0",
@@ -66,8 +65,7 @@ def test_finetune_then_export_gives_transformers_the_same_logits(tmp_path, hf_mo
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
     ckpt = out / "checkpoints" / "step-00000003"
     export = tmp_path / "exported"
-    res = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(export)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = run_script("pipetrain.hf", ["export", str(ckpt), str(export)])
     assert res.returncode == 0, res.stderr[-3000:]
     tuned = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)

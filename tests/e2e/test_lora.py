@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from pipetrain.checkpoint.read import file_sha256, read_manifest
 from pipetrain.generate import model_from_checkpoint
 from pipetrain.hf.export import lora_checkpoint_model
 from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama, step_losses
+from tests.harness import run_script
 
 peft = pytest.importorskip("peft")  # the test extra installs it
 
@@ -91,8 +90,7 @@ def test_peft_and_merged_exports_give_pipetrains_logits(run, hf_model, tmp_path)
     ours = _logits_of_checkpoint(ckpt, ids)
 
     adapter = tmp_path / "adapter"
-    proc = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(adapter), "--peft"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = run_script("pipetrain.hf", ["export", str(ckpt), str(adapter), "--peft"])
     assert proc.returncode == 0, proc.stderr
     base = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
     with torch.no_grad():
@@ -104,8 +102,7 @@ def test_peft_and_merged_exports_give_pipetrains_logits(run, hf_model, tmp_path)
     torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
 
     merged = tmp_path / "merged"
-    proc = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(merged)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = run_script("pipetrain.hf", ["export", str(ckpt), str(merged)])
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -124,8 +121,7 @@ def test_peft_export_of_a_run_without_lora_is_one_line(run, hf_model, tmp_path):
     proc, _ = _train(tmp_path / "plain", hf_model, data, cache, overrides=plain)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = tmp_path / "plain" / "checkpoints" / "step-00000001"
-    proc = subprocess.run([sys.executable, "-m", "pipetrain.hf", "export", str(ckpt), str(tmp_path / "a"), "--peft"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = run_script("pipetrain.hf", ["export", str(ckpt), str(tmp_path / "a"), "--peft"])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not trained with LoRA" in lines[0], proc.stderr

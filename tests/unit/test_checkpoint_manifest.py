@@ -1,5 +1,4 @@
 """What a checkpoint's manifest records about the run: the LR schedule it was saved under."""
-import os
 
 import numpy as np
 import pytest

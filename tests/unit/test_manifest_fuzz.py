@@ -7,8 +7,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,8 @@ import torch
 from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.checkpoint.manifest import CHECKSUM_KEY, SAFETENSORS_DTYPES, seal
 from pipetrain.config import ConfigError
-from tests.e2e.common import ROOT, run_train
+from tests.e2e.common import run_train
+from tests.harness import run_script
 
 CASES = 400
 
@@ -166,7 +165,6 @@ def test_tools_refuse_a_corrupt_manifest_with_exit_2(saved, tmp_path):
     next(iter(m["tensors"].values()))["dtype"] = "bfloat16"  # the silent rounding, not re-sealed
     case = _case_dir(str(tmp_path), ckpt, m)
     for cmd in (["inspect", case], ["consolidate", case, str(tmp_path / "full")]):
-        proc = subprocess.run([sys.executable, "-m", "pipetrain.checkpoint", *cmd], capture_output=True, text=True,
-                              cwd=ROOT, timeout=120)
+        proc = run_script("pipetrain.checkpoint", cmd, timeout=120)
         assert proc.returncode == 2 and "manifest checksum does not match" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, load_recipe
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.parallel.mesh.rules import context_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main

@@ -1,14 +1,13 @@
 """python -m pipetrain.plot writes loss.png from a real run's metrics.jsonl."""
 import os
-import subprocess
 import sys
 
 import pytest
 
 from pipetrain.plot import read_metrics
 from pipetrain.plot.__main__ import main as plot_main
-from tests.e2e.common import ROOT
 from tests.unit.short_run import STEPS, short_run
+from tests.harness import run_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -16,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_plot_command_writes_a_png_from_a_real_run():
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     out, _, _ = short_run()
-    proc = subprocess.run([sys.executable, "-m", "pipetrain.plot", out], capture_output=True, text=True, cwd=ROOT)
+    proc = run_script("pipetrain.plot", [out])
     assert proc.returncode == 0, proc.stderr
     png = os.path.join(out, "loss.png")
     assert proc.stdout.strip() == f"wrote {png}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,6 +14,7 @@ from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, R
                                                    schedule_problems, simulate, validate_schedule)
 from pipetrain.parallel.pipeline.schedules.replay import replay_computes
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
+from tests.harness import run_script
 
 PP_SIZES = range(1, 9)
 MICROBATCHES = range(1, 17)
@@ -367,8 +367,7 @@ def test_timeline_has_one_row_per_rank_with_labels_and_idle_share():
 # CLI.
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipetrain.parallel.pipeline.schedules", *args],
-                          capture_output=True, text=True, timeout=60)
+    return run_script("pipetrain.parallel.pipeline.schedules", list(args), timeout=60)
 
 
 def test_cli_prints_timeline_and_bubble():

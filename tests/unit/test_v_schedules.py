@@ -3,8 +3,6 @@ rank's two chunks, bounded activations, and simulated bubbles against the publis
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from pipetrain.parallel.pipeline.schedules import (B, COMM_KINDS, F, RECV_ACT, S
                                                    validate_schedule)
 from pipetrain.parallel.pipeline.schedules.builders import ZBV_FIXED_MARGIN, v_makespan, zbv_fixed_order, zbv_orders
 from pipetrain.parallel.pipeline.schedules.placement import place
+from tests.harness import run_script
 
 EXACT = 1e-9
 
@@ -133,8 +132,8 @@ def test_v_schedules_split_their_backward_and_every_w_follows_its_b():
 
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 def test_cli_draws_v_schedules(name):
-    out = subprocess.run([sys.executable, "-m", "pipetrain.parallel.pipeline.schedules", "--schedule", name, "--pp", "4",
-                          "--microbatches", "8"], capture_output=True, text=True, timeout=120)
+    out = run_script("pipetrain.parallel.pipeline.schedules",
+                     ["--schedule", name, "--pp", "4", "--microbatches", "8"], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("rank ") >= 4 and "F0c1" in out.stdout and "deadlock-free" in out.stdout
 
