@@ -91,6 +91,7 @@ def _script(target: str, args: list[str], env: dict, cwd: str, stdout: str, stde
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.argv = [target, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)) if target.endswith(".py") else cwd)  # as python's
     if target.endswith(".py"):
         runpy.run_path(target, run_name="__main__")
     else:
