@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.common import ROOT, SMALL, TINY, checkpoint_tensors, lighthouse, read_metrics, step_losses
-from tests.harness import EXACT_FP32
+from tests.harness import EXACT_FP32, run_script
 
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                    reason='torchft is not installed: pip install "pipetrain[torchft]"')
@@ -122,7 +122,9 @@ def test_pipelined_replica_groups_match_the_single_process_losses(tmp_path, sing
 
 
 def _bad(tmp_path, overrides, env):
-    proc = _finish(_start(_command(tmp_path, overrides), env=env), timeout=300)
+    cmd = _command(tmp_path, overrides)  # [python, train.py, *args], run by run_script
+    inherited = {k: v for k, v in os.environ.items() if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
+    proc = run_script(cmd[1], cmd[2:], dict(inherited, OMP_NUM_THREADS="1", **env), timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
@@ -149,8 +151,8 @@ def test_bad_torchft_input_exits_2_with_one_line(tmp_path, token_cache):
                       ["no torchft lighthouse answered at 'http://127.0.0.1:9'", "ft_connect_timeout_s=2"]))
     # the lighthouse case gets as far as the data: prepare it first, so its stderr is the error line alone
     sets = [a for s in list(SMALL) + [f"data.cache_dir={token_cache}"] for a in ("--set", s)]
-    subprocess.run([sys.executable, "-m", "pipetrain.data", "prepare", "--recipe", TINY] + sets, cwd=ROOT,
-                   check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run_script("pipetrain.data", ["prepare", "--recipe", TINY] + sets,
+                      dict(os.environ, OMP_NUM_THREADS="1")).returncode == 0
     with ThreadPoolExecutor(max_workers=2) as pool:
         lines = list(pool.map(lambda i: _bad(tmp_path / f"case{i}", cases[i][0], cases[i][1]), range(len(cases))))
     for (_, _, expected), line in zip(cases, lines):
