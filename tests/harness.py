@@ -104,7 +104,9 @@ def run_script(target: str, args: list[str], env: dict | None = None, cwd: str =
     cwd=cwd, timeout=timeout), run in a fork of the server above instead: the same script in a process of
     its own, without its seconds of imports. Exit status as Python gives it (sys.exit's code; 1 and the
     traceback on stderr for an exception; minus the signal for a signal). An env whose PYTHONPATH is not
-    this process's (a stand-in package) needs a real interpreter: it gets one. env None: this process's."""
+    this process's (a stand-in package) needs a real interpreter: it gets one. env None: this process's.
+    Unlike a fresh interpreter: a variable that a preloaded module reads when imported (TRITON_INTERPRET,
+    TORCH_LOGS) keeps the server's value, and atexit handlers do not run (pipetrain registers none)."""
     env = dict(os.environ) if env is None else env
     cmd = [sys.executable, *([target] if target.endswith(".py") else ["-m", target]), *args]
     if env.get("PYTHONPATH") != _PYTHONPATH:
