@@ -98,6 +98,13 @@ def _script(target: str, args: list[str], env: dict, cwd: str, stdout: str, stde
         runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
+def _text(path: str) -> str:
+    if not os.path.exists(path):  # the fork died before it opened its streams
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def run_script(target: str, args: list[str], env: dict | None = None, cwd: str = ROOT,
                timeout: float | None = None) -> subprocess.CompletedProcess:
     """subprocess.run([sys.executable, target or -m target, *args], capture_output=True, text=True, env=env,
@@ -122,8 +129,7 @@ def run_script(target: str, args: list[str], env: dict | None = None, cwd: str =
         if timed_out:
             proc.kill()
             proc.join()
-        read = [open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else ""
-                for path in (out, err)]
+        read = [_text(out), _text(err)]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=read[0], stderr=read[1])
     return subprocess.CompletedProcess(cmd, proc.exitcode, read[0], read[1])
