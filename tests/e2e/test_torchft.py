@@ -29,10 +29,14 @@ def _command(out, overrides, nproc=None, launcher_args=()):
             *launcher_args, script] + args
 
 
-def _start(cmd, env=None) -> subprocess.Popen:
+def _env(env=None) -> dict:
+    """This process's environment without the replica-group variables, one thread, plus env."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
-    env = dict(inherited, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return dict(inherited, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+
+
+def _start(cmd, env=None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=ROOT)
 
 
 def _finish(proc: subprocess.Popen, timeout=600) -> subprocess.CompletedProcess:
@@ -123,8 +127,7 @@ def test_pipelined_replica_groups_match_the_single_process_losses(tmp_path, sing
 
 def _bad(tmp_path, overrides, env):
     cmd = _command(tmp_path, overrides)  # [python, train.py, *args], run by run_script
-    inherited = {k: v for k, v in os.environ.items() if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
-    proc = run_script(cmd[1], cmd[2:], dict(inherited, OMP_NUM_THREADS="1", **env), timeout=300)
+    proc = run_script(cmd[1], cmd[2:], _env(env), timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
