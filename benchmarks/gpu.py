@@ -80,13 +80,19 @@ ROWS = [
     # the Triton ops as custom ops inside the compiled blocks (above) against inductor's own fusions of the
     # torch references: which is faster under compile (docs/compile.md)
     ("pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch", "pipetrain-torch", ["train.compile=true"]),
+    # fp8 with inductor's own norm and SwiGLU: it may fuse them with the amax and the cast that follow
+    ("pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch", "pipetrain-torch",
+     ["train.precision=fp8", "train.compile=true"]),
     ("the same model in a plain PyTorch loop", "plain", None),
     ("pipetrain, train.precision=fp8", "pipetrain", ["train.precision=fp8"]),
     ("pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain-torch", []),
     ("transformers (sdpa)", "hf", None),
 ]
 BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
-PROFILED = (BF16_COMPILE, FP8_COMPILE)  # two more steps under torch.profiler (benchmarks/step_profile.py)
+FP8_COMPILE_TORCH = ROWS[6][0]
+# two more steps under torch.profiler (benchmarks/step_profile.py), with their TOP_KERNELS longest kernels
+PROFILED = (BF16_COMPILE, FP8_COMPILE, FP8_COMPILE_TORCH, ROWS[2][0])  # the last: what pipetrain's compile is up against
+TOP_KERNELS = 15
 
 
 @dataclasses.dataclass
@@ -218,7 +224,7 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
             graphs = counters["stats"]["unique_graphs"]
             if label in PROFILED:
                 try:
-                    row["profile"] = step_profile.profile_step(step, setup.device)
+                    row["profile"], row["top"] = step_profile.profile_step(step, setup.device, top=TOP_KERNELS)
                 except Exception as exc:  # noqa: BLE001  (a profiler problem must not cost the row)
                     row["profile_error"] = f"{type(exc).__name__}: {exc}"[:200]
     except ConfigError as exc:
@@ -264,6 +270,8 @@ RATIOS = [("pipetrain, train.compile=true", "pipetrain Trainer (Triton kernels)"
           ("pipetrain, train.compile=true", "torch.compile of the plain loop", 1.0),
           ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain, train.compile=true", 1.2),
           ("pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch", "pipetrain, train.compile=true", None),
+          ("pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
+           "pipetrain, train.compile=true", None),
           ("pipetrain, train.precision=fp8", "pipetrain Trainer (Triton kernels)", None),
           ("pipetrain Trainer (Triton kernels)", "the same model in a plain PyTorch loop", None)]
 
@@ -293,6 +301,9 @@ def format_profile_section(rows: list[dict]) -> list[str]:
         share = bf16["gemm"] / sum(bf16.values())
         lines.append(f"- {BF16_COMPILE}: GEMMs are {share:.0%} of the kernel time, so GEMMs at fp8's 2x peak and "
                      f"nothing else faster give at most {step_profile.amdahl_bound(share):.2f}x (Amdahl)")
+    for r in rows:
+        if r.get("top"):
+            lines += ["", *step_profile.format_top_kernels(r["implementation"], r["top"])]
     return lines
 
 
@@ -322,8 +333,14 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-repeats", type=int, default=10)
     parser.add_argument("--out", default="gpu-benchmark.md", help="markdown file the tables are written to")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: the wiring only")
+    parser.add_argument("--only", action="append", default=[], metavar="LABEL",
+                        help="run only the row with this label, as the table writes it (repeatable); default: all")
+    parser.add_argument("--no-kernel-table", action="store_true", help="skip benchmarks/kernels.py's table")
     parser.add_argument("--work-dir", default="/tmp/pipetrain-gpu-bench", help="the Trainer rows' run.output_dir")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only) - {label for label, _, _ in ROWS})
+    if unknown:
+        parser.error(f"--only {unknown[0]!r} is no row's label; the labels: " + "; ".join(r[0] for r in ROWS))
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     if smoke and not args.cpu_smoke:
         print("benchmarks/gpu.py needs a CUDA GPU for its numbers (an H100 or H200 for issue 34's table); none "
@@ -353,6 +370,8 @@ def main(argv=None) -> int:
     for name, model in models:
         rows = []
         for label, kind, overrides in ROWS:
+            if args.only and label not in args.only:
+                continue
             rows.append(run_row(model, label, kind, overrides, setup, os.path.join(args.work_dir, kind), peak))
             done = rows[-1]
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
@@ -362,7 +381,7 @@ def main(argv=None) -> int:
             write(table)
         print("\n".join(table), flush=True)
         lines += table + [""]
-    kernels = kernel_table(setup, args.kernel_repeats)
+    kernels = [] if args.no_kernel_table else kernel_table(setup, args.kernel_repeats)
     print("\n".join(kernels), flush=True)
     lines += kernels
     write([])

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine)
 #   bash benchmarks/gpu_session.sh suite      the rest of the suite there instead (tests/dist, tests/e2e)
+#   bash benchmarks/gpu_session.sh check      five minutes: issue 34's rows with their profiles, then `pytest -m gpu`
 #
 # The machine has torch, Triton and transformers but no network and no `datasets`: nothing here downloads
 # or prepares a corpus (benchmarks/gpu.py uses synthetic tokens). pipetrain is installed in place without
@@ -36,9 +37,29 @@ mkdir -p "$OUT"
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } > "$OUT/card.txt" 2>&1
 
-if ! timeout 30 pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+# `datasets` is not on the machine and tests prepare corpora with it: its wheels travel in .whl (ignored by git
+# through .git/info/exclude; carry: [".whl"]), made here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl datasets dill multiprocess
+# (the versions of the local venv), and pyarrow and fsspec in .whl/fallback, used only where the machine's own
+# are too old for that datasets. Installed apart (--target), first on PYTHONPATH.
+if [ -d .whl ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/install.log" 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if ! python -c "import datasets" >> "$OUT/install.log" 2>&1 && [ -d .whl/fallback ]; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fallback/*.whl >> "$OUT/install.log" 2>&1
+  fi
+  python -c "import datasets; print('datasets', datasets.__version__)" >> "$OUT/install.log" 2>&1
+fi
+
+# `python -m pip`: a bare `pip` there may belong to another interpreter. The install counts only if
+# pipetrain.kernels then imports (an old setuptools makes an editable install without the kernels/ mapping).
+timeout 30 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+if ! python -c "import pipetrain.kernels" >> "$OUT/install.log" 2>&1; then
+  python -c "import setuptools; print('setuptools', setuptools.__version__)" >> "$OUT/install.log" 2>&1
   ln -sfn ../kernels pipetrain/kernels
-  echo "pip install failed; pipetrain/kernels linked instead" >> "$OUT/install.log"
+  echo "pipetrain.kernels did not import after the install; pipetrain/kernels linked instead" >> "$OUT/install.log"
+  python -c "import pipetrain.kernels" >> "$OUT/install.log" 2>&1 || echo "still not importable" >> "$OUT/install.log"
 fi
 
 step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit status in the log
@@ -51,6 +72,15 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
 }
 
 PYTEST=(python -m pytest -v -rfE --tb=short -p no:cacheprovider)  # -v: a cut-short run still names its failures
+if [ "${1:-}" = check ]; then  # what a session with about 5 minutes of device time left can still do
+  # the target rows again with their profiles and longest kernels, the plain loop's compile beside them
+  step 150 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table \
+    --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
+    --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true" \
+    --only "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"
+  step 100 pytest-gpu.log "${PYTEST[@]}" -m gpu --basetemp=/tmp/pt-gpu
+  exit 0
+fi
 if [ "${1:-}" = suite ]; then  # a session of its own: the multi-process tests, which must see no GPU
   step 540 pytest-dist.log "${PYTEST[@]}" --basetemp=/tmp/pt-dist tests/dist &
   step 540 pytest-e2e.log "${PYTEST[@]}" --basetemp=/tmp/pt-e2e tests/e2e

@@ -42,8 +42,9 @@ def category(name: str) -> str:
     return OTHER
 
 
-def profile_step(step, device: torch.device, steps: int = 2) -> dict[str, float]:
-    """Seconds per step in each category (COLUMNS), from `steps` calls of step() under torch.profiler."""
+def profile_step(step, device: torch.device, steps: int = 2, top: int = 0):
+    """Seconds per step in each category (COLUMNS), from `steps` calls of step() under torch.profiler; with
+    top > 0, (those totals, the `top` kernels that took longest: top_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
@@ -53,20 +54,34 @@ def profile_step(step, device: torch.device, steps: int = 2) -> dict[str, float]
             step()
         if on_cuda:
             torch.cuda.synchronize(device)
-    return sum_by_category(prof.key_averages(), on_cuda, steps)
+    events = prof.key_averages()
+    totals = sum_by_category(events, on_cuda, steps)
+    return (totals, top_kernels(events, on_cuda, steps, top)) if top else totals
+
+
+def _timed_events(events, on_cuda: bool):
+    """(event, microseconds) of the kernels on CUDA (named ranges skipped), of the ops on the CPU."""
+    for event in events:
+        if on_cuda:
+            if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+                continue
+            yield event, event.self_device_time_total
+        else:
+            yield event, event.self_cpu_time_total
+
+
+def top_kernels(events, on_cuda: bool, steps: int, n: int) -> list[tuple[str, str, float, int]]:
+    """The n kernels (ops on the CPU) with the most time per step: (name, category, seconds per step, calls
+    per step), longest first. What the next change to a step should aim at."""
+    timed = sorted(_timed_events(events, on_cuda), key=lambda pair: -pair[1])[:n]
+    return [(e.key, category(e.key), us / 1e6 / steps, e.count // steps) for e, us in timed]
 
 
 def sum_by_category(events, on_cuda: bool, steps: int) -> dict[str, float]:
     """Seconds per step in each category from the profiler's averaged events: on CUDA the kernels' device time
     (each kernel counted once: CPU ops and named ranges are skipped), on the CPU the ops' self time."""
     totals = dict.fromkeys(COLUMNS, 0.0)
-    for event in events:
-        if on_cuda:
-            if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
-                continue
-            us = event.self_device_time_total
-        else:
-            us = event.self_cpu_time_total
+    for event, us in _timed_events(events, on_cuda):
         totals[category(event.key)] += us / 1e6 / steps
     return totals
 
@@ -84,4 +99,12 @@ def format_profiles(profiles: dict[str, dict[str, float]]) -> list[str]:
         share = totals["gemm"] / total if total else 0.0
         lines.append(f"| {label} | " + " | ".join(f"{totals[c] * 1e3:.1f}" for c in COLUMNS)
                      + f" | {total * 1e3:.1f} | {share:.0%} |")
+    return lines
+
+
+def format_top_kernels(label: str, kernels: list[tuple[str, str, float, int]]) -> list[str]:
+    """A markdown table of top_kernels' answer for one implementation (names cut to 90 characters)."""
+    lines = [f"Longest kernels per step, {label}:", "", "| kernel | category | ms | calls |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| `{name[:90].replace('|', '/')}` | {kind} | {s * 1e3:.2f} | {calls} |"
+              for name, kind, s, calls in kernels]
     return lines

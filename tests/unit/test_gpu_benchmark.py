@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.e2e.common import ROOT
@@ -13,7 +14,8 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
         "pipetrain, train.precision=fp8 |", "pipetrain, train.precision=fp8 + train.compile=true",
         "pipetrain, train.fused_loss=true", "the same model in a plain PyTorch loop",
         "torch.compile of the plain loop", "transformers (sdpa)",
-        "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch"]
+        "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch",
+        "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"]
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
@@ -34,14 +36,43 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     # would leave the PIPETRAIN_KERNELS=torch row running the Triton ops' graph), and an eager row none
     graphs = {line.split("|")[2].strip(): int(line.split("|")[7]) for line in measured}
     compiled = [row for row in graphs if "compile" in row]
-    assert len(compiled) == 4 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert len(compiled) == 5 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
-    # the two compile rows are profiled: a row each in the profile table, which starts with the label
-    for row in ("pipetrain, train.compile=true", "pipetrain, train.precision=fp8 + train.compile=true"):
+    # the compile rows are profiled: a row each in the profile table, which starts with the label, and a table
+    # of their longest kernels (ops on the CPU), longest first
+    for row in ("pipetrain, train.compile=true", "pipetrain, train.precision=fp8 + train.compile=true",
+                "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"):
         assert any(line.startswith(f"| {row} | ") for line in text.splitlines()), text
+        top = text.split(f"Longest kernels per step, {row}:\n\n")[1].split("\n\n")[0].splitlines()[2:]
+        ms = [float(line.split("|")[3]) for line in top]
+        assert len(ms) >= 5 and ms == sorted(ms, reverse=True) and ms[0] > 0, top
     assert "GEMMs are " in text and "(Amdahl)" in text
+
+
+def test_only_runs_the_rows_it_names_and_can_skip_the_kernel_table(tmp_path, monkeypatch):
+    bench = _load("gpu", monkeypatch)
+    done = []
+
+    def fake_row(model, label, kind, overrides, setup, out_dir, peak):
+        done.append(label)
+        return {"implementation": label, "tokens_per_s": 1000.0, "first_step_s": 1.0, "step_s": 1.0,
+                "peak_gib": None, "graphs": 0}
+
+    monkeypatch.setattr(bench, "run_row", fake_row)
+    monkeypatch.setattr(bench, "kernel_table", lambda setup, repeats: ["kernel table rows"])
+    monkeypatch.setenv(bench.BACKEND_ENV, "aot_eager")
+    out = tmp_path / "gpu.md"
+    bench.main(["--cpu-smoke", "--out", str(out), "--only", "pipetrain, train.compile=true",
+                "--only", "torch.compile of the plain loop", "--no-kernel-table"])
+    assert done == ["pipetrain, train.compile=true", "torch.compile of the plain loop"]  # in the table's order
+    assert "kernel table rows" not in out.read_text()
+    bench.main(["--cpu-smoke", "--out", str(out), "--only", "transformers (sdpa)"])
+    assert done[2:] == ["transformers (sdpa)"] and "kernel table rows" in out.read_text()
+    with pytest.raises(SystemExit) as exc:  # a label that is no row's: refused before anything runs
+        bench.main(["--cpu-smoke", "--out", str(out), "--only", "transformers"])
+    assert exc.value.code == 2 and done[3:] == []
 
 
 def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
