@@ -74,11 +74,11 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
 PYTEST=(python -m pytest -v -rfE --tb=short -p no:cacheprovider)  # -v: a cut-short run still names its failures
 if [ "${1:-}" = check ]; then  # what a session with about 5 minutes of device time left can still do
   # the target rows again with their profiles and longest kernels, the plain loop's compile beside them
-  step 150 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table \
+  step 135 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table \
     --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
     --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true" \
     --only "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"
-  step 100 pytest-gpu.log "${PYTEST[@]}" -m gpu --basetemp=/tmp/pt-gpu
+  step 95 pytest-gpu.log "${PYTEST[@]}" -m gpu --basetemp=/tmp/pt-gpu
   exit 0
 fi
 if [ "${1:-}" = suite ]; then  # a session of its own: the multi-process tests, which must see no GPU
