@@ -100,15 +100,16 @@ class Trainer:
             self._schedules[k] = self.schedule_for(k)
         return self.executor.run(self._schedules[k], batch.split(k), num_targets)
 
-    def _global_loss(self, local_sum: torch.Tensor, num_targets: int) -> float:
-        """Every rank gets the step's loss: summed over dp ranks and stages (only the last stage holds
-        a loss); tp ranks hold the same value, so only tp rank 0 contributes."""
+    def _global_loss_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """Every rank gets the step's summed loss, on the device (reading it waits for the step's work):
+        summed over dp ranks and stages (only the last stage holds a loss); tp ranks hold the same value,
+        so only tp rank 0 contributes."""
         if self.dims.world_size > 1:
             local_sum = local_sum.clone()
             if self.dims.tp_rank != 0:
                 local_sum.zero_()
             sum_over_world_(local_sum, self.dims.world_size)
-        return float(local_sum) / num_targets
+        return local_sum
 
     def _sum_expert_counts(self, table: torch.Tensor) -> torch.Tensor:
         """moe_step_end's reduction: the step's expert counts summed over dp and pp (each pp stage fills
@@ -161,7 +162,8 @@ class Trainer:
         cfg = self.recipe.train
         faults = self._faults()
         faults.maybe_kill(self.step + 1)
-        self.model.train()
+        if not self.model.training:  # after an evaluation or a sample: a walk over every module otherwise
+            self.model.train()
         self.optimizer.zero_grad()
         set_microbatches = getattr(self.optimizer, "set_microbatches", None)
         if set_microbatches is not None:  # ZeRO's overlapped reduction: backward passes this step (DBS moves it)
@@ -183,10 +185,15 @@ class Trainer:
         if self.ps is not None:  # the table's rows go to the servers; bsp returns their squared norm
             self.optimizer.extra_grad_sq = self.ps.push(self.step + 1)
         relaxed = getattr(self.optimizer, "sync_step", None)
+        loss_sum = None
         if relaxed is not None and sync_mode(self.recipe.parallel) != "bsp":
             loss = self._replica_loss(local, num_targets)
+        elif relaxed is not None:
+            loss = float(self._global_loss_sum(local)) / num_targets
         else:
-            loss = self._global_loss(local, num_targets)
+            # read after the gradient norm: the host waits for the GPU once before the optimizer step, not
+            # twice, and the norm's launches queue behind the backward instead of after a wait
+            loss_sum, loss = self._global_loss_sum(local), None
         if hasattr(self.optimizer, "replica_loss"):  # torchft: sync_step sums it over the live replica groups
             self.optimizer.replica_loss = loss
 
@@ -203,6 +210,7 @@ class Trainer:
                                            compute_s + slept)
         else:
             grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
+            loss = float(loss_sum) / num_targets
             check(grad_norm)
             lr = lr_at(self.step + 1, cfg)
             if self.ps is not None:

@@ -45,9 +45,12 @@ class Optimizer:
         self.dp_group = data_group if dp_group == "dp" else dp_group
         self.torch_opt = build_torch_opt(param_groups(model, cfg.weight_decay), cfg)
         self.steps_taken = 0
+        # the parameters are fixed once the optimizer holds them: a list, not a walk over every module per step
+        self._params = list(model.parameters())
 
     def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+        for p in self._params:
+            p.grad = None
 
     def reduce_grads(self) -> None:
         sync_grads(self.model, self.dims, self.dp_group)
