@@ -91,7 +91,8 @@ ROWS = [
 BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
 FP8_COMPILE_TORCH = ROWS[6][0]
 # two more steps under torch.profiler (benchmarks/step_profile.py), with their TOP_KERNELS longest kernels
-PROFILED = (BF16_COMPILE, FP8_COMPILE, FP8_COMPILE_TORCH, ROWS[2][0])  # the last: what pipetrain's compile is up against
+# the last: the compiled plain loop, what pipetrain's compile is up against
+PROFILED = (BF16_COMPILE, FP8_COMPILE, FP8_COMPILE_TORCH, ROWS[2][0])
 TOP_KERNELS = 15
 
 
@@ -295,7 +296,10 @@ def format_profile_section(rows: list[dict]) -> list[str]:
     if not profiles:
         return lines
     lines = ["Where a step's time goes (2 more steps under torch.profiler; categories by kernel name, "
-             "benchmarks/step_profile.py):", "", *step_profile.format_profiles(profiles), "", *lines]
+             "benchmarks/step_profile.py; GPU idle: the timed step less the kernels' total):", "",
+             *step_profile.format_profiles(profiles, {r["implementation"]: r["step_s"] for r in rows
+                                                      if "profile" in r}),
+             "", *lines]
     bf16 = profiles.get(BF16_COMPILE)
     if bf16 and sum(bf16.values()):
         share = bf16["gemm"] / sum(bf16.values())

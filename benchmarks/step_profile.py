@@ -90,21 +90,30 @@ def amdahl_bound(gemm_fraction: float, speedup: float = 2.0) -> float:
     return 1.0 / (1.0 - gemm_fraction + gemm_fraction / speedup)
 
 
-def format_profiles(profiles: dict[str, dict[str, float]]) -> list[str]:
-    """A markdown table, ms per step in each category and the GEMMs' share, one row per profiled row."""
-    lines = ["| implementation | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | total ms | gemm share |",
-             "| --- |" + " ---: |" * (len(COLUMNS) + 2)]
+def format_profiles(profiles: dict[str, dict[str, float]], step_seconds: dict[str, float] | None = None) -> list[str]:
+    """A markdown table, ms per step in each category and the GEMMs' share, one row per profiled row. With
+    step_seconds (each row's timed step), two more columns: the step, and the GPU's idle time in it (the
+    step less the kernels' total: time the GPU waited for the host)."""
+    steps = step_seconds or {}
+    extra = " step ms | GPU idle ms |" if steps else ""
+    lines = ["| implementation | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | total ms | gemm share |" + extra,
+             "| --- |" + " ---: |" * (len(COLUMNS) + 2 + (2 if steps else 0))]
     for label, totals in profiles.items():
         total = sum(totals.values())
         share = totals["gemm"] / total if total else 0.0
-        lines.append(f"| {label} | " + " | ".join(f"{totals[c] * 1e3:.1f}" for c in COLUMNS)
-                     + f" | {total * 1e3:.1f} | {share:.0%} |")
+        line = (f"| {label} | " + " | ".join(f"{totals[c] * 1e3:.1f}" for c in COLUMNS)
+                + f" | {total * 1e3:.1f} | {share:.0%} |")
+        if steps:
+            step = steps.get(label)
+            line += f" {step * 1e3:.1f} | {(step - total) * 1e3:.1f} |" if step else " n/a | n/a |"
+        lines.append(line)
     return lines
 
 
 def format_top_kernels(label: str, kernels: list[tuple[str, str, float, int]]) -> list[str]:
     """A markdown table of top_kernels' answer for one implementation (names cut to 90 characters)."""
-    lines = [f"Longest kernels per step, {label}:", "", "| kernel | category | ms | calls |", "| --- | --- | ---: | ---: |"]
+    lines = [f"Longest kernels per step, {label}:", "", "| kernel | category | ms | calls |",
+             "| --- | --- | ---: | ---: |"]
     lines += [f"| `{name[:90].replace('|', '/')}` | {kind} | {s * 1e3:.2f} | {calls} |"
               for name, kind, s, calls in kernels]
     return lines

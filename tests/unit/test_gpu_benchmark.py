@@ -133,6 +133,10 @@ def test_the_step_profile_sorts_kernels_by_kind_and_bounds_what_faster_gemms_giv
     table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.006, attention=0.002,
                                              **{sp.OTHER: 0.002})})
     assert table[2] == "| row | 2.0 | 6.0 | 0.0 | 0.0 | 0.0 | 2.0 | 10.0 | 60% |", table
+    # with the timed step beside it: the GPU waited 2.5 ms of a 12.5 ms step for the host
+    table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.01)}, {"row": 0.0125})
+    assert table[0].endswith("| step ms | GPU idle ms |") and table[1].count("---:") == len(sp.COLUMNS) + 4
+    assert table[2].endswith("| 10.0 | 100% | 12.5 | 2.5 |"), table
 
 
 def test_the_step_profile_counts_each_kernel_once_on_cuda():
