@@ -2,12 +2,6 @@
 and the tiny recipe's MFU against the measured peak.
 
     python benchmarks/foundation.py [--steps 12] [--threads 2]
-    python benchmarks/foundation.py --host [--steps 40]
-
---host measures the host's share instead: the tiny recipe cut to d_model 32 with 16 layers, seq 16 and
-2 sequences a step, where each op's dispatch costs more than its arithmetic, so a step's time is
-mostly per-op and per-module overhead. pipetrain's extra host time per step (Trainer less plain loop)
-is what a GPU waits for wherever the host cannot run ahead of it (around the step's synchronisations).
 
 The two training loops run the same model, batches and optimizer settings, alternating step by
 step so machine noise hits both alike; the overhead is the ratio of their median step times.
@@ -44,28 +38,19 @@ def matmul_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e12
 
 
-HOST_MODEL = ["model.d_model=32", "model.n_layers=16", "model.n_heads=2", "model.n_kv_heads=1",
-              "model.ffn_hidden=64", "model.vocab_size=8192", "model.max_seq_len=16", "train.seq_len=16",
-              "train.global_batch=2", "train.steps=1000", "run.eval_every=0"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--host", action="store_true", help="a model where dispatch dominates (docstring)")
     args = parser.parse_args()
-    torch.set_num_threads(1 if args.host else args.threads)
+    torch.set_num_threads(args.threads)
 
-    if not args.host:
-        fp32 = matmul_tflops(torch.float32)
-        bf16 = matmul_tflops(torch.bfloat16)
-        print(f"matmul peak (2048^3, {args.threads} threads): fp32 {fp32 * 1e3:.1f} GFLOP/s, "
-              f"bf16 {bf16 * 1e3:.1f} GFLOP/s")
+    fp32 = matmul_tflops(torch.float32)
+    bf16 = matmul_tflops(torch.bfloat16)
+    print(f"matmul peak (2048^3, {args.threads} threads): fp32 {fp32 * 1e3:.1f} GFLOP/s, bf16 {bf16 * 1e3:.1f} GFLOP/s")
 
     recipe = load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"),
-                         ["run.output_dir=/tmp/pipetrain-bench-foundation", "run.progress=false"]
-                         + (HOST_MODEL if args.host else []))
+                         ["run.output_dir=/tmp/pipetrain-bench-foundation", "run.progress=false"])
     cfg, tcfg = recipe.model, recipe.train
     os.makedirs(recipe.run.output_dir, exist_ok=True)
     trainer = build_trainer(recipe)
@@ -96,11 +81,6 @@ def main() -> None:
             plain_t.append(p)
     step_tokens = tcfg.global_batch * tcfg.seq_len
     med_o, med_p = statistics.median(ours_t), statistics.median(plain_t)
-    if args.host:
-        print(f"host time per step ({cfg.n_layers} layers, {count_params(ours)} params, 1 thread): "
-              f"pipetrain Trainer {med_o * 1e3:.2f} ms, plain loop {med_p * 1e3:.2f} ms, "
-              f"difference {(med_o - med_p) * 1e3:.2f} ms ({med_o / med_p:.3f}x)")
-        return
     fpt = flops_per_token(cfg, tcfg.seq_len)
     print(f"tiny model: {count_params(ours) / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP per training token")
     print(f"pipetrain Trainer: median step {med_o:.3f} s = {step_tokens / med_o:.0f} tok/s")
