@@ -37,12 +37,10 @@ mkdir -p "$OUT"
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } > "$OUT/card.txt" 2>&1
 
-# `datasets` is not on the machine and tests prepare corpora with it: its wheels travel in .whl (ignored by git
-# through .git/info/exclude; carry: [".whl"]), made here with
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl datasets dill multiprocess
-# (the versions of the local venv), and pyarrow and fsspec in .whl/fallback, used only where the machine's own
-# are too old for that datasets. Installed apart (--target), first on PYTHONPATH.
+# `datasets` is not on the machine and tests prepare corpora with it: its wheels travel in .whl (carry:
+# [".whl"]), made before the call, where pip reaches an index, by `bash benchmarks/gpu_wheels.sh`; pyarrow
+# and fsspec in .whl/fallback are used only where the machine's own are too old for that datasets.
+# Installed apart (--target), first on PYTHONPATH.
 if [ -d .whl ]; then
   python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/install.log" 2>&1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
