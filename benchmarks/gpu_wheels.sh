@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Before a GPU session, here (where pip reaches a package index): the wheels benchmarks/gpu_session.sh
 # installs on the GPU machine, which has no `datasets` and no network. Writes .whl/ in the repository root
-# (ignore it: `echo /.whl/ >> .git/info/exclude`), to be carried with the device call (carry: [".whl"]):
+# (.gitignore leaves it out of git), to be carried with the device call (carry: [".whl"]):
 #   .whl/            datasets and the two packages it needs that the machine lacks (dill, multiprocess),
 #                    at the versions this environment has installed;
 #   .whl/fallback/   pyarrow and fsspec, installed there only where the machine's own are too old for
