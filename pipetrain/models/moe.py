@@ -105,6 +105,24 @@ def grouped_swiglu_loop(x_sorted: torch.Tensor, counts: list[int], gate, up, dow
     return torch.cat(outs)
 
 
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient made contiguous. torch._grouped_mm's backward
+    refuses a gradient with stride 0 (what `y.sum().backward()` gives: an expanded tensor), and any stride
+    that is not 16-byte aligned: "Invalid strides/sizes" (seen on an H100, and on the CPU alike)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _DenseGrad.apply(torch._grouped_mm(a, b, offs=offs))
+
+
 def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert over its rows: x_sorted (M, D) sorted by expert, counts (E,) rows per expert,
@@ -112,9 +130,9 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
     bf16, with cumulative offsets) where available; else a loop over experts (the CPU path and oracle)."""
     if _grouped_mm_ok(x_sorted, gate):
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = swiglu(torch._grouped_mm(x_sorted, gate.transpose(-2, -1), offs=offs),
-                   torch._grouped_mm(x_sorted, up.transpose(-2, -1), offs=offs))  # (M, F)
-        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+        h = swiglu(_grouped_mm(x_sorted, gate.transpose(-2, -1), offs),
+                   _grouped_mm(x_sorted, up.transpose(-2, -1), offs))  # (M, F)
+        return _grouped_mm(h, down.transpose(-2, -1), offs)
     return grouped_swiglu_loop(x_sorted, counts.tolist(), gate, up, down)
 
 

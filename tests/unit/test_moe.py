@@ -100,16 +100,21 @@ def test_the_grouped_mm_path_matches_the_loop_in_values_and_gradients(monkeypatc
     leaves = [torch.randn(24, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
     real, calls, real_ok = torch._grouped_mm, [], moe._grouped_mm_ok
     patch_torch_op(monkeypatch, "_grouped_mm", lambda *a, **k: calls.append(k["offs"].tolist()) or real(*a, **k))
-    results = {}
-    for grouped in (True, False):
-        monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, gate: grouped)
-        x, gate, up, down = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
-        y = grouped_swiglu(x, counts, gate, up, down)
-        y.float().square().sum().backward()
-        results[grouped] = [y, x.grad, gate.grad, up.grad, down.grad]
-    assert calls == [[10, 10, 24, 24]] * 3  # gate, up, down: one grouped GEMM each, cumulative row offsets
-    for got, want in zip(results[True], results[False]):  # the same bf16 products; equal here, bf16's ulp allowed
-        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    # the losses: one whose gradient is a tensor of its own, and plain sums, whose gradients are expanded
+    # (stride 0) or transposed views, which torch._grouped_mm's backward refuses unless made contiguous
+    losses = {"square": lambda y: y.float().square().sum(), "sum": lambda y: y.sum(),
+              "transposed": lambda y: (y.t() * torch.arange(y.shape[0], dtype=y.dtype)).sum()}
+    for name, loss in losses.items():
+        results, calls[:] = {}, []
+        for grouped in (True, False):
+            monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, gate: grouped)
+            x, gate, up, down = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+            y = grouped_swiglu(x, counts, gate, up, down)
+            loss(y).backward()
+            results[grouped] = [y, x.grad, gate.grad, up.grad, down.grad]
+        assert calls == [[10, 10, 24, 24]] * 3, name  # gate, up, down: one grouped GEMM each, cumulative offsets
+        for got, want in zip(results[True], results[False]):  # the same bf16 products; bf16's ulp allowed
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item(), msg=name)
     assert not real_ok(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 8, dtype=torch.bfloat16))  # CPU
 
 
