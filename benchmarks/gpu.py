@@ -1,7 +1,7 @@
 """One-GPU benchmark (issue 34): pipetrain against a plain PyTorch loop, transformers and torch.compile, plus the
 kernel table, in one command and one run, so every ratio in its output comes from the same card.
 
-    python benchmarks/gpu.py [--full] [--steps 6] [--out gpu-benchmark.md]
+    python benchmarks/gpu.py [--full] [--steps 6] [--sequences 16] [--out gpu-benchmark.md]
     python benchmarks/gpu.py --cpu-smoke      # seconds, any machine: the wiring, not a measurement
 
 Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, first-step seconds = compile time plus
@@ -334,6 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row, after 2 warm-up steps")
+    parser.add_argument("--sequences", type=int, default=16,
+                        help="sequences of 2048 tokens a step (16: issue 34's table; fewer lets --full's gpt-1b "
+                             "rows fit an 80 GB card, whose eager row needed 82 GiB at 16)")
     parser.add_argument("--kernel-repeats", type=int, default=10)
     parser.add_argument("--out", default="gpu-benchmark.md", help="markdown file the tables are written to")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: the wiring only")
@@ -352,7 +355,8 @@ def main(argv=None) -> int:
     if smoke:  # train.compile's rows trace as inductor does but run eager kernels: seconds, not minutes
         os.environ[BACKEND_ENV] = "aot_eager"
     device = torch.device("cpu" if smoke else "cuda")
-    setup = Setup(device, torch.float32 if smoke else torch.bfloat16, 32 if smoke else 2048, 2 if smoke else 16,
+    setup = Setup(device, torch.float32 if smoke else torch.bfloat16, 32 if smoke else 2048,
+                  2 if smoke else args.sequences,
                   2 if smoke else args.steps, smoke)
     models = [("llama (cpu smoke: d 64, 2 layers)", SMOKE)] if smoke else [
         ("llama 1.0B (d 2048, 16 layers, GQA 16/8, ffn 8192, vocab 8192)", LLAMA_1B)]
