@@ -20,7 +20,7 @@
 #                         so a cut-short run still names its failures (pytest-all.log under `suite`)
 #   moe.log               benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 #   install.log           the install's and the wheels' output, and datasets' version
-# Each step has its own timeout so a slow one cannot starve the rest: 290 + 220 + 40 s, plus at most 30 s
+# Each step has its own timeout so a slow one cannot starve the rest: 310 + 200 + 40 s, plus at most 30 s
 # of install, inside one 600 s call. gpu.py rewrites its file after every row, target rows first, so if it
 # overruns only the last rows are lost (on an H100 every row took 238 s). The timed steps (gpu.py, moe.py)
 # run alone; the tests time nothing.
@@ -86,7 +86,7 @@ if [ "${1:-}" = suite ]; then  # a session of its own: every test, the slow ones
   exit 0
 fi
 
-step 290 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
+step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
 # the default suite and the gpu tests: the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-step 220 pytest.log "${PYTEST[@]}" "${XDIST[@]}" -m "gpu or not slow" --basetemp=/tmp/pt
+step 200 pytest.log "${PYTEST[@]}" "${XDIST[@]}" -m "gpu or not slow" --basetemp=/tmp/pt
 step 40 moe.log python benchmarks/moe.py experts --reps 5
