@@ -62,7 +62,7 @@ from pipetrain.parallel.ps.server import Server
 from pipetrain.parallel.ps.state import server_log
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe
-from pipetrain.parallel.tensor.fp8 import apply_fp8
+from pipetrain.parallel.tensor.fp8 import apply_fp8, eager_fp8_warning
 from pipetrain.parallel.tensor.layers import apply_tensor_parallel
 from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import Trainer, fused_loss_sum, loss_sum
@@ -133,6 +133,9 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
     if t.precision == "fp8":  # after both: it sets the fp8 of the modules they made
         apply_fp8(model, dims, recipe.model, t.fp8_emulate)
+        slow = eager_fp8_warning(dims.device, t.fp8_emulate, t.compile)
+        if slow and dims.rank == 0:
+            print(slow, file=sys.stderr)
     model, chunks, specs = build_stage(model, dims, recipe.parallel, recipe.train.seq_len)
     ps_embed = _use_ps_embedding(model, chunks, recipe, dims)  # parallel.ps_servers: the table lives on servers
     ckpt_dir = _resume_dir(recipe, dims, resume)

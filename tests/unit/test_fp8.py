@@ -140,6 +140,22 @@ def test_build_refuses_fp8_on_an_old_gpu_with_a_config_error(monkeypatch, tmp_pa
         build_trainer(LLAMA, str(tmp_path), precision="fp8")
 
 
+def test_fp8_on_a_gpu_without_compile_is_warned_about_in_one_line(monkeypatch, tmp_path, capsys):
+    cuda = torch.device("cuda", 0)
+    warning = fp8.eager_fp8_warning(cuda, emulate=False, compile=False)
+    assert "train.compile=true" in warning and "0.58x" in warning and "\n" not in warning
+    # compiled, emulated or on the CPU: nothing to warn about
+    assert fp8.eager_fp8_warning(cuda, emulate=False, compile=True) is None
+    assert fp8.eager_fp8_warning(cuda, emulate=True, compile=False) is None
+    assert fp8.eager_fp8_warning(torch.device("cpu"), emulate=False, compile=False) is None
+    import pipetrain.build as build_module  # build prints what the rule says, once, on rank 0
+    seen = []
+    monkeypatch.setattr(build_module, "eager_fp8_warning",
+                        lambda device, emulate, compile: seen.append(compile) or "warning: fp8 eager")
+    build_trainer(LLAMA, str(tmp_path), ParallelDims(), precision="fp8")
+    assert seen == [False] and capsys.readouterr().err.count("warning: fp8 eager") == 1
+
+
 def test_fp8_converts_the_block_linears_and_leaves_embedding_head_and_norms(tmp_path):
     trainer = build_trainer(LLAMA, str(tmp_path), ParallelDims(), precision="fp8")
     converted = sorted(n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None)
