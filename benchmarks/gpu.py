@@ -225,7 +225,8 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
             graphs = counters["stats"]["unique_graphs"]
             if label in PROFILED:
                 try:
-                    row["profile"], row["top"] = step_profile.profile_step(step, setup.device, top=TOP_KERNELS)
+                    row["profile"], row["top"], row["idle"] = step_profile.profile_step(step, setup.device,
+                                                                                       top=TOP_KERNELS)
                 except Exception as exc:  # noqa: BLE001  (a profiler problem must not cost the row)
                     row["profile_error"] = f"{type(exc).__name__}: {exc}"[:200]
     except ConfigError as exc:
@@ -308,6 +309,8 @@ def format_profile_section(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("top"):
             lines += ["", *step_profile.format_top_kernels(r["implementation"], r["top"])]
+        if r.get("idle") is not None:
+            lines += ["", *step_profile.format_idle(r["implementation"], r["idle"])]
     return lines
 
 

@@ -44,7 +44,8 @@ def category(name: str) -> str:
 
 def profile_step(step, device: torch.device, steps: int = 2, top: int = 0):
     """Seconds per step in each category (COLUMNS), from `steps` calls of step() under torch.profiler; with
-    top > 0, (those totals, the `top` kernels that took longest: top_kernels)."""
+    top > 0, (those totals, the `top` kernels that took longest: top_kernels, and on CUDA the GPU's idle
+    time by host op: idle_by_host_op, else None)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
@@ -56,7 +57,10 @@ def profile_step(step, device: torch.device, steps: int = 2, top: int = 0):
             torch.cuda.synchronize(device)
     events = prof.key_averages()
     totals = sum_by_category(events, on_cuda, steps)
-    return (totals, top_kernels(events, on_cuda, steps, top)) if top else totals
+    if not top:
+        return totals
+    idle = idle_by_host_op(prof.events(), steps)[:top] if on_cuda else None  # the CPU has no device timeline
+    return totals, top_kernels(events, on_cuda, steps, top), idle
 
 
 def _timed_events(events, on_cuda: bool):
@@ -75,6 +79,48 @@ def top_kernels(events, on_cuda: bool, steps: int, n: int) -> list[tuple[str, st
     per step), longest first. What the next change to a step should aim at."""
     timed = sorted(_timed_events(events, on_cuda), key=lambda pair: -pair[1])[:n]
     return [(e.key, category(e.key), us / 1e6 / steps, e.count // steps) for e, us in timed]
+
+
+def idle_by_host_op(events, steps: int, min_gap_us: float = 100.0) -> list[tuple[str, float, int]]:
+    """Where the GPU waited for the host: the gaps of at least min_gap_us between the kernels of the profiled
+    steps (the device timeline, kernels merged where they overlap), each put down to the host op that was
+    running at the gap's middle: its outermost op (a named range such as Optimizer.step, or an aten op
+    called from Python), or "Python, outside any op" when none was. Returns (host op, idle seconds per step,
+    gaps per step), most idle first. From prof.events() (each event's time_range, in microseconds)."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    gaps, busy_until = [], None
+    for start, end in kernels:
+        if busy_until is not None and start - busy_until >= min_gap_us:
+            gaps.append((busy_until, start))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    # a sweep over the gaps' middles in time order, keeping the host's top-level ops (each thread's outermost:
+    # the autograd engine runs the backward's on a thread of its own) that have started and not yet ended
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                   and getattr(e, "cpu_parent", None) is None), key=lambda e: e.time_range.start)
+    idle: dict[str, list[float]] = {}
+    active, next_host = [], 0
+    for start, end in gaps:  # in time order
+        middle = (start + end) / 2
+        while next_host < len(host) and host[next_host].time_range.start <= middle:
+            active.append(host[next_host])
+            next_host += 1
+        active = [e for e in active if e.time_range.end >= middle]
+        outer = min(active, key=lambda e: e.time_range.start, default=None)
+        name = outer.name if outer is not None else "Python, outside any op"
+        idle.setdefault(name, []).append(end - start)
+    rows = [(name, sum(us) / 1e6 / steps, len(us) // steps) for name, us in idle.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def format_idle(label: str, rows: list[tuple[str, float, int]]) -> list[str]:
+    """A markdown table of idle_by_host_op's answer for one implementation."""
+    if not rows:
+        return [f"GPU idle per step, {label}: no gap of 0.1 ms or more between kernels."]
+    lines = [f"GPU idle per step, {label}, by what the host was running:", "",
+             "| host op | idle ms | gaps |", "| --- | ---: | ---: |"]
+    lines += [f"| `{name[:90].replace('|', '/')}` | {s * 1e3:.2f} | {count} |" for name, s, count in rows]
+    return lines
 
 
 def sum_by_category(events, on_cuda: bool, steps: int) -> dict[str, float]:

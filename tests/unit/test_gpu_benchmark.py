@@ -139,6 +139,36 @@ def test_the_step_profile_sorts_kernels_by_kind_and_bounds_what_faster_gemms_giv
     assert table[2].endswith("| 10.0 | 100% | 12.5 | 2.5 |"), table
 
 
+def test_the_gpu_idle_time_is_put_down_to_the_host_op_running_in_each_gap():
+    """Kernels 0-100, 90-200 (overlapping: no gap), 260-300, 1300-1400 (with 1310-1320 inside it, on another
+    stream: the GPU stays busy to 1400) and 1450-1500 us; the host runs
+    Optimizer.step from 250 to 1350 with an aten op inside it, and nothing from 1400 to 1500. Gaps: 200-260
+    (60 us: under the 100 us floor, left out) and 300-1300 (1 ms, middle 800: Optimizer.step, the outermost op
+    there, not the aten op inside it); 1400-1450 is under the floor too. Two steps: per step, half."""
+    from types import SimpleNamespace
+    sp = _load("step_profile")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation)
+
+    events = [event("gemm", cuda, 0, 100), event("add", cuda, 90, 200), event("norm", cuda, 260, 300),
+              event("adam", cuda, 1300, 1400), event("copy", cuda, 1310, 1320), event("adam", cuda, 1450, 1500),
+              event("Optimizer.step#AdamW.step", cuda, 250, 1350, annotation=True),  # a range, not a kernel
+              event("Optimizer.step#AdamW.step", cpu, 250, 1350), event("aten::_foreach_mul_", cpu, 700, 900)]
+    assert sp.idle_by_host_op(events, steps=2) == [("Optimizer.step#AdamW.step", 0.0005, 0)]
+    # a gap where the host runs no op at all (1500-2500), and a floor of 50 us that lets 200-260 and
+    # 1400-1450 in (no host op at their middles either): 1.11 ms in 3 gaps, more than Optimizer.step's 1 ms
+    events.append(event("matmul", cuda, 2500, 2600))
+    rows = sp.idle_by_host_op(events, steps=1, min_gap_us=50)
+    assert [(name, round(s, 8), n) for name, s, n in rows] == [("Python, outside any op", 0.00111, 3),
+                                                              ("Optimizer.step#AdamW.step", 0.001, 1)], rows
+    table = sp.format_idle("row", rows)
+    assert table[4].endswith("| 1.11 | 3 |") and table[5] == "| `Optimizer.step#AdamW.step` | 1.00 | 1 |", table
+    assert sp.format_idle("row", []) == ["GPU idle per step, row: no gap of 0.1 ms or more between kernels."]
+
+
 def test_the_step_profile_counts_each_kernel_once_on_cuda():
     """Named ranges (inductor's compiled-graph call, Optimizer.step) are device events on CUDA too, spanning
     the kernels inside them: counting them would count those kernels twice."""
