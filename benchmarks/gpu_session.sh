@@ -49,7 +49,7 @@ fi
 
 # `python -m pip`: a bare `pip` there may belong to another interpreter. The install counts only if
 # pipetrain.kernels then imports (an old setuptools makes an editable install without the kernels/ mapping).
-timeout 30 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+timeout 30 python -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1
 if ! python -c "import pipetrain.kernels" >> "$OUT/install.log" 2>&1; then
   python -c "import setuptools; print('setuptools', setuptools.__version__)" >> "$OUT/install.log" 2>&1
   ln -sfn ../kernels pipetrain/kernels
@@ -82,11 +82,11 @@ fi
 XDIST=()
 if python -c "import xdist" 2> /dev/null; then XDIST=(-n 12); fi
 if [ "${1:-}" = suite ]; then  # a session of its own: every test, the slow ones too
-  step 560 pytest-all.log "${PYTEST[@]}" "${XDIST[@]}" -m "gpu or slow or not slow" --basetemp=/tmp/pt-all
+  step 560 pytest-all.log "${PYTEST[@]}" ${XDIST[@]+"${XDIST[@]}"} -m "gpu or slow or not slow" --basetemp=/tmp/pt-all
   exit 0
 fi
 
 step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
 # the default suite and the gpu tests: the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-step 200 pytest.log "${PYTEST[@]}" "${XDIST[@]}" -m "gpu or not slow" --basetemp=/tmp/pt
+step 200 pytest.log "${PYTEST[@]}" ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt
 step 40 moe.log python benchmarks/moe.py experts --reps 5
