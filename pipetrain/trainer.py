@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from pipetrain.checkpoint.save import Item, owned_tensors
 from pipetrain.config import Recipe
-from pipetrain.data import IGNORE_INDEX, Batch, Loader
+from pipetrain.data import IGNORE_INDEX, Batch, Loader, to_device
 from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
@@ -42,7 +42,7 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
     count = int((targets != IGNORE_INDEX).sum())
     if count == 0:
         return logits.sum() * 0.0
-    targets = targets.to(logits.device, non_blocking=True)
+    targets = to_device(targets, logits.device)
     return vocab_parallel_cross_entropy(logits, targets, IGNORE_INDEX, tp_group) * count
 
 
@@ -52,7 +52,7 @@ def fused_loss_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     count = int((targets != IGNORE_INDEX).sum())
     if count == 0:
         return (hidden.sum() + head.weight.sum()) * 0.0
-    targets = targets.to(hidden.device, non_blocking=True)
+    targets = to_device(targets, hidden.device)
     return head_cross_entropy(hidden, head, targets, IGNORE_INDEX, tp_group) * count
 
 
@@ -208,6 +208,14 @@ class Trainer:
             check(0.0)
             grad_norm, lr, extra = relaxed(self.step + 1, lambda k: lr_at(k, cfg), cfg.grad_clip, check,
                                            compute_s + slept)
+        elif self.ps is None and getattr(self.optimizer, "steps_on_device", False):
+            # nothing is read to the host until the whole step is queued: the GPU never waits for the host
+            # mid-step. A non-finite loss or norm makes the fused update skip itself; the read raises.
+            lr = lr_at(self.step + 1, cfg)
+            norm = self.optimizer.clip_and_step(cfg.grad_clip, lr, loss_sum)
+            loss, grad_norm = torch.stack([loss_sum.float(), norm]).tolist()
+            loss /= num_targets
+            check(grad_norm)
         else:
             grad_norm = self.optimizer.clip_grad_norm(cfg.grad_clip)
             loss = float(loss_sum) / num_targets

@@ -25,6 +25,10 @@ ReadBox = Callable[[str, tuple, tuple, tuple], torch.Tensor]
 StateEntry = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]
 
 _NO_DECAY_MODULES = ("embed", "pos_embed")
+# devices whose parameters get torch's fused AdamW (one kernel per step, clip and skip on the device:
+# pipetrain.optim.build.Optimizer.clip_and_step); elsewhere foreach. The CPU has a fused AdamW too, but
+# the CPU suite's figures and memory model are foreach's; tests add "cpu" to run the fused path here.
+FUSED_DEVICES = ("cuda",)
 
 
 def decays(name: str, p: torch.Tensor, tied: bool = False) -> bool:
@@ -45,8 +49,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_adamw(params_or_groups, cfg: TrainConfig) -> torch.optim.AdamW:
-    # foreach keeps the per-parameter loop out of Python; fused is CUDA-only in some torch builds.
-    fused = all(p.is_cuda for g in params_or_groups for p in (g["params"] if isinstance(g, dict) else [g]))
+    # foreach keeps the per-parameter loop out of Python; fused also keeps the update in one kernel
+    fused = all(p.device.type in FUSED_DEVICES for g in params_or_groups
+                for p in (g["params"] if isinstance(g, dict) else [g]))
     return torch.optim.AdamW(params_or_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              fused=fused or None, foreach=None if fused else True)
 

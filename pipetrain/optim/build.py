@@ -19,7 +19,8 @@ from pipetrain.optim.adamw import (ReadBox, StateEntry, build_adamw, is_tied, pa
                                    param_groups, set_lr, step_adamw)
 from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
                                        torch_opt_state_items)
-from pipetrain.parallel.data.grads import clip_grad_norm, sync_grads, tied_copy_names
+from pipetrain.parallel.data.grads import (GradNormGroups, clip_divisor, clip_grad_norm, global_grad_norm_tensor,
+                                           sync_grads, tied_copy_names)
 from pipetrain.parallel.replicas.periodic import PeriodicSyncOptimizer
 from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
 from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer, needs_replica_sync, sync_mode
@@ -47,6 +48,7 @@ class Optimizer:
         self.steps_taken = 0
         # the parameters are fixed once the optimizer holds them: a list, not a walk over every module per step
         self._params = list(model.parameters())
+        self._norm_groups = GradNormGroups(model, dims)
 
     def zero_grad(self) -> None:
         for p in self._params:
@@ -56,7 +58,30 @@ class Optimizer:
         sync_grads(self.model, self.dims, self.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, self.dims, max_norm, extra_sq=getattr(self, "extra_grad_sq", 0.0))
+        return clip_grad_norm(self.model, self.dims, max_norm, extra_sq=getattr(self, "extra_grad_sq", 0.0),
+                              groups=self._norm_groups)
+
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether clip_and_step can clip, check and step without reading anything to the host: torch's
+        fused AdamW (CUDA) takes the clip as its grad_scale and skips itself on found_inf."""
+        return bool(self.torch_opt.defaults.get("fused"))
+
+    def clip_and_step(self, max_norm: float, lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
+        """clip_grad_norm + step(lr) with no host read (steps_on_device): the global norm stays on the device,
+        the fused step divides the gradients by clip_divisor, and it leaves weights, moments and step
+        counters untouched when the norm or loss_sum (the step's global loss) is not finite; the caller
+        reads both afterwards and raises then. Returns the norm (0-dim fp32 tensor on the device)."""
+        sharded, replicated = self._norm_groups.sq_norms(self.dims)
+        norm = global_grad_norm_tensor(sharded, replicated, self.dims)
+        opt = self.torch_opt
+        opt.found_inf = (~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()
+        opt.grad_scale = clip_divisor(norm, max_norm)
+        try:
+            self.step(lr)
+        finally:
+            del opt.found_inf, opt.grad_scale
+        return norm
 
     def step(self, lr: float) -> None:
         set_lr(self.torch_opt, lr)

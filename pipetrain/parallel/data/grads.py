@@ -95,36 +95,65 @@ def _tied_param(model: nn.Module) -> nn.Parameter | None:
     return None
 
 
+class GradNormGroups:
+    """The parameters of a gradient norm sorted once by how their squares are summed (grad_sq_norms):
+    tp-sharded, tp-replicated and, with dims.ep > 1, experts; the tied head copy is left out. Sorting
+    walks every module (param_layout), which is host time a step should not spend (docs/benchmarks.md,
+    "Host time of a step"), so an optimizer holds one for its fixed parameters."""
+
+    def __init__(self, model: nn.Module, dims=None):
+        params = dict(model.named_parameters())
+        skip = tied_copy_names(model)
+        self.ep = getattr(dims, "ep", 1) > 1
+        experts = expert_param_ids(model) if self.ep else set()
+        self.device = next(iter(params.values())).device
+        self.sharded, self.replicated, self.experts = [], [], []
+        for name, (shape, _) in param_layout(model).items():
+            p = params[name]
+            if name in skip:
+                continue
+            if id(p) in experts:
+                self.experts.append(p)
+            elif is_tp_replicated(shape, p.shape):
+                self.replicated.append(p)
+            else:
+                self.sharded.append(p)
+
+    def sq_norms(self, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of squares over tp-sharded grads, over tp-replicated grads), on the device, no host read."""
+        sharded = sum_sq(_grads(self.sharded), self.device)
+        if self.ep:  # the same on every ep rank afterwards; F-sharded under tp, so summed over tp with the shards
+            sharded = sharded + all_reduce_(sum_sq(_grads(self.experts), self.device), dims.ep_group)
+        return sharded, sum_sq(_grads(self.replicated), self.device)
+
+
+def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad.detach() for p in params if p.grad is not None]
+
+
+def sum_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of grads, fp32, on device: one foreach norm over the fp32 ones (a launch or two, not three
+    per tensor), each other dtype cast to fp32 first. ZeRO sums its rows with it too (the same bits at dp 1)."""
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if fp32:
+        total = torch.stack(torch._foreach_norm(fp32)).square().sum()
+    for g in grads:
+        if g.dtype != torch.float32:
+            total = total + g.float().square().sum()
+    return total
+
+
 def grad_sq_norms(model: nn.Module, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of squares over tp-sharded grads, over tp-replicated grads) for this rank's parameters; with
     dims.ep > 1 the experts' squares are first summed over the ep group (each rank holds other experts)."""
-    params = dict(model.named_parameters())
-    skip = tied_copy_names(model)
-    ep = getattr(dims, "ep", 1) > 1
-    experts = expert_param_ids(model) if ep else set()
-    device = next(iter(params.values())).device
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for name, (shape, _) in param_layout(model).items():
-        p = params[name]
-        if name in skip or p.grad is None:
-            continue
-        sq = p.grad.detach().float().square().sum()
-        if id(p) in experts:
-            expert_sq += sq
-        elif is_tp_replicated(shape, p.shape):
-            replicated += sq
-        else:
-            sharded += sq
-    if ep:  # the same on every ep rank afterwards; F-sharded under tp, so summed over tp with the shards
-        sharded += all_reduce_(expert_sq, dims.ep_group)
-    return sharded, replicated
+    return GradNormGroups(model, dims).sq_norms(dims)
 
 
-def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
-                     shard_group="dp", extra_sq: float = 0.0) -> float:
-    """The global L2 norm from this rank's sums of squares over tp-sharded and tp-replicated grads.
+def global_grad_norm_tensor(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
+                            shard_group="dp", extra_sq: float = 0.0) -> torch.Tensor:
+    """The global L2 norm, a 0-dim fp32 tensor on the device (no host read), from this rank's sums of
+    squares over tp-sharded and tp-replicated grads.
 
     dp_sharded: each dp rank holds different rows (ZeRO), so both sums are first summed over dp;
     without it every dp rank holds the same full gradients and dp is not summed (no double count).
@@ -142,7 +171,13 @@ def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_s
     total = sharded + replicated
     if dims.pp > 1:
         all_reduce_(total, dims.pp_group)
-    return float(total.sqrt())
+    return total.sqrt()
+
+
+def global_grad_norm(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
+                     shard_group="dp", extra_sq: float = 0.0) -> float:
+    """global_grad_norm_tensor read to the host (a synchronisation on a GPU)."""
+    return float(global_grad_norm_tensor(sharded, replicated, dims, dp_sharded, shard_group, extra_sq))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -152,9 +187,21 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
     return None
 
 
-def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0) -> float:
-    """Global gradient L2 norm over all ranks; scales gradients in place when it exceeds max_norm > 0."""
-    sharded, replicated = grad_sq_norms(model, dims)
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What a fused optimizer's grad_scale divides the gradients by to clip them, on the device (no host
+    read): (norm + 1e-6) / max_norm where norm > max_norm, else 1; None when max_norm <= 0 disables clipping.
+    Dividing by it is clip_coefficient's multiply, to round-off, without a pass of its own over the gradients."""
+    if max_norm <= 0:
+        return None
+    return torch.where(norm > max_norm, (norm.double() + 1e-6) / max_norm, 1.0).float()
+
+
+def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0,
+                   groups: GradNormGroups | None = None) -> float:
+    """Global gradient L2 norm over all ranks; scales gradients in place when it exceeds max_norm > 0.
+    groups: the model's GradNormGroups, kept by the caller (None: sorted now)."""
+    groups = groups if groups is not None else GradNormGroups(model, dims)
+    sharded, replicated = groups.sq_norms(dims)
     norm = global_grad_norm(sharded, replicated, dims, extra_sq=extra_sq)
     coef = clip_coefficient(norm, max_norm)
     if coef is not None:

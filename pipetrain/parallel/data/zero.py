@@ -52,7 +52,7 @@ from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, to
 from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.flat import copy_back_, flatten
-from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, is_tp_replicated,
+from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, is_tp_replicated, sum_sq,
                                            model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
 
 # Buckets whose reduction may be in flight at once: each holds a (dp * P,) buffer until finished, so
@@ -357,19 +357,14 @@ class ZeroOptimizer:
     def grad_sq_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of squares over tp-sharded, over tp-replicated) of this rank's gradient rows."""
         skip = tied_copy_names(self.model)
-        device = self.params[0].device
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        replicated = torch.zeros((), dtype=torch.float32, device=device)
+        sharded, replicated = [], []
         for i in sorted(self._grad_shards):  # parameter order, as zero 0 sums: same norm to the last bit
             grad, shard = self._grad_shards[i], self.shards[i]
-            if shard.name in skip:
-                continue
-            sq = grad.detach().float().square().sum()
-            if is_tp_replicated(shard.global_shape, shard.local_shape):
-                replicated += sq
-            else:
-                sharded += sq
-        return sharded, replicated
+            if shard.name not in skip:
+                kind = replicated if is_tp_replicated(shard.global_shape, shard.local_shape) else sharded
+                kind.append(grad.detach())
+        device = self.params[0].device
+        return sum_sq(sharded, device), sum_sq(replicated, device)
 
     def scale_grads(self, coef: float) -> None:
         """Multiply the gradients by coef (clipping)."""

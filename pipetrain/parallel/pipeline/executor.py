@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from pipetrain.data.loader import to_device
 from pipetrain.parallel.mesh.comm import batches_p2p_by_default, post_p2p
 from pipetrain.parallel.pipeline.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
 from pipetrain.parallel.pipeline.weight_grads import (apply_weight_grads, assign_work_keys, deferring,
@@ -145,7 +146,7 @@ class Executor:
                     inputs[key] = out_prev.detach().requires_grad_(not forward_only)
                 elif not spec.is_first:
                     arrived(RECV_ACT, key)
-                x = mb.inputs.to(device) if spec.is_first else inputs[key]
+                x = to_device(mb.inputs, device) if spec.is_first else inputs[key]
                 with self.autocast(), deferral(key) if not forward_only else contextlib.nullcontext():
                     positions = getattr(mb, "positions", None)  # document masking: (B, T) for every stage
                     out = chunk(x) if positions is None else chunk(x, positions)

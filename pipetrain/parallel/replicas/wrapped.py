@@ -55,6 +55,8 @@ class WrappedOptimizer:
     and any other attribute (stage, views, model, state_bytes, ...) read from it. Subclasses set
     self.wrapped in __init__."""
 
+    steps_on_device = False  # a wrapper exchanges across replicas in sync_step: never the wrapped one's own path
+
     def __getattr__(self, name):
         if name == "wrapped":
             raise AttributeError(name)
