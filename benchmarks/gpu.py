@@ -1,7 +1,8 @@
 """One-GPU benchmark (issue 34): pipetrain against a plain PyTorch loop, transformers and torch.compile, plus the
 kernel table, in one command and one run, so every ratio in its output comes from the same card.
 
-    python benchmarks/gpu.py [--full] [--steps 6] [--sequences 16] [--out gpu-benchmark.md]
+    python benchmarks/gpu.py [--full | --model gpt-1b ...] [--only LABEL ...] [--steps 6] [--sequences 16]
+                             [--no-kernel-table] [--out gpu-benchmark.md]
     python benchmarks/gpu.py --cpu-smoke      # seconds, any machine: the wiring, not a measurement
 
 Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, first-step seconds = compile time plus
@@ -66,6 +67,10 @@ LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_he
 GPT_1B = dict(family="gpt2", vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=None,
               ffn_hidden=None, max_seq_len=2048, tie_embeddings=True)  # None: the family's default (null)
 LLAMA_1B5_BIG_VOCAB = dict(LLAMA_1B, vocab_size=128256)  # 1.53B: the llama 1.0B with a 128k vocab
+# --model NAME: (table heading, model keys)
+MODELS = {"llama-1b": ("llama 1.0B (d 2048, 16 layers, GQA 16/8, ffn 8192, vocab 8192)", LLAMA_1B),
+          "gpt-1b": ("gpt-1b recipe's model (GPT-2 arch, 1.3B, vocab 50304)", GPT_1B),
+          "llama-1b5": ("llama 1.5B, vocab 128,256", LLAMA_1B5_BIG_VOCAB)}
 SMOKE = dict(family="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
              max_seq_len=32, tie_embeddings=False)
 # (label, kind, recipe overrides or None); kind: pipetrain | pipetrain-torch | plain | compiled | hf.
@@ -332,10 +337,21 @@ def kernel_table(setup: Setup, repeats: int) -> list[str]:
     return lines
 
 
+def selected_models(names: list[str], full: bool, smoke: bool) -> list[tuple[str, dict]]:
+    """(table heading, model keys) of each model to run: --model's in its order, else llama-1b (--full: all
+    three); the CPU smoke's tiny llama whatever was asked."""
+    if smoke:
+        return [("llama (cpu smoke: d 64, 2 layers)", SMOKE)]
+    return [MODELS[n] for n in names or (list(MODELS) if full else ["llama-1b"])]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
                         help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k")
+    parser.add_argument("--model", action="append", default=[], choices=list(MODELS),
+                        help="run this model's rows (repeatable, in the order given); default: llama-1b "
+                             "(--full: all three)")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row, after 2 warm-up steps")
     parser.add_argument("--sequences", type=int, default=16,
                         help="sequences of 2048 tokens a step (16: issue 34's table; fewer lets --full's gpt-1b "
@@ -361,11 +377,7 @@ def main(argv=None) -> int:
     setup = Setup(device, torch.float32 if smoke else torch.bfloat16, 32 if smoke else 2048,
                   2 if smoke else args.sequences,
                   2 if smoke else args.steps, smoke)
-    models = [("llama (cpu smoke: d 64, 2 layers)", SMOKE)] if smoke else [
-        ("llama 1.0B (d 2048, 16 layers, GQA 16/8, ffn 8192, vocab 8192)", LLAMA_1B)]
-    if args.full and not smoke:
-        models += [("gpt-1b recipe's model (GPT-2 arch, 1.3B, vocab 50304)", GPT_1B),
-                   ("llama 1.5B, vocab 128,256", LLAMA_1B5_BIG_VOCAB)]
+    models = selected_models(args.model, args.full, smoke)
     peak = peak_tflops(device, None)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: numbers mean nothing)"
     header = [f"# benchmarks/gpu.py on {card}", "",

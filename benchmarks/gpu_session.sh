@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Everything one lent GPU is for, in one command that fits the device tool's 10-minute call:
 #
-#   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine)
+#   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine) issue 34's target
+#                                             rows on the gpt-1b recipe's model and the llama 1.0B, the default
+#                                             suite with the `gpu` tests, the MoE grouped GEMM
+#   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table instead of the targets
 #   bash benchmarks/gpu_session.sh suite      every test there instead, the slow ones too
 #   bash benchmarks/gpu_session.sh check      five minutes: issue 34's rows with their profiles, then `pytest -m gpu`
 #
@@ -13,17 +16,20 @@
 #
 # Writes under $OUT (the device tool's return folder; ./gpu-out elsewhere):
 #   card.txt              nvidia-smi's name and memory, and torch / Triton versions
-#   gpu-benchmark.md      benchmarks/gpu.py's tables (issue 34: compile, fp8, fused loss, the kernel table)
-#   gpu.log               its console output
+#   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
+#                         loop, fp8 + compile) with their profiles, per model; gpu-gpt.log, gpu-llama.log
+#   gpu-benchmark.md      (`all`) every default row and the kernel table; gpu.log
 #   pytest.log            the default suite with the `gpu` tests (the CUDA paths: Triton compiled, bf16,
 #                         fp8, compile); the CPU tests see no GPU there (tests/conftest.py); one test a line,
 #                         so a cut-short run still names its failures (pytest-all.log under `suite`)
 #   moe.log               benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 #   install.log           the install's and the wheels' output, and datasets' version
-# Each step has its own timeout so a slow one cannot starve the rest: 310 + 200 + 40 s, plus at most 30 s
-# of install, inside one 600 s call. gpu.py rewrites its file after every row, target rows first, so if it
-# overruns only the last rows are lost (on an H100 every row took 238 s). The timed steps (gpu.py, moe.py)
-# run alone; the tests time nothing.
+# Each step has its own timeout so a slow one cannot starve the rest: 150 + 120 + 200 + 40 s (`all`: 310 +
+# 200 + 40), plus at most 30 s of install, inside one 600 s call. gpu.py rewrites its file after every row,
+# so a step that overruns loses only its last rows (on an H100 all ten llama rows and the kernel table took
+# 238 s). The timed steps (gpu.py, moe.py) run alone; the tests time nothing. The gpt-1b rows need 82 to 99
+# GiB at 16 sequences (issue 34's H200 run), so a card under 100 GB runs them at 8; the llama rows run at 16
+# as every earlier llama figure did.
 # Multi-GPU comparisons (zero 3 against FSDP2, cp against torch's context_parallel) need several cards:
 # one card cannot run them (multi-process tests never put two ranks on one GPU).
 set -u
@@ -86,7 +92,18 @@ if [ "${1:-}" = suite ]; then  # a session of its own: every test, the slow ones
   exit 0
 fi
 
-step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
+if [ "${1:-}" = all ]; then
+  step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
+else
+  TARGETS=(--no-kernel-table --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true"
+           --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true")
+  MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
+  GPT_SEQUENCES=8
+  if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then GPT_SEQUENCES=16; fi
+  step 150 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$GPT_SEQUENCES" "${TARGETS[@]}" \
+    --out "$OUT/gpu-gpt.md"
+  step 120 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --out "$OUT/gpu-llama.md"
+fi
 # the default suite and the gpu tests: the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
 step 200 pytest.log "${PYTEST[@]}" ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt
 step 40 moe.log python benchmarks/moe.py experts --reps 5

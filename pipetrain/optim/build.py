@@ -19,7 +19,7 @@ from pipetrain.optim.adamw import (ReadBox, StateEntry, build_adamw, is_tied, pa
                                    param_groups, set_lr, step_adamw)
 from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
                                        torch_opt_state_items)
-from pipetrain.parallel.data.grads import (GradNormGroups, clip_divisor, clip_grad_norm, global_grad_norm_tensor,
+from pipetrain.parallel.data.grads import (GradNormGroups, clip_grad_norm, global_grad_norm_tensor, step_on_device,
                                            sync_grads, tied_copy_names)
 from pipetrain.parallel.replicas.periodic import PeriodicSyncOptimizer
 from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
@@ -68,19 +68,11 @@ class Optimizer:
         return bool(self.torch_opt.defaults.get("fused"))
 
     def clip_and_step(self, max_norm: float, lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
-        """clip_grad_norm + step(lr) with no host read (steps_on_device): the global norm stays on the device,
-        the fused step divides the gradients by clip_divisor, and it leaves weights, moments and step
-        counters untouched when the norm or loss_sum (the step's global loss) is not finite; the caller
-        reads both afterwards and raises then. Returns the norm (0-dim fp32 tensor on the device)."""
-        sharded, replicated = self._norm_groups.sq_norms(self.dims)
-        norm = global_grad_norm_tensor(sharded, replicated, self.dims)
-        opt = self.torch_opt
-        opt.found_inf = (~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()
-        opt.grad_scale = clip_divisor(norm, max_norm)
-        try:
-            self.step(lr)
-        finally:
-            del opt.found_inf, opt.grad_scale
+        """clip_grad_norm + step(lr) with no host read (steps_on_device, grads.step_on_device): weights stay as
+        they were when the norm or loss_sum (the step's global loss) is not finite, and the caller, reading
+        both afterwards, raises. Returns the norm (0-dim fp32 tensor on the device)."""
+        norm = global_grad_norm_tensor(*self._norm_groups.sq_norms(self.dims), self.dims)
+        step_on_device(self.torch_opt, lambda: self.step(lr), norm, max_norm, loss_sum)
         return norm
 
     def step(self, lr: float) -> None:

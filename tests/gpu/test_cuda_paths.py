@@ -89,3 +89,28 @@ def test_train_compile_on_cuda_matches_eager(tmp_path, bf16_on_cuda):
     proc, metrics = run_train(str(tmp_path), ["train.precision=bf16", "train.compile=true", *GPU_STEPS], cuda=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert step_losses(metrics) == pytest.approx(bf16_on_cuda, rel=2e-2)  # bf16: fusion changes the rounding
+
+
+_STEP_ON_DEVICE = """
+import tempfile, torch
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.unit.common import LLAMA, build_trainer
+from tests.unit.test_step_on_device import _Ops, _float_reads_before_the_update
+trainer = build_trainer(LLAMA, tempfile.mkdtemp(), ParallelDims(device=torch.device("cuda")), steps=3,
+                        precision="bf16", grad_clip=0.5)
+assert trainer.optimizer.steps_on_device, "CUDA parameters should get the fused AdamW"
+trainer.train_step()
+with _Ops() as mode:
+    record = trainer.train_step()
+print("float reads before the update:", _float_reads_before_the_update(mode.ops), record["loss"])
+"""
+
+
+def test_a_training_step_on_cuda_reads_nothing_to_the_host_before_its_update():
+    """The step on the device (tests/unit/test_step_on_device.py) as CUDA runs it: fused AdamW by default, the
+    norm, clip and check queued without a read, so the GPU never drains mid-step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _STEP_ON_DEVICE], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "float reads before the update: 0 " in proc.stdout, proc.stdout

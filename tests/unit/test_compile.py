@@ -14,17 +14,18 @@ from pipetrain.models import build
 from pipetrain.models.compile import BACKEND_ENV, apply_compile, compile_backend, compile_problems
 from pipetrain.parallel.pipeline.weight_grads import (apply_grad_accumulation_fusion, apply_weight_grads,
                                                       assign_work_keys, deferring, weight_grad_modules)
-from tests.unit.common import LLAMA, build_trainer
+from tests.unit.common import GPT2, LLAMA, build_trainer
 
 
-def _losses(tmp_path, name: str, steps: int = 3, **keys):
+def _losses(tmp_path, name: str, steps: int = 3, model=LLAMA, **keys):
     out = tmp_path / name
     out.mkdir()
-    trainer = build_trainer(LLAMA, str(out), steps=steps, microbatches=2, **keys)
+    trainer = build_trainer(model, str(out), steps=steps, microbatches=2, **keys)
     return trainer, [trainer.train_step()["loss"] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}], ids=["fp32_recompute", "bf16"])
+@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}, {"model": GPT2}],
+                         ids=["fp32_recompute", "bf16", "gpt2"])  # gpt2: the gpt-1b recipe's family (issue 34)
 def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, monkeypatch, keys):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inductor's trace with eager kernels: bitwise, bf16 autocast too
     counters.clear()

@@ -75,6 +75,19 @@ def test_only_runs_the_rows_it_names_and_can_skip_the_kernel_table(tmp_path, mon
     assert exc.value.code == 2 and done[3:] == []
 
 
+def test_model_picks_the_models_in_the_order_given(monkeypatch):
+    bench = _load("gpu", monkeypatch)
+    assert bench.selected_models(["gpt-1b", "llama-1b"], False, False) == [bench.MODELS["gpt-1b"],
+                                                                          bench.MODELS["llama-1b"]]
+    assert bench.selected_models([], False, False) == [bench.MODELS["llama-1b"]]
+    assert bench.selected_models([], True, False) == list(bench.MODELS.values())
+    assert bench.selected_models(["gpt-1b"], False, True)[0][1] is bench.SMOKE
+    assert bench.MODELS["gpt-1b"][1]["vocab_size"] == 50304 and bench.MODELS["gpt-1b"][1]["family"] == "gpt2"
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--cpu-smoke", "--model", "gpt-2b"])
+    assert exc.value.code == 2
+
+
 def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """The file is rewritten after every row, so a GPU session's time limit loses only the rows not yet run
     (they come in the order of issue 34's targets)."""

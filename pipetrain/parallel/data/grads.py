@@ -17,6 +17,8 @@ every gradient, so the partial sums are also summed over dp (global_grad_norm(..
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -73,6 +75,8 @@ def sync_grads(model: nn.Module, dims, dp_group="dp") -> None:
     ("dp": dims.dp_group) is the data-parallel group summed over (a relaxed run's dp_shard group)."""
     sync_model_parallel_grads(model, dims)
     group = dims.dp_group if dp_group == "dp" else dp_group
+    if group is None and getattr(dims, "ep", 1) == 1:  # one replica: nothing to sum (and no walk over the model)
+        return
     params = [p for p in model.parameters() if p.grad is not None]
     if getattr(dims, "ep", 1) > 1:  # experts: over the ranks holding the same experts
         experts = expert_param_ids(model)
@@ -194,6 +198,19 @@ def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     if max_norm <= 0:
         return None
     return torch.where(norm > max_norm, (norm.double() + 1e-6) / max_norm, 1.0).float()
+
+
+def step_on_device(torch_opt: torch.optim.Optimizer, step: Callable[[], None], norm: torch.Tensor, max_norm: float,
+                   loss_sum: torch.Tensor) -> None:
+    """Run step() (an update by torch_opt, a fused AdamW) clipped and checked with no host read: the fused
+    kernel divides the gradients by clip_divisor(norm) (its grad_scale) and leaves weights, moments and step
+    counters as they were when norm or loss_sum is not finite (its found_inf). The caller reads both later."""
+    torch_opt.found_inf = (~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()
+    torch_opt.grad_scale = clip_divisor(norm, max_norm)
+    try:
+        step()
+    finally:
+        del torch_opt.found_inf, torch_opt.grad_scale
 
 
 def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0,

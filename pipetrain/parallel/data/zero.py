@@ -52,8 +52,9 @@ from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, to
 from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_async, reduce_scatter_async
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.data.flat import copy_back_, flatten
-from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, is_tp_replicated, sum_sq,
-                                           model_parallel_synced_params, sync_model_parallel_grads, tied_copy_names)
+from pipetrain.parallel.data.grads import (clip_coefficient, global_grad_norm, global_grad_norm_tensor,
+                                           is_tp_replicated, model_parallel_synced_params, step_on_device, sum_sq,
+                                           sync_model_parallel_grads, tied_copy_names)
 
 # Buckets whose reduction may be in flight at once: each holds a (dp * P,) buffer until finished, so
 # this bounds the transient memory of the reduction to about two buckets (the launch that exceeds it
@@ -352,6 +353,17 @@ class ZeroOptimizer:
         coef = clip_coefficient(norm, max_norm)
         if coef is not None:
             self.scale_grads(coef)
+        return norm
+
+    @property
+    def steps_on_device(self) -> bool:
+        """As pipetrain.optim.build.Optimizer's: a fused AdamW over the rows clips and checks on the device."""
+        return bool(self.torch_opt.defaults.get("fused"))
+
+    def clip_and_step(self, max_norm: float, lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
+        """clip_grad_norm + step(lr) with no host read (grads.step_on_device); returns the norm on the device."""
+        norm = global_grad_norm_tensor(*self.grad_sq_sums(), self.dims, dp_sharded=True, shard_group=self.dp_group)
+        step_on_device(self.torch_opt, lambda: self.step(lr), norm, max_norm, loss_sum)
         return norm
 
     def grad_sq_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
