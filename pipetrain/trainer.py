@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from pipetrain.checkpoint.save import Item, owned_tensors
 from pipetrain.config import Recipe
-from pipetrain.data import IGNORE_INDEX, Batch, Loader, to_device
+from pipetrain.data import IGNORE_INDEX, Batch, Loader
 from pipetrain.faults import Faults
 from pipetrain.metrics import MetricsLogger, peak_memory_bytes
 from pipetrain.models import flops_per_token
@@ -26,7 +26,7 @@ from pipetrain.parallel.mesh.comm import all_reduce_, max_over_world_async, sum_
 from pipetrain.parallel.tensor.cross_entropy import head_cross_entropy, vocab_parallel_cross_entropy
 from pipetrain.parallel.replicas.dbs import DynamicBatch
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.pipeline.executor import Executor
+from pipetrain.parallel.pipeline.executor import Executor, to_device
 from pipetrain.parallel.data.grads import clip_coefficient
 from pipetrain.parallel.replicas.wrapped import sync_mode
 from pipetrain.parallel.pipeline.schedules import Action

@@ -23,7 +23,7 @@ import numpy as np
 from pipetrain.config import DataConfig
 from pipetrain.data.corpus import (Corpus, is_prepared, load_tokenizer, open_prepared, prepare, prepared_dir_for,
                                    tokenizer_fingerprint)
-from pipetrain.data.loader import IGNORE_INDEX, Batch, BlendedData, Loader, PackedData, to_device
+from pipetrain.data.loader import IGNORE_INDEX, Batch, BlendedData, Loader, PackedData
 
 POLL_SECONDS = 2.0
 
@@ -96,5 +96,5 @@ def tokenize_corpus(cfg: DataConfig, tokenizer) -> tuple[np.ndarray, np.ndarray]
 
 
 __all__ = ["IGNORE_INDEX", "Batch", "BlendedData", "Corpus", "Loader", "PackedData", "build_data", "build_loader",
-           "to_device", "is_prepared", "load_tokenizer", "open_prepared", "prepare", "prepare_sources",
-           "prepared_dir_for", "sources_of", "tokenize_corpus", "tokenizer_fingerprint"]
+           "is_prepared", "load_tokenizer", "open_prepared", "prepare", "prepare_sources", "prepared_dir_for",
+           "sources_of", "tokenize_corpus", "tokenizer_fingerprint"]

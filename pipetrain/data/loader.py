@@ -37,15 +37,6 @@ from pipetrain.data.order import BlendPattern, WindowOrder
 IGNORE_INDEX = -100
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t (a CPU batch tensor) on device, without the host waiting for the device: to a GPU it is copied from
-    pinned memory with non_blocking (a plain .to() from pageable memory synchronises with the stream, so the
-    GPU would drain before every microbatch's forward while the host launches it); elsewhere t.to(device)."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass
 class Batch:
     inputs: torch.Tensor                       # (b, S) int64

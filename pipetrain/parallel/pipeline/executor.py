@@ -37,11 +37,19 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from pipetrain.data.loader import to_device
 from pipetrain.parallel.mesh.comm import batches_p2p_by_default, post_p2p
 from pipetrain.parallel.pipeline.schedules import (B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, W, Action)
 from pipetrain.parallel.pipeline.weight_grads import (apply_weight_grads, assign_work_keys, deferring,
                                                       weight_grad_modules)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t (a CPU batch tensor) on device, without the host waiting for the device: to a GPU it is copied from
+    pinned memory with non_blocking (a plain .to() from pageable memory synchronises with the stream, so the
+    GPU would drain before every microbatch's forward while the host launches it); elsewhere t.to(device)."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class Executor:
