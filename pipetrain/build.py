@@ -271,17 +271,20 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
                     autocast=autocast)
 
 
-# device types on which benchmarks/gpu.py has measured the fused loss at least as fast as eager; "auto"
-# turns it on there only. Empty until a GPU run records it (docs/benchmarks.md): the redesigned kernel has
-# not yet run on a GPU, and the previous one was 2.27x slower than eager on an H200. The CPU path saves
-# memory, not time, so the CPU stays off too.
-FUSED_LOSS_MEASURED_FASTER: frozenset[str] = frozenset()
+# device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
+# as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
+# the logits it never builds are tokens x vocab). Nothing is recorded yet: on an H100 at vocab 8192 it ran at
+# 0.88x (docs/benchmarks.md), and the GPU session script measures it at vocab 128,256 next. The CPU path saves
+# memory, not time, so the CPU stays off.
+FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {}
 
 
 def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:
-    """train.fused_loss resolved: true / false as set; "auto" fuses where it was measured faster."""
+    """train.fused_loss resolved: true / false as set; "auto" fuses where it was measured faster (a device type
+    and a vocabulary per tp rank of at least FUSED_LOSS_FASTER_FROM_VOCAB's)."""
     if recipe.train.fused_loss == "auto":
-        return device.type in FUSED_LOSS_MEASURED_FASTER
+        smallest = FUSED_LOSS_FASTER_FROM_VOCAB.get(device.type)
+        return smallest is not None and recipe.model.vocab_size // recipe.parallel.tp >= smallest
     return bool(recipe.train.fused_loss)
 
 

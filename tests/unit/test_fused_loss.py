@@ -87,12 +87,20 @@ def test_fused_loss_never_builds_the_whole_logits(tmp_path, monkeypatch, fused):
         assert (4, 16, 96) in whole, sorted(set(mode.shapes))  # the meter sees the unfused head's logits
 
 
-def test_fused_loss_auto_follows_the_measured_devices_and_the_key_takes_bools(monkeypatch):
+def test_fused_loss_auto_follows_the_measured_devices_and_vocabularies_and_the_key_takes_bools(monkeypatch):
     auto = build_recipe({"model": MODEL, "data": DATA})
     assert auto.train.fused_loss == "auto"
     assert not fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
-    monkeypatch.setattr(build_module, "FUSED_LOSS_MEASURED_FASTER", frozenset({"cuda"}))
+    vocab = auto.model.vocab_size
+    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab})
     assert fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
+    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab + 1})
+    assert not fused_loss_on(auto, torch.device("cuda"))  # measured faster only from a larger vocabulary
+    tp2 = build_recipe({"model": MODEL, "data": DATA, "parallel": {"tp": 2}})
+    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2})
+    assert fused_loss_on(tp2, torch.device("cuda")) and fused_loss_on(auto, torch.device("cuda"))
+    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2 + 1})
+    assert not fused_loss_on(tp2, torch.device("cuda"))  # each tp rank holds vocab / tp of the head
     on = build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": True}})
     assert fused_loss_on(on, torch.device("cpu"))
     with pytest.raises(ConfigError, match="train.fused_loss='yes' is not one of"):

@@ -49,7 +49,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     GPU would drain before every microbatch's forward while the host launches it); elsewhere t.to(device)."""
     if device.type != "cuda" or t.device == device:
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)  # a strided source would be staged pageable
 
 
 class Executor:
