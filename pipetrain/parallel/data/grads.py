@@ -100,7 +100,7 @@ def _tied_param(model: nn.Module) -> nn.Parameter | None:
 
 
 class GradNormGroups:
-    """The parameters of a gradient norm sorted once by how their squares are summed (grad_sq_norms):
+    """The parameters of a gradient norm sorted once by how their squares are summed (sq_norms):
     tp-sharded, tp-replicated and, with dims.ep > 1, experts; the tied head copy is left out. Sorting
     walks every module (param_layout), which is host time a step should not spend (docs/benchmarks.md,
     "Host time of a step"), so an optimizer holds one for its fixed parameters."""
@@ -124,7 +124,9 @@ class GradNormGroups:
                 self.sharded.append(p)
 
     def sq_norms(self, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of squares over tp-sharded grads, over tp-replicated grads), on the device, no host read."""
+        """(sum of squares over tp-sharded grads, over tp-replicated grads) of this rank's parameters, on the
+        device with no host read; with dims.ep > 1 the experts' squares are first summed over the ep group
+        (each rank holds other experts)."""
         sharded = sum_sq(_grads(self.sharded), self.device)
         if self.ep:  # the same on every ep rank afterwards; F-sharded under tp, so summed over tp with the shards
             sharded = sharded + all_reduce_(sum_sq(_grads(self.experts), self.device), dims.ep_group)
@@ -146,12 +148,6 @@ def sum_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         if g.dtype != torch.float32:
             total = total + g.float().square().sum()
     return total
-
-
-def grad_sq_norms(model: nn.Module, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of squares over tp-sharded grads, over tp-replicated grads) for this rank's parameters; with
-    dims.ep > 1 the experts' squares are first summed over the ep group (each rank holds other experts)."""
-    return GradNormGroups(model, dims).sq_norms(dims)
 
 
 def global_grad_norm_tensor(sharded: torch.Tensor, replicated: torch.Tensor, dims, dp_sharded: bool = False,
