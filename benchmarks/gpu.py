@@ -96,8 +96,8 @@ ROWS = [
 BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
 FP8_COMPILE_TORCH = ROWS[6][0]
 # two more steps under torch.profiler (benchmarks/step_profile.py), with their TOP_KERNELS longest kernels
-# the last: the compiled plain loop, what pipetrain's compile is up against
-PROFILED = (BF16_COMPILE, FP8_COMPILE, FP8_COMPILE_TORCH, ROWS[2][0])
+# then the compiled plain loop, what pipetrain's compile is up against, and pipetrain eager, its baseline
+PROFILED = (BF16_COMPILE, FP8_COMPILE, FP8_COMPILE_TORCH, ROWS[2][0], ROWS[0][0])
 TOP_KERNELS = 15
 
 
