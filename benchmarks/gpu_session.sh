@@ -77,7 +77,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
 PYTEST=(python -m pytest -v -rfE --tb=short -p no:cacheprovider)  # -v: a cut-short run still names its failures
 if [ "${1:-}" = check ]; then  # what a session with about 5 minutes of device time left can still do
   # the target rows again with their profiles and longest kernels, the plain loop's compile beside them
-  step 135 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table \
+  step 135 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table --diagnose \
     --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
     --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true" \
     --only "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"
@@ -97,8 +97,9 @@ fi
 if [ "${1:-}" = all ]; then
   step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
 else
-  TARGETS=(--no-kernel-table --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true"
-           --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true")
+  TARGETS=(--no-kernel-table --diagnose --only "pipetrain Trainer (Triton kernels)"
+           --only "pipetrain, train.compile=true" --only "torch.compile of the plain loop"
+           --only "pipetrain, train.precision=fp8 + train.compile=true")
   MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
   GPT_SEQUENCES=8
   if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then GPT_SEQUENCES=16; fi

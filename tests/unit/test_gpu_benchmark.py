@@ -20,8 +20,8 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     out = tmp_path / "gpu.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--cpu-smoke", "--out",
-                           str(out), "--work-dir", str(tmp_path / "runs")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--cpu-smoke", "--diagnose",
+                           "--out", str(out), "--work-dir", str(tmp_path / "runs")], capture_output=True, text=True,
                           timeout=600, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
@@ -40,10 +40,11 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
-    # the compile rows are profiled: a row each in the profile table, which starts with the label, and a table
-    # of their longest kernels (ops on the CPU), longest first
+    # --diagnose profiles the compile rows, pipetrain eager and the compiled plain loop: a row each in the profile
+    # table, which starts with the label, and a table of their longest kernels (ops on the CPU), longest first
     for row in ("pipetrain, train.compile=true", "pipetrain, train.precision=fp8 + train.compile=true",
-                "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"):
+                "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
+                "torch.compile of the plain loop", "pipetrain Trainer (Triton kernels)"):
         assert any(line.startswith(f"| {row} | ") for line in text.splitlines()), text
         top = text.split(f"Longest kernels per step, {row}:\n\n")[1].split("\n\n")[0].splitlines()[2:]
         ms = [float(line.split("|")[3]) for line in top]
@@ -73,6 +74,20 @@ def test_only_runs_the_rows_it_names_and_can_skip_the_kernel_table(tmp_path, mon
     with pytest.raises(SystemExit) as exc:  # a label that is no row's: refused before anything runs
         bench.main(["--cpu-smoke", "--out", str(out), "--only", "transformers"])
     assert exc.value.code == 2 and done[3:] == []
+
+
+def test_the_default_profiles_the_two_compile_rows_and_diagnose_adds_the_baselines(tmp_path, monkeypatch):
+    bench = _load("gpu", monkeypatch)
+    profiled = []
+    monkeypatch.setattr(bench, "run_row", lambda model, label, kind, overrides, setup, out_dir, peak: (
+        profiled.append(setup.profiled) or {"implementation": label, "status": "skipped"}))
+    monkeypatch.setattr(bench, "kernel_table", lambda setup, repeats: [])
+    bench.main(["--cpu-smoke", "--out", str(tmp_path / "a.md"), "--only", "transformers (sdpa)"])
+    assert set(profiled[-1]) == {"pipetrain, train.compile=true", "pipetrain, train.precision=fp8 + train.compile=true"}
+    bench.main(["--cpu-smoke", "--diagnose", "--out", str(tmp_path / "b.md"), "--only", "transformers (sdpa)"])
+    assert set(profiled[-1]) == set(profiled[0]) | {
+        "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
+        "torch.compile of the plain loop", "pipetrain Trainer (Triton kernels)"}
 
 
 def test_model_picks_the_models_in_the_order_given(monkeypatch):
