@@ -1,6 +1,7 @@
 """The CUDA paths, on one GPU (`pytest -m gpu`, under 3 minutes; skipped without CUDA, tests/conftest.py):
 compiled Triton kernels and torch.compile against the torch references, bf16 and fp8 training through
-train.py, the fp8 scaled matmul against its emulation, and train.compile where this checkout has it.
+train.py, the fp8 scaled matmul against its emulation, train.compile, a training step that reads nothing to
+the host before its update, and MoE's grouped GEMMs against the per-expert loop.
 Triton runs compiled only in a process without TRITON_INTERPRET (tests/conftest.py sets it for the CPU
 kernel tests), so the Triton and training cases run in subprocesses."""
 import os
@@ -114,3 +115,37 @@ def test_a_training_step_on_cuda_reads_nothing_to_the_host_before_its_update():
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "float reads before the update: 0 " in proc.stdout, proc.stdout
+
+
+_GROUPED_MM = """
+import torch
+from pipetrain.models.moe import _grouped_mm_ok, grouped_swiglu, grouped_swiglu_loop
+torch.manual_seed(0)
+E, D, Fh = 4, 64, 128
+counts = torch.tensor([40, 0, 56, 32], device="cuda")
+leaves = [torch.randn(128, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
+inputs = [t.to("cuda", torch.bfloat16) for t in leaves]
+print("grouped:", _grouped_mm_ok(inputs[0], inputs[1]))
+for name, loss in {"sum": lambda y: y.sum(), "square": lambda y: y.float().square().sum()}.items():
+    results = []
+    for grouped in (True, False):
+        x, gate, up, down = [t.clone().requires_grad_() for t in inputs]
+        y = (grouped_swiglu(x, counts, gate, up, down) if grouped
+             else grouped_swiglu_loop(x, counts.tolist(), gate, up, down))
+        loss(y).backward()
+        results.append([y, x.grad, gate.grad, up.grad, down.grad])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item(), msg=name)
+print("grouped GEMMs match the loop")
+"""
+
+
+def test_moe_grouped_gemm_on_cuda_matches_the_per_expert_loop_forward_and_backward():
+    """torch._grouped_mm on sm90+ (the H100 crashed in its backward on a plain sum's stride-0 gradient before
+    models/moe.py's _DenseGrad); an older card runs the loop on both sides, which still checks the wiring."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _GROUPED_MM], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    capable = torch.cuda.get_device_capability() >= (9, 0)
+    assert f"grouped: {capable}" in proc.stdout and "grouped GEMMs match the loop" in proc.stdout, proc.stdout
