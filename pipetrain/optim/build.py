@@ -72,7 +72,7 @@ class Optimizer:
         they were when the norm or loss_sum (the step's global loss) is not finite, and the caller, reading
         both afterwards, raises. Returns the norm (0-dim fp32 tensor on the device)."""
         norm = global_grad_norm_tensor(*self._norm_groups.sq_norms(self.dims), self.dims)
-        step_on_device(self.torch_opt, lambda: self.step(lr), norm, max_norm, loss_sum)
+        step_on_device([self.torch_opt], lambda: self.step(lr), norm, max_norm, loss_sum)
         return norm
 
     def step(self, lr: float) -> None:

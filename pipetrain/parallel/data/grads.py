@@ -17,7 +17,7 @@ every gradient, so the partial sums are also summed over dp (global_grad_norm(..
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -196,17 +196,20 @@ def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     return torch.where(norm > max_norm, (norm.double() + 1e-6) / max_norm, 1.0).float()
 
 
-def step_on_device(torch_opt: torch.optim.Optimizer, step: Callable[[], None], norm: torch.Tensor, max_norm: float,
-                   loss_sum: torch.Tensor) -> None:
-    """Run step() (an update by torch_opt, a fused AdamW) clipped and checked with no host read: the fused
+def step_on_device(torch_opts: Sequence[torch.optim.Optimizer], step: Callable[[], None], norm: torch.Tensor,
+                   max_norm: float, loss_sum: torch.Tensor) -> None:
+    """Run step() (the updates by torch_opts, fused AdamWs) clipped and checked with no host read: each fused
     kernel divides the gradients by clip_divisor(norm) (its grad_scale) and leaves weights, moments and step
     counters as they were when norm or loss_sum is not finite (its found_inf). The caller reads both later."""
-    torch_opt.found_inf = (~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()
-    torch_opt.grad_scale = clip_divisor(norm, max_norm)
+    found_inf = (~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()
+    divisor = clip_divisor(norm, max_norm)
+    for opt in torch_opts:
+        opt.found_inf, opt.grad_scale = found_inf, divisor
     try:
         step()
     finally:
-        del torch_opt.found_inf, torch_opt.grad_scale
+        for opt in torch_opts:
+            del opt.found_inf, opt.grad_scale
 
 
 def clip_grad_norm(model: nn.Module, dims, max_norm: float, extra_sq: float = 0.0,

@@ -363,7 +363,7 @@ class ZeroOptimizer:
     def clip_and_step(self, max_norm: float, lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
         """clip_grad_norm + step(lr) with no host read (grads.step_on_device); returns the norm on the device."""
         norm = global_grad_norm_tensor(*self.grad_sq_sums(), self.dims, dp_sharded=True, shard_group=self.dp_group)
-        step_on_device(self.torch_opt, lambda: self.step(lr), norm, max_norm, loss_sum)
+        step_on_device([self.torch_opt], lambda: self.step(lr), norm, max_norm, loss_sum)
         return norm
 
     def grad_sq_sums(self) -> tuple[torch.Tensor, torch.Tensor]:

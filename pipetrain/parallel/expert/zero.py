@@ -8,15 +8,17 @@ holder of its experts). Checkpoint boxes follow: an expert shard's box is its ep
 
 Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp give the global
 norm: the non-expert rows are split over dp, the expert rows over ep (which experts) x expert-dp (which
-rows) = dp. The AdamW step count is written once, by the non-expert optimizer.
+rows) = dp. The AdamW step count is written once, by the non-expert optimizer. With fused AdamWs (CUDA) the
+clip, the check and both updates stay on the device (clip_and_step, as ZeroOptimizer's).
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from pipetrain.config import TrainConfig
 from pipetrain.optim.adamw import ReadBox
-from pipetrain.parallel.data.grads import clip_coefficient, expert_param_ids, global_grad_norm
+from pipetrain.parallel.data.grads import clip_coefficient, expert_param_ids, global_grad_norm_tensor, step_on_device
 from pipetrain.parallel.data.zero import ZeroOptimizer
 
 
@@ -49,14 +51,28 @@ class ExpertZeroOptimizer:
         for part in self.parts:  # the dense part first: it syncs tp-partial and tied gradients
             part.reduce_grads()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def _norm(self) -> torch.Tensor:
+        """The global gradient norm from both parts' rows, on the device."""
         sums = [part.grad_sq_sums() for part in self.parts]
         sharded, replicated = sums[0][0] + sums[1][0], sums[0][1] + sums[1][1]
-        norm = global_grad_norm(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dims.dp_group)
+        return global_grad_norm_tensor(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dims.dp_group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = float(self._norm())
         coef = clip_coefficient(norm, max_norm)
         if coef is not None:
             for part in self.parts:
                 part.scale_grads(coef)
+        return norm
+
+    @property
+    def steps_on_device(self) -> bool:
+        return all(part.steps_on_device for part in self.parts)
+
+    def clip_and_step(self, max_norm: float, lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
+        """As ZeroOptimizer's, over both parts (grads.step_on_device); returns the norm on the device."""
+        norm = self._norm()
+        step_on_device([part.torch_opt for part in self.parts], lambda: self.step(lr), norm, max_norm, loss_sum)
         return norm
 
     def step(self, lr: float) -> None:
