@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipetrain.config import ModelConfig, Recipe
-from pipetrain.parallel.mesh.comm import all_gather_async, reduce_scatter_async
+from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_, recv_, reduce_scatter_async, send_
 from pipetrain.models.decoder import Block
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.cost import OPTIMIZER_BYTES
@@ -120,7 +120,8 @@ def _comm_worker(rank: int, init_file: str, out: str, repeats: int, rounds: int)
 
 def _comm_round(rank: int, repeats: int) -> dict[str, float]:
     """One round of the collective timings (both ranks call it together)."""
-    result = {}
+    result, world = {}, dist.group.WORLD
+    # the product's own calls (comm.py), so the timings include what they add to a raw collective
     # tensor parallelism calls a small collective between matmuls: woken from compute, a collective costs
     # more than back to back (thread hand-off, the peer's schedule), so time it that way too
     a, w, x = torch.randn(256, 128), torch.randn(128, 384), torch.zeros(SMALL // 4)
@@ -129,23 +130,23 @@ def _comm_round(rank: int, repeats: int) -> dict[str, float]:
         for _ in range(5):
             a @ w
     alone = _median_time(compute, 10 * repeats)
-    result["allreduce_after_compute"] = _median_time(lambda: (compute(), dist.all_reduce(x)), 10 * repeats) - alone
+    result["allreduce_after_compute"] = _median_time(lambda: (compute(), all_reduce_(x, world)), 10 * repeats) - alone
     for size in (SMALL, LARGE):
         x = torch.zeros(size // 4)
-        result[f"allreduce_{size}"] = _median_time(lambda: dist.all_reduce(x), repeats)
+        result[f"allreduce_{size}"] = _median_time(lambda: all_reduce_(x, world), repeats)
 
         def ping():  # a round trip: rank 0 sends, rank 1 sends back
             if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
+                send_(x, 1, world)
+                recv_(x, 1, world)
             else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
+                recv_(x, 0, world)
+                send_(x, 0, world)
         result[f"p2p_{size}"] = _median_time(ping, repeats) / 2
     # ZeRO's reduce-scatter and all-gather, through the same calls it makes
     half = torch.zeros(LARGE // 8)
-    result["reduce_scatter"] = _median_time(lambda: reduce_scatter_async(half, x, dist.group.WORLD).wait(), repeats)
-    result["all_gather"] = _median_time(lambda: all_gather_async(x, half, dist.group.WORLD).wait(), repeats)
+    result["reduce_scatter"] = _median_time(lambda: reduce_scatter_async(half, x, world).wait(), repeats)
+    result["all_gather"] = _median_time(lambda: all_gather_async(x, half, world).wait(), repeats)
     return result
 
 

@@ -46,9 +46,6 @@ ALLOWED = {
     ("parallel/replicas/failover.py", "TCPStore"): "the replica group's store for torchft's manager, not a collective",
     ("plan/calibrate.py", "init_process_group"): "calibration runs its own two-process world",
     ("plan/calibrate.py", "destroy_process_group"): "and tears it down",
-    ("plan/calibrate.py", "all_reduce"): "it times the raw collective: comm's checks would be measured too",
-    ("plan/calibrate.py", "send"): "it times raw point-to-point latency, as above",
-    ("plan/calibrate.py", "recv"): "it times raw point-to-point latency, as above",
 }
 
 
