@@ -151,8 +151,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         apply_compile(model, hooks_outside=recipe.parallel.zero == 3)  # ZeRO-3 hooks its gathers on blocks
     act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
-        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel,
-                                    keep_fp32=fused_loss_head(model, recipe, dims.device))
+        optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)
     else:
         optimizer = optimizer_factory(model, dims, recipe)
     if replica is not None:
@@ -264,9 +263,12 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
         chunks = [without_head(c) if spec.is_last else c for c, spec in zip(chunks, specs)]
 
         def loss_fn(hidden, targets):
-            if gatherer is not None:
-                return gatherer.call_outside(head, fused_loss_sum, hidden, head, targets, tp_group)
-            return fused_loss_sum(hidden, head, targets, tp_group)
+            # under the chunks' autocast: the head's GEMMs run in bf16, as the unfused head's F.linear does
+            # (outside it they ran in fp32: on an H100 the fused run had 0.88x the unfused one's tokens/s)
+            with autocast():
+                if gatherer is not None:
+                    return gatherer.call_outside(head, fused_loss_sum, hidden, head, targets, tp_group)
+                return fused_loss_sum(hidden, head, targets, tp_group)
     return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype, loss_fn=loss_fn,
                     autocast=autocast)
 
@@ -274,7 +276,8 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
 # device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
 # as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
 # the logits it never builds are tokens x vocab). Nothing is recorded yet: on an H100 at vocab 8192 it ran at
-# 0.88x (docs/benchmarks.md), and the GPU session script measures it at vocab 128,256 next. The CPU path saves
+# 0.88x (docs/benchmarks.md) with its GEMMs in fp32 (it ran outside autocast then), and the GPU session script
+# measures it at vocab 128,256 next. The CPU path saves
 # memory, not time, so the CPU stays off.
 FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {}
 
@@ -286,13 +289,6 @@ def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:
         smallest = FUSED_LOSS_FASTER_FROM_VOCAB.get(device.type)
         return smallest is not None and recipe.model.vocab_size // recipe.parallel.tp >= smallest
     return bool(recipe.train.fused_loss)
-
-
-def fused_loss_head(model: nn.Module, recipe: Recipe, device: torch.device) -> tuple:
-    """(the head,) when this stage holds one and the fused loss reads it (ZeRO-3 keeps its weight fp32: the
-    fused loss runs outside autocast), else ()."""
-    head = getattr(model, "head", None)
-    return (head,) if head is not None and fused_loss_on(recipe, device) else ()
 
 
 def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) -> list:

@@ -102,18 +102,16 @@ REPLICA_SYNC = {"bsp": ReplicaOptimizer, "ssp": StaleSyncOptimizer, "dssp": Stal
                 "local_sgd": PeriodicSyncOptimizer, "diloco": PeriodicSyncOptimizer}
 
 
-def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, parallel=None, start_step: int = 0,
-                    keep_fp32: tuple = ()):
+def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, parallel=None, start_step: int = 0):
     """The optimizer for parallel.zero: replicated (0) or ZeRO-sharded across dp_shard (1, 2, 3), train.optimizer
     inside; wrapped in REPLICA_SYNC's wrapper for parallel.dp_sync (pipetrain.parallel.replicas) when the mode is
-    relaxed or the replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp).
-    keep_fp32: modules whose weights ZeRO-3 keeps fp32 under bf16 (a head the fused loss reads)."""
+    relaxed or the replicas must be reduced after the shards (parallel: the recipe's ParallelConfig; None = bsp)."""
     across = parallel is not None and needs_replica_sync(parallel, dims, zero)
     if zero == 0 or dims.zero_shard == 1:
         replica_opt = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if across else "dp")
     elif zero == 3:
         replica_opt = Zero3Optimizer(model, dims, cfg, reshard_after_forward=parallel is None or
-                                     parallel.reshard_after_forward, keep_fp32=keep_fp32)
+                                     parallel.reshard_after_forward)
     elif getattr(dims, "ep", 1) > 1:  # experts shard over expert-dp, the rest over dp
         replica_opt = ExpertZeroOptimizer(model, dims, cfg, stage=zero)
     else:

@@ -132,7 +132,7 @@ def _worker(rank, world_size, out, name):
         # bf16 copies of fp32 weights: the same values, so the losses agree within fp32 round-off. Twice: with plain
         # F.linear (autocast saves its bf16 copy of an fp32 weight for backward, and a bf16 weight itself), and with
         # gradient accumulation fusion (weight_grads.py adds bf16 dW into .grad, or defers it to the W action)
-        # (and a third time with train.fused_loss, whose head stays fp32: the fused loss runs outside autocast)
+        # (and a third time with train.fused_loss, which runs the head's bf16 weight under the chunks' autocast)
         res["bf16"], res["bf16_fused"], res["bf16_fused_loss"], copies, held = [], [], [], [], []
         for fusion, key in ((10 ** 9, "bf16"), (0, "bf16_fused"), (0, "bf16_fused_loss")):
             runs = [build_trainer(cfg, shared, dims, zero=z, bucket_bytes=BUCKET_BYTES, steps=2, precision="bf16",

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipetrain.build import build_trainer as build_run_trainer, fused_loss_head
+from pipetrain.build import build_trainer as build_run_trainer
 from pipetrain.checkpoint.save import owned_tensors
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
@@ -52,7 +52,7 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
         def factory(model, dims, recipe):
             if zero == 3:
                 return Zero3Optimizer(model, dims, recipe.train, recipe.parallel.reshard_after_forward,
-                                      bucket_bytes=bucket_bytes, keep_fp32=fused_loss_head(model, recipe, dims.device))
+                                      bucket_bytes=bucket_bytes)
             return ZeroOptimizer(model, dims, recipe.train, stage=zero, bucket_bytes=bucket_bytes)
     return build_run_trainer(recipe, dims, loader=loader, optimizer_factory=factory, resume=resume)
 

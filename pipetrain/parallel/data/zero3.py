@@ -55,17 +55,16 @@ from pipetrain.parallel.tensor.layers import ColumnParallelLinear, ReplicatedKVL
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ReplicatedKVLinear)  # autocast runs their matmuls
 
 
-def compute_in_bf16(model: nn.Module, dims, keep_fp32: tuple = ()) -> set[int]:
+def compute_in_bf16(model: nn.Module, dims) -> set[int]:
     """ids of the parameters ZeRO-3 gathers and keeps in bf16 under train.precision=bf16: the weight of a linear
-    that no other module uses (not a tied embedding), whose gradient no tp / pp sync reads (the tied head copy,
-    a kv weight replicated over tp), and that is not in a keep_fp32 module (a head train.fused_loss reads: the
-    fused loss runs outside autocast, in the dtype of the weight and hidden state, fp32 as with zero 1)."""
+    that no other module uses (not a tied embedding) and whose gradient no tp / pp sync reads (the tied head copy,
+    a kv weight replicated over tp). A head train.fused_loss reads is one too: the fused loss runs under the
+    chunks' autocast, which would cast an fp32 weight to these same bf16 values."""
     users: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             users.setdefault(id(p), []).append((module, name))
     synced = {id(p) for p in model_parallel_synced_params(model, dims)}
-    synced |= {id(p) for m in keep_fp32 for p in m.parameters()}
     return {pid for pid, uses in users.items()
             if pid not in synced and all(name == "weight" and isinstance(m, LINEARS) for m, name in uses)}
 
@@ -85,7 +84,7 @@ class Zero3Optimizer(ZeroOptimizer):
     Same interface as ZeroOptimizer, plus param_items / load_param_items for checkpoints."""
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, keep_fp32: tuple = ()):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap)
         for view in self.views.values():  # the rows become the masters, in storage of their own
             view.data = view.data.clone()
@@ -118,7 +117,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 self.fp8_weights[index[id(module.weight)]] = holder
                 self.fp8_tp_group = spec.tp_group
         if cfg.precision in ("bf16", "fp8"):  # fp8: the other linears (the head) run under bf16 autocast
-            low = compute_in_bf16(model, dims, keep_fp32)
+            low = compute_in_bf16(model, dims)
             for i, p in enumerate(self.params):
                 if id(p) in low and i not in self.fp8_weights:
                     p.data = p.data.to(torch.bfloat16)

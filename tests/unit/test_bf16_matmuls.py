@@ -1,0 +1,62 @@
+"""Under train.precision=bf16 every matmul of a training step takes bf16 operands, whatever the model family and
+feature: a GEMM left in fp32 costs ten times its bf16 time on a GPU's tensor cores and shows in no loss. (The
+fused loss ran its three head GEMMs in fp32 outside the chunks' autocast: 0.88x the unfused run's tokens/s on
+an H100, docs/benchmarks.md.)"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.unit.common import GPT2, LLAMA, build_trainer
+
+# the aten ops a training step's matmuls and attention reach (CPU dispatch; CUDA's have other attention names) ->
+# how many of their leading tensor arguments are operands (None: all): the attention backward's sixth is the
+# forward's logsumexp, fp32 by design
+MATMULS = {"mm": None, "addmm": None, "bmm": None, "baddbmm": None, "_grouped_mm": None,
+           "_scaled_dot_product_flash_attention_for_cpu": None,
+           "_scaled_dot_product_flash_attention_for_cpu_backward": 5}  # grad_out, q, k, v, out
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Counts (op, dtypes of its matrix operands) of every matmul-like op."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in MATMULS:
+            operands = [a for a in args if isinstance(a, torch.Tensor)][:MATMULS[name]]
+            self.seen[(name, tuple(a.dtype for a in operands if a.dim() >= 2))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+CASES = {
+    "llama": (LLAMA, {}),
+    "gpt2-tied": (GPT2, {}),
+    "fused-loss": (LLAMA, {"fused_loss": True}),
+    "gpt2-fused-loss": (GPT2, {"fused_loss": True}),
+    "lora": (dataclasses.replace(LLAMA, lora_rank=4, lora_alpha=8.0), {}),
+    "moe-shared-expert": (dataclasses.replace(LLAMA, family="mixtral", num_experts=4, num_experts_per_tok=2,
+                                              shared_expert_intermediate_size=32), {}),
+    "gradient-accumulation-fusion": (LLAMA, {"fusion_min_numel": 0, "microbatches": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_matmul_of_a_bf16_training_step_takes_bf16_operands(tmp_path, case):
+    cfg, extra = CASES[case]
+    trainer = build_trainer(cfg, str(tmp_path), precision="bf16", steps=2, **extra)
+    trainer.train_step()  # the first step builds the optimizer state; the second is the steady one
+    probe = _MatmulDtypes()
+    with probe:
+        trainer.train_step()
+    ops = {name for name, _ in probe.seen}
+    assert "mm" in ops and "_scaled_dot_product_flash_attention_for_cpu_backward" in ops, probe.seen
+    wrong = {key: n for key, n in probe.seen.items() if any(dtype != torch.bfloat16 for dtype in key[1])}
+    assert not wrong, f"matmuls outside bf16 under train.precision=bf16: {wrong}"
