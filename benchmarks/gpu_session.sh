@@ -18,7 +18,8 @@
 # Writes under $OUT (the device tool's return folder; ./gpu-out elsewhere):
 #   card.txt              nvidia-smi's name and memory, and torch / Triton versions
 #   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
-#                         loop, and on gpt-1b fp8 + compile) with their profiles, per model; gpu-gpt.log, ...
+#                         loop, and on gpt-1b fp8 + compile) with their profiles, per model, and on the llama
+#                         the fused loss at vocab 8192; gpu-gpt.log, ...
 #   gpu-vocab.md          the llama 1.5B (vocab 128,256): pipetrain eager against train.fused_loss=true
 #   gpu-benchmark.md      (`all`) every default row and the kernel table; gpu.log
 #   pytest.log            the default suite with the `gpu` tests (the CUDA paths: Triton compiled, bf16,
@@ -26,7 +27,7 @@
 #                         so a cut-short run still names its failures (pytest-all.log under `suite`)
 #   moe.log               (`all`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 #   install.log           the install's and the wheels' output, and datasets' version
-# Each step has its own timeout so a slow one cannot starve the rest: 160 + 110 + 70 + 180 s (`all`: 310 +
+# Each step has its own timeout so a slow one cannot starve the rest: 160 + 125 + 70 + 165 s (`all`: 310 +
 # 200 + 40), plus at most 30 s of install, inside one 600 s call. gpu.py rewrites its file after every row,
 # so a step that overruns loses only its last rows (on an H100 all ten llama rows and the kernel table took
 # 238 s). The timed steps (gpu.py, moe.py) run alone; the tests time nothing. The gpt-1b rows need 82 to 99
@@ -105,14 +106,16 @@ else
   if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then GPT_SEQUENCES=16; fi
   step 160 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$GPT_SEQUENCES" "${TARGETS[@]}" \
     --out "$OUT/gpu-gpt.md"
-  # the llama's fp8 row was measured on the H100 already (89,470 tokens/s): the three rows the device step changes
-  step 110 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]:0:8}" --out "$OUT/gpu-llama.md"
+  # the llama's fp8 row was measured on the H100 already (89,470 tokens/s): the three rows the device step changes,
+  # and the fused loss at vocab 8192 (0.88x there, when its GEMMs ran in fp32 outside autocast), last
+  step 125 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]:0:8}" \
+    --only "pipetrain, train.fused_loss=true" --out "$OUT/gpu-llama.md"
   # train.fused_loss "auto" turns on from the vocabulary where it was measured faster (build.py): at 8192 it
   # was 0.88x on the H100; here at 128,256, whose eager row needed 82.9 GiB at 16 sequences on the H200
   step 70 gpu-vocab.log python benchmarks/gpu.py --model llama-1b5 --sequences "$GPT_SEQUENCES" --no-kernel-table \
     --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" --out "$OUT/gpu-vocab.md"
 fi
 # the default suite and the gpu tests: the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-if [ "${1:-}" = all ]; then SUITE_S=200; else SUITE_S=180; fi
+if [ "${1:-}" = all ]; then SUITE_S=200; else SUITE_S=165; fi
 step "$SUITE_S" pytest.log "${PYTEST[@]}" ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt
 if [ "${1:-}" = all ]; then step 40 moe.log python benchmarks/moe.py experts --reps 5; fi
