@@ -205,6 +205,7 @@ def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int,
         return 0
     guard = StopGuard(trainer, recipe.run.stop_timeout_s, os.path.join(recipe.run.output_dir, "checkpoints"),
                       rank).install()
+    finished = trainer.step >= recipe.train.steps  # resumed at the end: fit() trains and writes nothing
     try:
         trainer.fit()
         barrier(world_size)  # every rank has finished its collectives before any tears its groups down
@@ -212,6 +213,8 @@ def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int,
         guard.uninstall()
         if replica is not None:
             trainer.optimizer.shutdown()  # torchft's manager server and checkpoint transport
+    if finished:
+        return 0
     if rank == 0 and recipe.run.sample_tokens and not trainer.stop_requested and trainer.ps is not None:
         print("run.sample_tokens: no sample under parallel.ps_servers (the table lives on the servers); "
               "generate from the checkpoint: python -m pipetrain.generate", flush=True)

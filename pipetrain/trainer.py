@@ -332,6 +332,8 @@ class Trainer:
         run, steps = self.recipe.run, self.recipe.train.steps
         every = self.recipe.checkpoint.every
         history = []
+        if self.step >= steps:  # --resume into a run that already reached train.steps: nothing trains or is written
+            return self._nothing_to_train()
         self.logger.banner(self.recipe, self.dims, self.step)
         try:
             while self.step < steps:
@@ -359,3 +361,14 @@ class Trainer:
         finally:
             self.logger.close()
         return history
+
+    def _nothing_to_train(self) -> list[dict]:
+        """fit() of a run resumed at or past train.steps: one line, no checkpoint, evaluation or metrics line (as a
+        launch without --resume into a finished run, pipetrain.rerun); parameter servers are told to stop."""
+        self.logger.write(f"nothing to train: the checkpoint resumed is at step {self.step} of train.steps="
+                          f"{self.recipe.train.steps}; raise train.steps to continue the run, or set run.output_dir "
+                          "for a new one")
+        if self.ps is not None:
+            self.ps.stop(self.step)
+        self.logger.close()
+        return []

@@ -85,6 +85,14 @@ def test_the_same_command_again_resumes_its_run_and_another_recipe_is_refused(tm
     last = [m for m in metrics if "loss" in m][-1]
     assert "already finished" in again.stdout and f"final loss {last['loss']:.4f} at step 2" in again.stdout
     assert _snapshot(tmp_path) == before
+    # so does an explicit --resume auto: no checkpoint saved again, no second evaluation in metrics.jsonl
+    resumed, _ = run_train(str(tmp_path), base + ["run.eval_every=1"], extra_args=["--resume", "auto"],
+                           cache_dir=token_cache)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "nothing to train: the checkpoint resumed is at step 2 of train.steps=2" in resumed.stdout, resumed.stdout
+    after = _snapshot(tmp_path)
+    assert after.pop("recipe.yaml") != before["recipe.yaml"]  # the launch's recipe (run.eval_every=1) is recorded
+    assert after == {k: v for k, v in before.items() if k != "recipe.yaml"}
     more, metrics = run_train(str(tmp_path), ["train.steps=3", "run.eval_every=0"], cache_dir=token_cache)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "holds checkpoints of this recipe: resuming" in more.stdout and "at step 2" in more.stdout
