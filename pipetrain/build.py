@@ -180,6 +180,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
                       checkpointer=checkpointer, start_step=start,
                       peak_tflops=peak_tflops(dims.device, recipe.run.peak_tflops), tokenizer=tokenizer,
                       dynamic_batch=dynamic, schedule_for=lambda k: _training_schedule(recipe, dims, k), ps=ps)
+    trainer.resumed_from = ckpt_dir  # agreed by every rank (load_agreed)
     if replica is not None:
         optimizer.attach(trainer)  # healing restores the trainer's step and loader with the weights
     return trainer

@@ -8,6 +8,7 @@ microbatches and dp ranks gives exactly the single-process gradient whatever the
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Sequence
 
@@ -80,6 +81,7 @@ class Trainer:
         self.tokens_seen = start_step * recipe.train.global_batch * recipe.train.seq_len
         self.flops_per_token = flops_per_token(recipe.model, recipe.train.seq_len)
         self.stop_requested = False  # set by a SIGTERM handler: save and exit cleanly
+        self.resumed_from: str | None = None  # the checkpoint this run resumed from (set by build_trainer)
         self.dbs, self.schedule_for = dynamic_batch, schedule_for
         self._schedules = {recipe.parallel.microbatches: self.actions}
         self._slot_seconds = 0.0  # this step's compute per pipeline slot (dynamic batch measurement)
@@ -363,11 +365,22 @@ class Trainer:
         return history
 
     def _nothing_to_train(self) -> list[dict]:
-        """fit() of a run resumed at or past train.steps: one line, no checkpoint, evaluation or metrics line (as a
-        launch without --resume into a finished run, pipetrain.rerun); parameter servers are told to stop."""
-        self.logger.write(f"nothing to train: the checkpoint resumed is at step {self.step} of train.steps="
-                          f"{self.recipe.train.steps}; raise train.steps to continue the run, or set run.output_dir "
-                          "for a new one")
+        """fit() of a run resumed at or past train.steps: no training, evaluation or metrics line. A checkpoint of
+        this run's own folder is left as it is (as a launch without --resume into a finished run, pipetrain.rerun);
+        one from another folder is saved into this one, in this run's layout (a conversion). Parameter servers
+        are told to stop."""
+        own = os.path.join(self.recipe.run.output_dir, "checkpoints")
+        source = self.resumed_from
+        if self.checkpointer is not None and source is not None and \
+                os.path.realpath(os.path.dirname(source)) != os.path.realpath(own):
+            self.logger.save_checkpoint(self.checkpointer, self)
+            self.checkpointer.wait()
+            self.logger.write(f"nothing to train: the checkpoint resumed ({source}) is at step {self.step} of "
+                              f"train.steps={self.recipe.train.steps}; saved it in this run's layout")
+        else:
+            self.logger.write(f"nothing to train: the checkpoint resumed is at step {self.step} of train.steps="
+                              f"{self.recipe.train.steps}; raise train.steps to continue the run, or set "
+                              "run.output_dir for a new one")
         if self.ps is not None:
             self.ps.stop(self.step)
         self.logger.close()

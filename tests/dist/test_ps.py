@@ -352,7 +352,7 @@ def test_checkpoint_round_trip_through_a_run_without_servers_is_bitwise(tmp_path
     a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
     rank_results(3, _run, a, dict(ps_servers=1), 2)
     ckpt_a = os.path.join(a, "checkpoints", "step-00000002")
-    rank_results(1, _run, b, {}, 2, ckpt_a)  # no steps left: it loads and saves again
+    rank_results(1, _run, b, {}, 2, ckpt_a)  # no steps left: it saves the checkpoint of folder a in its layout
     ckpt_b = os.path.join(b, "checkpoints", "step-00000002")
     rank_results(3, _run, c, dict(ps_servers=1), 2, ckpt_b)  # and back into servers
     ckpt_c = os.path.join(c, "checkpoints", "step-00000002")
