@@ -24,8 +24,9 @@ _PATH_KEYS = {("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
               ("model", "init_from"), ("run", "output_dir")}
 
 
-def _closest(name: str, options) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+def _closest(name, options) -> str:
+    """The hint after an unknown name (YAML gives keys of any type: 1:, true:, null: are not strings)."""
+    match = difflib.get_close_matches(str(name), list(options), n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
 
 
@@ -192,13 +193,19 @@ def load_recipe(path: str, overrides: list[str] = (), rules: Rules | None = None
     if file is None:
         raise ConfigError(f"--recipe: not found as a file or a shipped recipe name, got {path!r}; pass a recipe "
                           f"file's path or a shipped name ({', '.join(shipped_names())})")
-    with open(file) as f:
-        try:
-            raw = bounded_yaml(f.read(MAX_RECIPE_BYTES + 1), f"recipe {path}") or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    with open(file, "rb") as f:
+        data = f.read(MAX_RECIPE_BYTES + 1)
+    try:  # past MAX_RECIPE_BYTES the read may end inside a character: bounded_yaml refuses the size instead
+        text = data.decode("utf-8", errors="strict" if len(data) <= MAX_RECIPE_BYTES else "replace")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                          "save the recipe as UTF-8 YAML") from None
+    try:
+        raw = bounded_yaml(text, f"recipe {path}") or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     if file != path:  # found by name: shipped data stays in the package, output goes under the current directory
         return build_recipe(anchor_shipped_paths(raw, _PATH_KEYS), overrides, base_dir=os.getcwd(), rules=rules)
     return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)), rules=rules)

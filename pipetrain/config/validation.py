@@ -8,9 +8,13 @@ problem at once.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable
 
 from pipetrain.config.schema import SECTIONS, Recipe, clip, lora_projections
+
+SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy take seeds in [0, 2**63)
 
 Rules = Callable[[Recipe], list[str]]  # more rules on a recipe: every problem found (empty when consistent)
 
@@ -30,9 +34,13 @@ def _own_problems(r: Recipe) -> list[str]:
         if not cond:
             problems.append(msg)
 
+    problems += _non_finite(r)
     for sec, name in [(m, "vocab_size"), (m, "d_model"), (m, "n_layers"), (m, "n_heads"), (m, "max_seq_len"),
                       (t, "global_batch"), (t, "seq_len")]:
         need(getattr(sec, name) >= 1, f"{_sec(sec)}.{name}={getattr(sec, name)} must be >= 1")
+    for name in ("n_kv_heads", "ffn_hidden"):  # None: the family's default
+        need(getattr(m, name) is None or getattr(m, name) >= 1,
+             f"model.{name}={getattr(m, name)} must be >= 1 (or null for the family's default)")
     if problems:
         return problems
     if not m.init_from:  # with init_from the HF config defines these; checked again once it is read
@@ -43,11 +51,20 @@ def _own_problems(r: Recipe) -> list[str]:
              f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
         need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     problems += _moe_problems(m)
+    need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0 (e.g. 1e-5)")
+    need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0 (e.g. 10000)")
+    need(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0 (e.g. 0.02)")
+    for sec, name in [(t, "seed"), (d, "seed"), (f, "seed")]:
+        need(0 <= getattr(sec, name) < SEED_LIMIT, f"{_sec(sec)}.{name}={getattr(sec, name)} must be in [0, 2**63)")
     need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
     need(t.lr >= 0, f"train.lr={t.lr} must be >= 0 (0 keeps the weights frozen)")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    need(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0 (0 disables it)")
+    for name in ("beta1", "beta2"):
+        need(0 <= getattr(t, name) < 1, f"train.{name}={getattr(t, name)} must be in [0, 1) (AdamW's default: "
+             "0.9 and 0.95)")
     need(t.grad_accumulation_fusion_min_numel >= 0, f"train.grad_accumulation_fusion_min_numel="
          f"{t.grad_accumulation_fusion_min_numel} must be >= 0 (0 fuses every weight)")
     need(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
@@ -68,6 +85,9 @@ def _own_problems(r: Recipe) -> list[str]:
     need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
     need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
     need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
+    need(r.run.sample_tokens >= 0, f"run.sample_tokens={r.run.sample_tokens} must be >= 0 (0 = no sample)")
+    need(r.run.peak_tflops is None or r.run.peak_tflops > 0,
+         f"run.peak_tflops={r.run.peak_tflops} must be > 0 (or null: from the GPU table)")
     need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in [0, 1]; it is the "
          "share of train.steps that train.lr_schedule=wsd spends decaying to train.min_lr")
     for name in r.run.trackers:
@@ -101,6 +121,19 @@ def _own_problems(r: Recipe) -> list[str]:
     need((f.kill_rank is None) == (f.kill_at_step is None), "faults.kill_rank and faults.kill_at_step go "
          f"together (got kill_rank={f.kill_rank}, kill_at_step={f.kill_at_step}); set both or neither")
     return problems
+
+
+def _non_finite(r: Recipe) -> list[str]:
+    """A NaN or infinite float in any section, one line each: no key means anything by them, the range checks
+    let some through (inf >= 0), and a checkpoint's manifest cannot hold them (its JSON refuses them)."""
+    out = []
+    for name in SECTIONS:
+        section = getattr(r, name)
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                out.append(f"{name}.{field.name}={value} must be a finite number")
+    return out
 
 
 def _moe_problems(m) -> list[str]:

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from pipetrain.config import ConfigError, build_recipe, load_recipe, parse_override
-from pipetrain.parallel.mesh.rules import parallel_problems
+from pipetrain.parallel.mesh.rules import parallel_problems, tensor_parallel_problems
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.rerun import recipe_differences
 
@@ -180,3 +180,51 @@ def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
                                                    ).to_dict()) == []
     assert recipe_differences(saved, build_recipe(_with(data={"seed": 5}, train={"steps": 7})).to_dict()) == [
         "data.seed: 1234 there, 5 now"]
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    # NaN and inf pass range checks (inf >= 0) and a checkpoint's JSON manifest cannot hold them: the run would
+    # train to its first save and then lose every step
+    ("train", "grad_clip", float("inf"), "train.grad_clip=inf must be a finite number"),
+    ("run", "stop_timeout_s", float("nan"), "run.stop_timeout_s=nan must be a finite number"),
+    ("run", "peak_tflops", float("inf"), "run.peak_tflops=inf must be a finite number"),
+    ("faults", "slow_factor", float("inf"), "faults.slow_factor=inf must be a finite number"),
+    ("train", "lr", float("inf"), "train.lr=inf must be a finite number"),
+    ("parallel", "outer_lr", float("nan"), "parallel.outer_lr=nan must be a finite number"),
+    # values the optimizer, the initialiser, numpy or the sampler would crash on later
+    ("train", "beta1", 2.0, r"train.beta1=2.0 must be in \[0, 1\)"),
+    ("train", "beta2", -0.5, r"train.beta2=-0.5 must be in \[0, 1\)"),
+    ("train", "weight_decay", -0.1, "train.weight_decay=-0.1 must be >= 0"),
+    ("model", "init_std", -1.0, "model.init_std=-1.0 must be >= 0"),
+    ("model", "norm_eps", 0.0, "model.norm_eps=0.0 must be > 0"),
+    ("model", "rope_theta", -1.0, "model.rope_theta=-1.0 must be > 0"),
+    ("model", "n_kv_heads", -4, r"model.n_kv_heads=-4 must be >= 1 \(or null"),
+    ("model", "ffn_hidden", -5, r"model.ffn_hidden=-5 must be >= 1 \(or null"),
+    ("data", "seed", -1, r"data.seed=-1 must be in \[0, 2\*\*63\)"),
+    ("train", "seed", 2 ** 64, r"train.seed=18446744073709551616 must be in \[0, 2\*\*63\)"),
+    ("run", "sample_tokens", -5, "run.sample_tokens=-5 must be >= 0"),
+    ("run", "peak_tflops", 0.0, "run.peak_tflops=0.0 must be > 0"),
+])
+def test_out_of_range_and_non_finite_values_are_refused_at_load(section, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        build_recipe(_with(**{section: {key: value}}))
+
+
+def test_keys_that_are_not_strings_and_recipes_that_are_not_utf8_get_one_line(tmp_path):
+    for text, message in [("1: 2\n", "unknown section '1'"), ("model:\n  null: 2\n", "unknown key 'model.None'")]:
+        path = tmp_path / "keys.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_recipe(str(path))
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"model:\n  d_model: \xff\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 18\)"):
+        load_recipe(str(path))
+
+
+def test_a_huge_layout_key_is_refused_with_a_short_hint():
+    """The divisor hint of a layout error is searched up to 10**6, not up to the number (which hung for hours at
+    100000000001; a regression hangs this test)."""
+    model = build_recipe(_with(model={"vocab_size": 10 ** 11 + 1})).model
+    line = next(p for p in tensor_parallel_problems(model, 2) if "model.vocab_size=100000000001" in p)
+    assert "use one of 1, 11, 23, 121, 253, 2783, 4093, 8779, 45023, 94139, 96569, 201917, ..." in line

@@ -18,6 +18,8 @@ dataclasses, so every layer can call it without an import cycle.
 """
 from __future__ import annotations
 
+import math
+
 from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.parallel.pipeline.schedules import schedule_problems
 
@@ -366,8 +368,14 @@ def torchft_layout(recipe: Recipe, world_size: int) -> tuple[int, int, list[str]
     return dp, shard, problems
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _divisors(n: int, shown: int = 12) -> str:
+    """The divisors of n for an error's hint, at most `shown`: the search stops at 10**6 (a huge key must not
+    hang validation), so past 10**12 the list may be partial."""
+    limit = min(math.isqrt(n), 10 ** 6) if n >= 1 else 0
+    small = [d for d in range(1, limit + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    partial = len(found) > shown or limit < math.isqrt(max(n, 0))
+    return ", ".join(map(str, found[:shown])) + (", ..." if partial else "")
 
 
 def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, seq_len: int | None = None,
