@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from pipetrain.checkpoint.read import TensorReader, model_tensors, read_manifest
+from pipetrain.checkpoint.read import TensorReader, model_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError
 from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size, prepare_out_dir
 
@@ -26,7 +26,8 @@ def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
     """Write the checkpoint's full model weights (pipetrain names) to out_dir; returns the file names.
     A folder that already holds model files is refused unless overwrite (then its old ones are removed)."""
     manifest = read_manifest(ckpt_dir)
-    reader = TensorReader(ckpt_dir, manifest)  # verifies each file before its first read
+    verify_files(ckpt_dir, manifest)  # sizes and SHA-256 of every file, before OUT is touched (as export does)
+    reader = TensorReader(ckpt_dir, manifest, verify=False)  # verified above
     entries = model_tensors(manifest)
     dtypes = {dtype for _, _, dtype in entries}
     if len(dtypes) != 1:

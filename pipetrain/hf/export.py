@@ -208,12 +208,21 @@ class ShardedSafetensorsWriter:
         self.files[index].write(memoryview(data.numpy()))
         self.written.add(name)
 
-    def abort(self) -> None:
+    def _close_files(self) -> None:
         for f in self.files:
             f.close()
 
+    def abort(self) -> None:
+        """After a failed write: close and remove the files made so far, so no zero-filled model that loads is
+        left in the folder."""
+        self._close_files()
+        for name in self.filenames[:len(self.files)]:
+            path = os.path.join(self.out_dir, name)
+            if os.path.exists(path):
+                os.remove(path)
+
     def close(self) -> None:
-        self.abort()
+        self._close_files()
         missing = [n for n in self.shapes if n not in self.written]
         if missing:
             raise ConfigError(f"export: {len(missing)} tensors never arrived, got none for {missing[:3]}; "

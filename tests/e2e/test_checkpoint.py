@@ -281,6 +281,21 @@ def test_consolidate_refuses_a_file_a_model_folder_and_the_checkpoint_itself(ref
     assert sorted(os.listdir(out)) == sorted(big + ["model.safetensors.index.json", "pipetrain_model.json"])
     one = consolidate(ckpt, str(out), overwrite=True)  # one file now: no stale shard or index is left
     assert sorted(os.listdir(out)) == sorted(one + ["pipetrain_model.json"]) and len(one) == 1
+    # a damaged checkpoint is refused before OUT is touched: the model there (even with --overwrite) stays, and a
+    # new folder gets no zero-filled model that would load
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    data = next(p for p in bad.iterdir() if p.suffix == ".safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    for target, extra in ((out, ["--overwrite"]), (tmp_path / "new", [])):
+        assert ckpt_main(["consolidate", str(bad), str(target), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "SHA-256" in err[0], err
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert not (tmp_path / "new").exists() or not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "new"))
 
 
 def torch_equal(a, b):
