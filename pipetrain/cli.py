@@ -76,9 +76,10 @@ def _init_distributed(world_size: int) -> None:
 
 
 def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLock | None:
-    """Rank 0 creates run.output_dir, locks it for this run (one run per output directory), refuses to
-    overwrite another run's checkpoints or to save where a stray file sits, and saves the resolved
-    recipe there. Returns the lock (None on other ranks)."""
+    """Rank 0 creates run.output_dir, locks it for this run (one run per output directory) and refuses to
+    overwrite another run's checkpoints or to save where a stray file sits. Returns the lock (None on other
+    ranks). The resolved recipe is saved there once the run is built (_train): a launch refused after this
+    point leaves the recipe.yaml of the run that owns the folder as it was."""
     out = recipe.run.output_dir
     if rank != 0:
         return None
@@ -102,7 +103,6 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
                               "that run or set run.output_dir to a new folder")
         if resume is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
-        dump_recipe(recipe, os.path.join(out, "recipe.yaml"))
     except BaseException:
         lock.release()
         raise
@@ -199,6 +199,8 @@ def _replica_layout(recipe: Recipe, world_size: int) -> tuple[Recipe, Replica | 
 
 def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int, replica: Replica | None) -> int:
     trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only, replica=replica)
+    if rank == 0:  # built: the checkpoint, the data and the layout were accepted
+        dump_recipe(recipe, os.path.join(recipe.run.output_dir, "recipe.yaml"))
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()

@@ -101,6 +101,12 @@ def test_the_same_command_again_resumes_its_run_and_another_recipe_is_refused(tm
     message = _bad(tmp_path, ["train.steps=3", "run.eval_every=0", "train.lr=1e-2", f"data.cache_dir={token_cache}"])
     assert "already holds checkpoints of another recipe" in message and "train.lr: 0.003 there, 0.01 now" in message
     assert _snapshot(tmp_path) == before
+    # refused later, by the checkpoint itself (--resume skips the recipe comparison): the folder's recipe.yaml
+    # still resumes its run
+    refused, _ = run_train(str(tmp_path), ["train.steps=3", "run.eval_every=0", "model.d_model=128"],
+                           extra_args=["--resume", "auto"], cache_dir=token_cache)
+    assert refused.returncode == 2 and "model.d_model" in refused.stderr, refused.stderr[-2000:]
+    assert _snapshot(tmp_path) == before
 
 
 def test_checkpoints_whose_manifest_does_not_read_are_never_overwritten(tmp_path):
