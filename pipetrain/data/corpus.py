@@ -103,6 +103,7 @@ def source_files(path: str, where: str = "data.path") -> tuple[str, list[str]]:
     elif os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                        if os.path.splitext(f)[1] in _EXTENSIONS)
+        _refuse_links_outside(path, files, where)
         if not files:
             raise ConfigError(f"{where}: folder {path!r} has no .txt, .jsonl or .parquet files; "
                               "point it at a data folder or a prepared directory")
@@ -115,6 +116,17 @@ def source_files(path: str, where: str = "data.path") -> tuple[str, list[str]]:
         raise ConfigError(f"{where}: {path!r} must hold files of one kind (.txt, .jsonl or .parquet), "
                           f"got extensions {sorted({os.path.splitext(f)[1] for f in files})}")
     return kinds.pop(), files
+
+
+def _refuse_links_outside(folder: str, files: list[str], where: str) -> None:
+    """Nothing outside the folder given is read: a file (or a folder on its way) that is a link leading out of
+    it is refused (glob follows links). Links that stay inside are read as the files they point at."""
+    root = os.path.realpath(folder)
+    for f in files:
+        target = os.path.realpath(f)
+        if target != root and not target.startswith(root + os.sep):
+            raise ConfigError(f"{where}: {f} links outside the folder {folder!r} (to {target}); copy the file into "
+                              "the folder, or point data.path (or data.sources) at it")
 
 
 def prepared_dir_for(path: str, text_field: str, tokenizer, cache_dir: Optional[str]) -> str:

@@ -240,3 +240,22 @@ def test_few_documents_each_hold_out_their_end_and_many_hold_out_whole_documents
     assert data.train.starts.tolist() == [0, 300, 700] and data.train.lengths.tolist() == [285, 380, 285]
     many = PackedData(np.arange(4000, dtype=np.uint16), None, 8, 0.05, seed=0, documents=np.arange(0, 4001, 100))
     assert many.val_split == "2 whole document(s)" and many.val.lengths.sum() == 200
+
+
+def test_links_leading_out_of_a_data_folder_are_refused_and_links_inside_it_are_read(tmp_path):
+    """Nothing outside the folder given is read: glob follows a file link and a folder link out of data.path."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not for training\n")
+    for name, link, target in (("file", "b.txt", outside / "secret.txt"), ("folder", "sub", outside)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "a.txt").write_text("text\n")
+        os.symlink(target, folder / link)
+        with pytest.raises(ConfigError, match=r"links outside the folder .* copy the file into the folder"):
+            source_files(str(folder))
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (inside / "a.txt").write_text("text\n")
+    os.symlink("a.txt", inside / "b.txt")
+    assert source_files(str(inside)) == ("text", [str(inside / "a.txt"), str(inside / "b.txt")])
