@@ -386,9 +386,13 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"data.path: {manifest_path} cannot be read ({exc}); "
                           f"delete {path} and prepare again") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"data.path: {manifest_path} has format {manifest.get('format')}, this pipetrain reads "
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        got = manifest.get("format") if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"
+        raise ConfigError(f"data.path: {manifest_path} has format {got}, this pipetrain reads "
                           f"{FORMAT_VERSION}; delete {path} and prepare again")
+    damage = _manifest_damage(manifest)
+    if damage:
+        raise ConfigError(f"data.path: {manifest_path} is damaged ({damage}); delete {path} and prepare again")
     if tokenizer is not None:
         have, want = manifest["tokenizer"]["fingerprint"], tokenizer_fingerprint(tokenizer)
         if have != want:
@@ -418,6 +422,31 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
     mask = (np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tok,))
             if manifest["has_mask"] else None)
     return Corpus(path, tokens, documents, mask, manifest)
+
+
+def _manifest_damage(manifest: dict) -> str | None:
+    """What is wrong with the fields open_prepared reads (None: nothing): a hand-edited or damaged manifest gets
+    one line, not a KeyError or TypeError deep in the loader."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    tok, files = manifest.get("tokenizer"), manifest.get("files")
+    if not (isinstance(tok, dict) and isinstance(tok.get("fingerprint"), str) and isinstance(tok.get("name"), str)):
+        return "tokenizer must hold a name and a fingerprint"
+    if manifest.get("dtype") not in ("uint16", "uint32"):
+        return f"dtype must be uint16 or uint32, got {str(manifest.get('dtype'))[:40]!r}"
+    for key in ("num_tokens", "num_documents"):
+        if not count(manifest.get(key)):
+            return f"{key} must be an integer >= 0, got {str(manifest.get(key))[:40]!r}"
+    if not isinstance(manifest.get("has_mask"), bool):
+        return "has_mask must be true or false"
+    names = ["tokens.bin", "documents.bin"] + (["mask.bin"] if manifest["has_mask"] else [])
+    if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) and count(files[n].get("size")) and
+                                              isinstance(files[n].get("sha256"), str) for n in names):
+        return f"files must give the size and sha256 of {', '.join(names)}"
+    sources = manifest.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
+        return "sources must be a list of mappings"
+    return None
 
 
 def _check_sources(manifest: dict, manifest_path: str, path: str) -> None:

@@ -304,3 +304,22 @@ def test_data_sources_blend_prepared_corpora_and_report_each_share(tmp_path, tok
     out = capsys.readouterr().out
     assert "data.sources[0]" in out and "75.0% of samples" in out and "25.0% of samples" in out
     assert len(data.train_batch(0, 32).inputs) == 32
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: [1, 2, 3], "has format a JSON list"),
+    (lambda m: {"format": m["format"]}, r"is damaged \(tokenizer must hold a name and a fingerprint\)"),
+    (lambda m: {**m, "dtype": "complex1024"}, r"is damaged \(dtype must be uint16 or uint32, got 'complex1024'\)"),
+    (lambda m: {**m, "num_tokens": "many"}, r"is damaged \(num_tokens must be an integer >= 0, got 'many'\)"),
+    (lambda m: {**m, "has_mask": None}, r"is damaged \(has_mask must be true or false\)"),
+    (lambda m: {**m, "files": {}}, r"is damaged \(files must give the size and sha256 of tokens.bin"),
+])
+def test_a_damaged_prepared_manifest_is_refused_in_one_line(tmp_path, tokenizer, edit, message):
+    out = prepare(_corpus(tmp_path / "raw", n=2), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    path = os.path.join(out, MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(path, "w") as f:
+        json.dump(edit(manifest), f)
+    with pytest.raises(ConfigError, match=message + r".*delete .* and prepare again"):
+        open_prepared(out, tokenizer)
