@@ -11,7 +11,6 @@ corpus's training windows is refused too (it would repeat windows inside a step)
 """
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import os
 
@@ -20,6 +19,7 @@ import torch
 from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
+from pipetrain.data.checks import check_utf8
 from pipetrain.data.corpus import source_files
 from pipetrain.plan.devices import load_profile
 from pipetrain.plan.memory import RankMemory, run_memory
@@ -111,33 +111,10 @@ def _check_data(recipe: Recipe) -> None:
     tokenizer = _build_tokenizer(recipe)  # build's tokenizer rules (vocab size) come before preparing data
     for where, path, _ in sources_of(recipe.data):
         if not is_prepared(prepared_dir_for(path, recipe.data.text_field, tokenizer, recipe.data.cache_dir)):
-            check_utf8(path, where)
+            check_utf8(source_files(path, where)[1], where)  # every rank, before the local rank 0 prepares
     data = build_data(dataclasses.replace(recipe.data, verify=False), tokenizer, t.seq_len,
                       prepare_missing=int(os.environ.get("LOCAL_RANK", 0)) == 0)
     if t.global_batch > data.num_train_windows:
         raise ConfigError(f"train.global_batch={t.global_batch} needs {t.global_batch:,} training windows per step, "
                           f"but the data gives {data.num_train_windows:,} windows of train.seq_len={t.seq_len}; lower "
                           "train.global_batch or add data")
-
-
-def check_utf8(path: str, where: str) -> None:
-    """ConfigError naming the file and offset when a raw .txt/.jsonl source is not UTF-8 (one streaming read)."""
-    builder, files = source_files(path, where)
-    if builder not in ("text", "json"):
-        return
-    for file in files:
-        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                try:
-                    decoder.decode(block)
-                except UnicodeDecodeError as exc:
-                    at = offset + exc.start - (len(exc.object) - len(block))  # exc.object: pending bytes + block
-                    raise ConfigError(f"{where}: {file} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
-                                      f"offset {at}); convert it, e.g. iconv -f latin1 -t utf-8") from None
-                offset += len(block)
-            try:
-                decoder.decode(b"", final=True)
-            except UnicodeDecodeError:
-                raise ConfigError(f"{where}: {file} is not UTF-8 text (it ends inside a multi-byte character); "
-                                  "convert it, e.g. iconv -f latin1 -t utf-8") from None

@@ -38,7 +38,7 @@ def sources_of(cfg: DataConfig) -> list[tuple[str, str, float]]:
 def prepare_sources(cfg: DataConfig, tokenizer, progress: bool = True) -> list[str]:
     """Prepare every source that is not prepared yet; the prepared directories, in source order."""
     return [prepare(path, tokenizer, text_field=cfg.text_field, cache_dir=cfg.cache_dir, num_proc=cfg.num_proc,
-                    progress=progress) for _, path, _ in sources_of(cfg)]
+                    progress=progress, where=where) for where, path, _ in sources_of(cfg)]
 
 
 def _wait_for(path: str) -> None:
@@ -55,7 +55,7 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, *, prepare_missing: boo
         if not is_prepared(out):
             if prepare_missing:
                 prepare(path, tokenizer, text_field=cfg.text_field, cache_dir=cfg.cache_dir, num_proc=cfg.num_proc,
-                        progress=True, out_dir=out)
+                        progress=True, out_dir=out, where=where)
             else:
                 _wait_for(out)
         corpus = open_prepared(out, tokenizer, verify=cfg.verify and prepare_missing)

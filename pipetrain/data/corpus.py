@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from pipetrain.config import ConfigError, clip
+from pipetrain.data.checks import check_utf8, unreadable
 from pipetrain.procs import pid_alive
 from pipetrain.sft import encode_record
 
@@ -272,19 +273,24 @@ def remove_dead_temps(out_dir: str) -> list[str]:
 
 
 def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Optional[str] = None,
-            num_proc: int = 1, progress: bool = True, out_dir: Optional[str] = None) -> str:
-    """Tokenise the raw data at `path` into a prepared directory and return it (at once when it exists)."""
+            num_proc: int = 1, progress: bool = True, out_dir: Optional[str] = None, where: str = "data.path") -> str:
+    """Tokenise the raw data at `path` into a prepared directory and return it (at once when it exists).
+    where: the recipe key that named path, for errors."""
     out_dir = out_dir or prepared_dir_for(path, text_field, tokenizer, cache_dir)
     if is_prepared(out_dir):
         return out_dir
-    builder, files = source_files(path)
+    builder, files = source_files(path, where)
+    check_utf8(files, where)
     if files and all(os.path.getsize(f) == 0 for f in files):
         raise ConfigError(f"data.path: {path!r} holds no documents (empty files); add data or remove this source")
     empty = [f for f in files if builder != "text" and os.path.getsize(f) == 0]
     if empty:  # the json/parquet readers cannot infer columns from an empty file
         raise ConfigError(f"data.path: {empty[0]!r} is empty; remove it or add records")
     root = os.path.expanduser(cache_dir or "~/.cache/pipetrain")
-    ds = _load_dataset(path, builder, files, root, progress)
+    try:
+        ds = _load_dataset(path, builder, files, root, progress)
+    except Exception as exc:  # noqa: BLE001  (datasets and pyarrow raise many kinds; each is bad input here)
+        raise unreadable(where, path, builder or "a datasets name", exc) from None
     columns = set(ds.column_names)
     records = {"prompt", "completion"} <= columns or "messages" in columns
     if not records and text_field not in columns:

@@ -323,3 +323,18 @@ def test_a_damaged_prepared_manifest_is_refused_in_one_line(tmp_path, tokenizer,
         json.dump(edit(manifest), f)
     with pytest.raises(ConfigError, match=message + r".*delete .* and prepare again"):
         open_prepared(out, tokenizer)
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("a.jsonl", b'{"text": "hello"}\n{"text": broken\n', r"could not be read as json \(ValueError: .*jsonl: one JSON"),
+    ("a.jsonl", b"[1, 2]\n[3]\n", r"could not be read as json"),
+    ("a.parquet", b"not parquet", r"could not be read as parquet \(ArrowInvalid: Parquet magic bytes"),
+    ("a.txt", b"fine\nbad \xff\n", r"a.txt is not UTF-8 text \(byte 0xff at offset 9\)"),
+])
+def test_damaged_raw_files_are_refused_in_one_line_naming_the_source(tmp_path, tokenizer, name, content, message):
+    """The datasets readers fail deep inside their own code on these; prepare names the source instead."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=r"data.sources\[1\]: .*" + message):
+        prepare(str(raw), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False, where="data.sources[1]")
