@@ -37,10 +37,28 @@ def _text(prompt: str) -> str:
     return prompt
 
 
+def _device(name: str) -> torch.device:
+    """--device as a device this machine has (ConfigError otherwise, not torch's traceback)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"generate: --device {name!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"generate: --device {name}: no CUDA device is available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"generate: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                          "device(s); use cuda:0 up to the last one")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"generate: --device {name}: only cpu and cuda are supported; use one of them")
+    return device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        model, tokenizer = load_for_generation(args.path, args.tokenizer, torch.device(args.device))
+        if not 0 <= args.seed < 2 ** 63:
+            raise ConfigError(f"generate: --seed must be in [0, 2**63), got {args.seed}")
+        model, tokenizer = load_for_generation(args.path, args.tokenizer, _device(args.device))
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         prompt = tokenizer(_text(args.prompt))["input_ids"] or [start]  # an empty prompt starts a document
         new = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k,

@@ -131,6 +131,11 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     undecodable = b"caf\xe9".decode("utf-8", "surrogateescape")  # what argv holds for Latin-1 bytes
     assert "--prompt is not valid UTF-8" in _one_error_line(capsys, [out, "--prompt", undecodable])
     assert "--top-p must be in (0, 1]" in _one_error_line(capsys, [out, "--prompt", "x", "--top-p", "0"])
+    assert "--seed must be in [0, 2**63)" in _one_error_line(capsys, [out, "--prompt", "x", "--seed", str(2 ** 64)])
+    assert "--device 'foo' is not a device name" in _one_error_line(capsys, [out, "--prompt", "x", "--device", "foo"])
+    assert "only cpu and cuda" in _one_error_line(capsys, [out, "--prompt", "x", "--device", "meta"])
+    if not torch.cuda.is_available():  # the CPU tests see no GPU, on a GPU machine too (tests/conftest.py)
+        assert "no CUDA device is available here" in _one_error_line(capsys, [out, "--prompt", "x", "--device", "cuda"])
 
 
 @pytest.mark.slow
