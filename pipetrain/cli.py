@@ -61,7 +61,11 @@ def _init_distributed(world_size: int) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    timeout = timedelta(minutes=int(os.environ.get("PIPETRAIN_TIMEOUT_MIN", 10)))
+    minutes = os.environ.get("PIPETRAIN_TIMEOUT_MIN", "10")
+    if not minutes.strip().isdigit() or int(minutes) < 1:
+        raise ConfigError(f"PIPETRAIN_TIMEOUT_MIN={minutes!r}: must be a whole number of minutes >= 1 (the "
+                          "collectives' timeout); unset it for the default 10")
+    timeout = timedelta(minutes=int(minutes))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent hosts one store for every attempt and env:// does not prefix its keys, so after
         # a restart a rank can read the previous attempt's gloo/NCCL addresses and fail to connect; the

@@ -48,7 +48,7 @@ def device_memory(world_size: int) -> tuple[float, str]:
     profile file) overrides the device, as it does for parallel.auto (plan.auto.launch_profile): a dry run
     on a laptop then checks the layout against the cards it is meant for."""
     if os.environ.get("PIPETRAIN_DEVICE"):
-        profile = load_profile(os.environ["PIPETRAIN_DEVICE"])
+        profile = load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE")
         return profile.memory_bytes, f"{profile.name}, from PIPETRAIN_DEVICE"
     if torch.cuda.is_available():
         index = int(os.environ.get("LOCAL_RANK", 0))

@@ -42,7 +42,7 @@ def launch_profile(world_size: int, ranks_per_node: int | None = None) -> Device
     """The profile of the device this process runs on: the GPU table by name, else "cpu" with the node's
     physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile file) overrides it."""
     if os.environ.get("PIPETRAIN_DEVICE"):
-        return load_profile(os.environ["PIPETRAIN_DEVICE"])
+        return load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         for key, entry in _CUDA_NAMES:

@@ -7,7 +7,9 @@ reads a JSON profile written by calibrate.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -87,17 +89,28 @@ DEVICES: dict[str, DeviceProfile] = {
 }
 
 
-def load_profile(name_or_path: str) -> DeviceProfile:
-    """A DEVICES entry by name, or a JSON profile file written by --calibrate."""
+def load_profile(name_or_path: str, where: str = "--device") -> DeviceProfile:
+    """A DEVICES entry by name, or a JSON profile file written by --calibrate. where: what named it (the flag,
+    or the PIPETRAIN_DEVICE variable), for errors."""
     if name_or_path in DEVICES:
         return DEVICES[name_or_path]
-    if os.path.isfile(name_or_path):
-        with open(name_or_path) as f:
-            data = json.load(f)
-        try:
-            return DeviceProfile(**data)
-        except TypeError as exc:
-            raise ConfigError(f"--device {name_or_path}: not a device profile ({exc}); write one with "
-                              "python -m pipetrain.plan --calibrate") from None
-    raise ConfigError(f"--device: unknown device, got {name_or_path!r}; use one of {', '.join(DEVICES)} "
-                      "or a JSON file from --calibrate")
+    if not os.path.isfile(name_or_path):
+        raise ConfigError(f"{where}: unknown device, got {name_or_path!r}; use one of {', '.join(DEVICES)} "
+                          "or a JSON file from --calibrate")
+    fix = "write one with python -m pipetrain.plan --calibrate"
+    try:
+        with open(name_or_path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+        profile = DeviceProfile(**data)
+    except (ValueError, TypeError) as exc:  # not JSON (or not UTF-8), not a mapping, unknown or missing fields
+        raise ConfigError(f"{where} {name_or_path}: not a device profile ({str(exc)[:150]}); {fix}") from None
+    numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile) if f.name not in ("name", "source")}
+    bad = [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or
+           not math.isfinite(v) or v < 0]
+    bad += [k for k in ("memory_bytes", "bf16_flops", "fp32_flops", "intra_bw", "inter_bw", "efficiency", "mem_bw")
+            if k not in bad and numbers[k] <= 0]
+    if bad or not isinstance(profile.name, str):
+        shown = ", ".join(f"{k}={numbers[k]!r}" for k in bad[:3]) or f"name={profile.name!r}"
+        raise ConfigError(f"{where} {name_or_path}: not a device profile ({shown}: each must be a finite number, "
+                          f"rates and sizes > 0); {fix}")
+    return profile

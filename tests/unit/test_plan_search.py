@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
+from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from pipetrain.parallel.mesh.rules import context_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main
@@ -106,6 +106,22 @@ def test_device_profiles_load_by_name_and_from_a_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(DEVICES["a100-40gb"].as_dict()))
     assert load_profile(str(path)) == DEVICES["a100-40gb"] == load_profile("a100-40gb")
+    assert all(load_profile(name) == profile for name, profile in DEVICES.items())
+
+
+@pytest.mark.parametrize("content,message", [
+    ("not json", r"not a device profile \(Expecting value"),
+    ("[1]", r"not a device profile \(.*must be a mapping"),
+    ({"memory_bytes": "lots"}, r"not a device profile \(memory_bytes='lots': each must be a finite number"),
+    ({"bf16_flops": 0, "fp32_flops": 0},
+     r"not a device profile \(bf16_flops=0, fp32_flops=0: each must be a finite number, rates and sizes > 0"),
+    ({"intra_latency": -1.0}, r"not a device profile \(intra_latency=-1.0"),
+])
+def test_a_device_profile_that_is_not_one_is_refused_in_one_line_naming_its_source(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    path.write_text(content if isinstance(content, str) else json.dumps({**DEVICES["a100-40gb"].as_dict(), **content}))
+    with pytest.raises(ConfigError, match=r"^PIPETRAIN_DEVICE .*p.json: " + message + r".*--calibrate"):
+        load_profile(str(path), "PIPETRAIN_DEVICE")
 
 
 def test_every_v_schedule_layout_the_layout_check_accepts_is_planned():
