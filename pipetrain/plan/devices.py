@@ -104,7 +104,8 @@ def load_profile(name_or_path: str, where: str = "--device") -> DeviceProfile:
         profile = DeviceProfile(**data)
     except (ValueError, TypeError) as exc:  # not JSON (or not UTF-8), not a mapping, unknown or missing fields
         raise ConfigError(f"{where} {name_or_path}: not a device profile ({str(exc)[:150]}); {fix}") from None
-    numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile) if f.name not in ("name", "source")}
+    numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)
+               if f.name not in ("name", "source")}
     bad = [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or
            not math.isfinite(v) or v < 0]
     bad += [k for k in ("memory_bytes", "bf16_flops", "fp32_flops", "intra_bw", "inter_bw", "efficiency", "mem_bw")
