@@ -17,7 +17,7 @@ import os
 import re
 import struct
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ConfigError, section_type_problems
 
 FORMAT_VERSION = 2  # 2: sealed manifest (manifest_sha256) and piece metadata in every file
 CHECKSUM_KEY = "manifest_sha256"
@@ -90,13 +90,16 @@ def _structure_problem(m: dict, ckpt_dir: str) -> str | None:
         return f"step {m['step']} does not match the directory name {os.path.basename(os.path.normpath(ckpt_dir))}"
     if not isinstance(m["recipe"].get("model"), dict):
         return "recipe.model is missing"
+    wrong = section_type_problems("model", m["recipe"]["model"])
+    if wrong:
+        return f"recipe.{wrong[0]}"
     layout = m["layout"]
     for key in ("dp", "tp", "pp", "world_size", "virtual_stages"):
         if not _int(layout.get(key), 1):
             return f"layout.{key} should be a positive int, got {layout.get(key)!r:.60}"
     if not _int(layout.get("zero")):
         return f"layout.zero should be a non-negative int, got {layout.get('zero')!r:.60}"
-    if not _int(m["data"].get("samples")):
+    if not _int(m["data"].get("samples")) or m["data"]["samples"] >= 2 ** 63:
         return f"data.samples should be a non-negative int, got {m['data'].get('samples')!r:.60}"
     files = m["files"]
     for name, info in files.items():

@@ -16,7 +16,7 @@ parallel keys live in pipetrain.parallel.mesh.rules; code that runs a recipe pas
 `rules=parallel_problems` to load_recipe / build_recipe / validate, so one ConfigError still lists every
 problem at once.
 """
-from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, parse_override
+from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, parse_override, section_type_problems
 from pipetrain.config.schema import (CheckpointConfig, ConfigError, DataConfig, FaultsConfig, ModelConfig,
                                      ParallelConfig, Recipe, RunConfig, TrainConfig, clip, lora_projections)
 from pipetrain.config.validation import validate
@@ -24,5 +24,5 @@ from pipetrain.config.validation import validate
 __all__ = [
     "Recipe", "ModelConfig", "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "RunConfig",
     "FaultsConfig", "ConfigError", "clip", "lora_projections",
-    "load_recipe", "build_recipe", "dump_recipe", "parse_override", "validate",
+    "load_recipe", "build_recipe", "dump_recipe", "parse_override", "section_type_problems", "validate",
 ]

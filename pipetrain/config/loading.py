@@ -30,6 +30,17 @@ def _closest(name, options) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
 
 
+def section_type_problems(section: str, values: dict) -> list[str]:
+    """The values of a recipe section (a checkpoint manifest's saved one) whose types its dataclass refuses, one
+    line each; keys it does not know are skipped (a checkpoint of another version may hold them)."""
+    hints, problems = typing.get_type_hints(SECTIONS[section]), []
+    for key, value in values.items():
+        field = KEY_ALIASES.get((section, key), key)
+        if field in hints:
+            _check_type(f"{section}.{key}", value, hints[field], problems)
+    return problems
+
+
 def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
     """Coerce ints to floats where a float is expected; record a problem for any other mismatch."""
     origin = typing.get_origin(hint)

@@ -168,3 +168,19 @@ def test_tools_refuse_a_corrupt_manifest_with_exit_2(saved, tmp_path):
         proc = run_script("pipetrain.checkpoint", cmd, timeout=120)
         assert proc.returncode == 2 and "manifest checksum does not match" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["data"].update(samples=10 ** 30), r"data.samples should be a non-negative int"),
+    (lambda m: m["recipe"]["model"].update(d_model="abc"), r"recipe.model.d_model='abc' must be int"),
+    (lambda m: m["recipe"]["model"].update(n_kv_heads=[2]), r"recipe.model.n_kv_heads=\[2\] must be int"),
+])
+def test_a_resealed_manifest_with_values_out_of_range_or_of_the_wrong_type_is_refused(saved, tmp_path, edit, message):
+    """Values a model or the loader would crash on (an OverflowError, a TypeError in torch.empty) in a manifest
+    whose checksum was recomputed, as a buggy writer or another version would."""
+    ckpt, intact, _ = saved
+    m = copy.deepcopy(intact)
+    edit(m)
+    case = _case_dir(str(tmp_path), ckpt, seal({k: v for k, v in m.items() if k != CHECKSUM_KEY}))
+    with pytest.raises(ConfigError, match=message):
+        read_manifest(case)
