@@ -85,6 +85,8 @@ def _own_problems(r: Recipe) -> list[str]:
     need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
     need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
     need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
+    need(r.run.eval_batches >= 1, f"run.eval_batches={r.run.eval_batches} must be >= 1 (run.eval_every=0 turns "
+         "evaluation off)")
     need(r.run.sample_tokens >= 0, f"run.sample_tokens={r.run.sample_tokens} must be >= 0 (0 = no sample)")
     need(r.run.peak_tflops is None or r.run.peak_tflops > 0,
          f"run.peak_tflops={r.run.peak_tflops} must be > 0 (or null: from the GPU table)")

@@ -203,6 +203,7 @@ def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
     ("data", "seed", -1, r"data.seed=-1 must be in \[0, 2\*\*63\)"),
     ("train", "seed", 2 ** 64, r"train.seed=18446744073709551616 must be in \[0, 2\*\*63\)"),
     ("run", "sample_tokens", -5, "run.sample_tokens=-5 must be >= 0"),
+    ("run", "eval_batches", -1, r"run.eval_batches=-1 must be >= 1 \(run.eval_every=0 turns evaluation off\)"),
     ("run", "peak_tflops", 0.0, "run.peak_tflops=0.0 must be > 0"),
 ])
 def test_out_of_range_and_non_finite_values_are_refused_at_load(section, key, value, message):
