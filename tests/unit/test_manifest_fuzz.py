@@ -184,3 +184,13 @@ def test_a_resealed_manifest_with_values_out_of_range_or_of_the_wrong_type_is_re
     case = _case_dir(str(tmp_path), ckpt, seal({k: v for k, v in m.items() if k != CHECKSUM_KEY}))
     with pytest.raises(ConfigError, match=message):
         read_manifest(case)
+
+
+def test_a_run_folder_or_a_manifest_file_given_for_a_checkpoint_is_named_as_such(saved):
+    """Not "manifest.json is missing (an incomplete save?)", which sent users looking for damage."""
+    ckpt, _, _ = saved
+    run = os.path.dirname(os.path.dirname(ckpt))
+    with pytest.raises(ConfigError, match=r"is a run folder, not a checkpoint folder; pass a checkpoints/step-"):
+        read_manifest(run)
+    with pytest.raises(ConfigError, match=r"manifest.json: is a file, not a checkpoint folder"):
+        read_manifest(os.path.join(ckpt, "manifest.json"))
