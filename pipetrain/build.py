@@ -278,8 +278,7 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
 # as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
 # the logits it never builds are tokens x vocab). Nothing is recorded yet: on an H100 at vocab 8192 it ran at
 # 0.88x (docs/benchmarks.md) with its GEMMs in fp32 (it ran outside autocast then), and the GPU session script
-# measures it at vocab 128,256 next. The CPU path saves
-# memory, not time, so the CPU stays off.
+# measures it at vocab 8192 and 128,256 next. The CPU path saves memory, not time, so the CPU stays off.
 FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {}
 
 
