@@ -349,7 +349,7 @@ def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
 def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int, staged: bool) -> int:
     """ZeRO 1/2 all-gather the updated rows bucket by bucket, at most two in flight: each a full flat bucket
     and this rank's part. staged: the backend gathers into a flat copy of its own, then copies it into the
-    output (gloo's all_gather_into_tensor does; NCCL writes in place): one more bucket, measured on gloo as
+    output (gloo's all-gather into one tensor does; NCCL writes in place): one more bucket, measured on gloo as
     the gather's transient going from 39 to 63 MiB at 26 MiB of parameters per rank."""
     shards = zero_shards(recipe, world_size)
     if shards == 1:
