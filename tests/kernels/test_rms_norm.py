@@ -94,5 +94,16 @@ def test_rms_norm_triton_matches_reference_at_llama_width(poisoned, dtype):
     w = randn(seed + 2, 4096, dtype=dtype)
     got = _grads(lambda a, b: RMSNormFn.apply(a, b, 1e-5), x, w, dy)
     want = _grads(lambda a, b: rms_norm_ref(a, b, 1e-5), x, w, dy)
-    for name, g, r in zip(("y", "dx", "dw"), got, want):
+    for name, g, r in zip(("y", "dx"), got, want):
         torch.testing.assert_close(g, r, **tol(dtype), msg=lambda m: f"seed={seed} {name}: {m}")
+    # dw sums dy * xhat over the 18 rows in another order than the reference: its fp32 round-off grows with
+    # that sum of magnitudes (a fixed atol of 1e-6 failed at 1.2e-6 for one seed), so it is held to the float64
+    # reference within a bound on the round-off of such a sum: rows x eps x sum |dy * xhat|, for both sides
+    xd = x.double()
+    terms = (dy.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5)).reshape(-1, 4096)
+    exact = terms.sum(0)
+    eps = torch.finfo(dtype).eps
+    bound = 2 * terms.shape[0] * eps * terms.abs().sum(0) + (0 if dtype == torch.float32 else eps * exact.abs())
+    for which, dw in (("triton", got[2]), ("reference", want[2])):
+        excess = (dw.double() - exact).abs() - bound
+        assert excess.max() <= 0, f"seed={seed} dw ({which}) off float64 by more than the bound at {excess.argmax()}"
