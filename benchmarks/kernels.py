@@ -48,7 +48,7 @@ def _cases(s: dict, device, dtype):
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     return [
         ("rms_norm", [rand(N, s["D"]), rand(s["D"])], [1e-5],
-         lambda x, w, eps: RMSNormFn.apply(x, w, eps), rms_norm_ref),
+         lambda x, w, eps: RMSNormFn.apply(x, w, eps, x.dtype), rms_norm_ref),
         ("rope", [rand(s["B"], s["T"], s["Hq"], s["K"]), rand(s["B"], s["T"], s["Hkv"], s["K"])], [cos, sin],
          lambda q, k, c, sn: RoPEFn.apply(q, k, c, sn), rope_ref),
         ("swiglu", [rand(N, s["F"]), rand(N, s["F"])], [],

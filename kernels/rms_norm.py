@@ -1,4 +1,5 @@
-"""RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * w. fp32 math, output in x.dtype.
+"""RMSNorm over the last dim: y = x * rsqrt(mean(x^2) + eps) * w. fp32 math, output in out_dtype (x.dtype
+unless given: the model asks for autocast's dtype, so that its linears need no cast of their own).
 
 Shapes: x (..., D) flattened to (N, D), w (D,), rstd (N,) fp32, dw partials (P, D) fp32 with P programs.
 The forward saves rstd so the backward does not recompute the reduction. The weight gradient is a sum
@@ -22,11 +23,12 @@ if HAS_TRITON:
 _CPU_PROGRAMS = 4
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The spec: CPU path and test oracle (float64 stays float64 for gradcheck)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     w = weight.to(xf.dtype)
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w).to(out_dtype or x.dtype)
 
 
 if HAS_TRITON:
@@ -76,8 +78,9 @@ def _block(where: str, x: torch.Tensor) -> int:
     return block
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher: x (..., D), weight (D,) -> y like x, rstd (N,) fp32."""
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: x (..., D), weight (D,) -> y shaped like x in out_dtype, rstd (N,) fp32."""
     check_dtype("rms_norm", x)
     check_dtype("rms_norm weight", weight)
     D = x.shape[-1]
@@ -87,7 +90,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
         raise ValueError(f"rms_norm: x {tuple(x.shape)} has an empty last dim; there is nothing to normalise")
     block = _block("rms_norm", x)
     x2 = x.contiguous().view(-1, D)  # (N, D)
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=out_dtype)
+    check_dtype("rms_norm output", y)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0]:  # zero rows (an empty micro-batch) launch nothing
         wrap_triton(_rms_norm_fwd_kernel)[(x2.shape[0],)](x2, weight.contiguous(), y, rstd, D, eps, BLOCK=block,
@@ -97,7 +101,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher: dy, x (..., D), weight (D,), rstd (N,) -> dx like x, dw like weight."""
+    """Launcher: dy, x (..., D), weight (D,), rstd (N,) -> dx like x, dw like weight. dy may be in another
+    dtype than x (the forward's out_dtype): the kernel reads both into fp32."""
     D = x.shape[-1]
     x2 = x.contiguous().view(-1, D)
     dy2 = dy.contiguous().view(-1, D)
@@ -119,31 +124,34 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 class RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = rms_norm_fwd(x, weight, eps)
+    def forward(ctx, x, weight, eps, out_dtype):
+        y, rstd = rms_norm_fwd(x, weight, eps, out_dtype)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         dx, dw = rms_norm_bwd(dy, *ctx.saved_tensors)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 # pipetrain::rms_norm under torch.compile (kernels/compile_ops.py registers it when a run compiles)
 COMPILE_OP = declare(CompileOp(
     name="rms_norm", forward=rms_norm_fwd, backward=rms_norm_bwd,
-    fake=lambda x, weight, eps: (torch.empty_like(x),
+    fake=lambda x, weight, eps, out_dtype: (torch.empty_like(x, dtype=out_dtype),
                                  x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)),
     backward_fake=lambda dy, x, weight, rstd: (torch.empty_like(x), torch.empty_like(weight)),
     num_grads=1,  # rstd is an output only for the backward: no gradient flows into it
     saved_inputs=(0, 1), saved_outputs=(1,)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x over its last dim, scaled by weight; Triton or reference per dispatch.use_triton."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm of x over its last dim, scaled by weight, in out_dtype (None: x's); Triton or reference per
+    dispatch.use_triton."""
+    out_dtype = out_dtype or x.dtype
     if not use_triton(x):
-        return rms_norm_ref(x, weight, eps)
+        return rms_norm_ref(x, weight, eps, out_dtype)
     if torch.compiler.is_compiling():
-        return forward_op("rms_norm")(x, weight, eps)[0]
-    return RMSNormFn.apply(x, weight, eps)
+        return forward_op("rms_norm")(x, weight, eps, out_dtype)[0]
+    return RMSNormFn.apply(x, weight, eps, out_dtype)

@@ -25,6 +25,19 @@ from pipetrain.kernels import rms_norm, rope, swiglu
 from pipetrain.models.moe import MoE
 
 
+def norm_output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a norm returns: autocast's where autocast is on, else x's.
+
+    Under bf16 autocast the residual stream x is fp32, and every consumer of a norm is a linear that
+    autocast runs in bf16 (a MoE's router and experts too; its combine stays fp32, models/moe.py). A norm
+    that returned fp32 left each of them to cast it: q, k and v three bf16 copies of one tensor (each saved
+    for backward), gate and up two, with a cast back to fp32 and an fp32 sum of their gradients in the
+    backward. The norm writes bf16 once instead, as Megatron-LM's and torchtitan's do; their input
+    gradients then sum in bf16, as theirs do. fp32 runs are unchanged."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -32,15 +45,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, norm_output_dtype(x))
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm computed in fp32, returned in the input dtype."""
+    """nn.LayerNorm computed in fp32, returned in norm_output_dtype."""
 
     def forward(self, x):
         return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
-                            self.eps).to(x.dtype)
+                            self.eps).to(norm_output_dtype(x))
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:

@@ -82,9 +82,18 @@ def route_topk(probs: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | Non
     return topk_idx, topk_w
 
 
+def _gemm_dtype(x: torch.Tensor, gate: torch.Tensor) -> torch.dtype | None:
+    """The dtype the experts' GEMMs take: autocast's where it is on (it casts the loop's F.linear operands,
+    fp32 masters included, and has no rule for torch._grouped_mm), else x's if the weights share it."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype if gate.dtype == x.dtype else None
+
+
 def _grouped_mm_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
-    """torch._grouped_mm's conditions: CUDA sm90+, bf16, rows 16-byte aligned (dims multiples of 8)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and gate.dtype == torch.bfloat16
+    """torch._grouped_mm's conditions: CUDA sm90+, bf16 GEMMs, rows 16-byte aligned (dims multiples of 8)."""
+    return (x.is_cuda and _gemm_dtype(x, gate) == torch.bfloat16
             and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0)
             and x.shape[-1] % 8 == 0 and gate.shape[1] % 8 == 0)
 
@@ -129,6 +138,8 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
     gate/up (E, F, D), down (E, D, F) -> (M, D). On CUDA one grouped GEMM per matrix (torch._grouped_mm,
     bf16, with cumulative offsets) where available; else a loop over experts (the CPU path and oracle)."""
     if _grouped_mm_ok(x_sorted, gate):
+        dtype = _gemm_dtype(x_sorted, gate)
+        x_sorted, gate, up, down = (t.to(dtype) for t in (x_sorted, gate, up, down))  # no-ops outside autocast
         offs = torch.cumsum(counts, 0).to(torch.int32)
         h = swiglu(_grouped_mm(x_sorted, gate.transpose(-2, -1), offs),
                    _grouped_mm(x_sorted, up.transpose(-2, -1), offs))  # (M, F)
@@ -173,12 +184,15 @@ class MoE(nn.Module):
         self.expert_region = None
 
     def route(self, x: torch.Tensor):
-        """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k) in x's dtype, stats (probs fp32 (B, T, E), idx)."""
+        """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k) in fp32 (float64 for float64 x), stats (probs fp32
+        (B, T, E), idx). The weights stay fp32 under bf16 autocast, where x (the norm's output) is bf16: the k
+        weighted expert outputs of a token are then summed in fp32 (a bf16 sum by CUDA's atomic index_add_
+        would also change with the order the atomics land in)."""
         logits = self.router(x)  # (B, T, E)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         bias = self.router.expert_bias if self.bias_rate > 0 else None
         topk_idx, topk_w = route_topk(probs.reshape(-1, self.num_experts), self.top_k, self.norm_topk, bias)
-        return topk_idx, topk_w.to(x.dtype), (probs, topk_idx)
+        return topk_idx, topk_w.to(torch.promote_types(x.dtype, torch.float32)), (probs, topk_idx)
 
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor):
         """Local dropless experts: (B, T, D) -> (B, T, D), sum_k w_k * expert_{idx_k}(x) per token."""
@@ -186,12 +200,13 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, D)
         flat = topk_idx.reshape(-1)  # (N*k,)
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, token order kept inside a group
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # rows per expert: not torch.bincount, which reads the largest index to the host on CUDA (a sync)
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         token = order // self.top_k
         e = self.experts
         y = grouped_swiglu(x[token], counts, e.gate, e.up, e.down)  # (N*k, D) in expert order
         y = y * topk_w.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros_like(x).index_add_(0, token, y)
+        out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y)  # y * w: fp32 (route)
         return out.view(shape)
 
     def account(self, y: torch.Tensor, stats) -> torch.Tensor:

@@ -73,8 +73,10 @@ def test_custom_ops_pass_opcheck(force_triton):
     seed = fresh_seed()
     x, w, q, k, cos, sin, gate, up = _inputs(seed)
     dy = randn(seed + 9, *x.shape)
-    rstd = forward_op("rms_norm")(x, w, 1e-6)[1]
-    cases = [("rms_norm", (x, w, 1e-6), (dy, x.detach(), w.detach(), rstd)),
+    rstd = forward_op("rms_norm")(x, w, 1e-6, x.dtype)[1]
+    cases = [("rms_norm", (x, w, 1e-6, x.dtype), (dy, x.detach(), w.detach(), rstd)),
+             # out in autocast's bf16 from the fp32 residual stream, and its bf16 gradient back
+             ("rms_norm", (x, w, 1e-6, torch.bfloat16), (dy.bfloat16(), x.detach(), w.detach(), rstd)),
              ("rope", (q, k, cos, sin), (q.detach(), k.detach(), cos, sin)),
              ("swiglu", (gate, up), (gate.detach(), gate.detach(), up.detach()))]
     cases = [(op, args) for name, fwd, bwd in cases for op, args in ((forward_op(name), fwd), (backward_op(name), bwd))]

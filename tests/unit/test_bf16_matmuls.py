@@ -60,3 +60,37 @@ def test_every_matmul_of_a_bf16_training_step_takes_bf16_operands(tmp_path, case
     assert "mm" in ops and "_scaled_dot_product_flash_attention_for_cpu_backward" in ops, probe.seen
     wrong = {key: n for key, n in probe.seen.items() if any(dtype != torch.bfloat16 for dtype in key[1])}
     assert not wrong, f"matmuls outside bf16 under train.precision=bf16: {wrong}"
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_the_linears_after_a_norm_take_its_bf16_output_as_it_is(tmp_path, cfg):
+    """The norms write autocast's bf16 (models/decoder.py, norm_output_dtype): q, k and v (and gate and up) get
+    one bf16 tensor, which autocast neither copies nor saves again per linear; an fp32 norm output made each
+    of them cast it."""
+    trainer = build_trainer(cfg, str(tmp_path), precision="bf16", steps=1)
+    inputs = {}
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
+             for name, module in trainer.model.named_modules() if isinstance(module, torch.nn.Linear)]
+    trainer.train_step()
+    for hook in hooks:
+        hook.remove()
+    wrong = {name: x.dtype for name, x in inputs.items() if x.dtype != torch.bfloat16}
+    assert not wrong, f"linears given an activation outside bf16 under train.precision=bf16: {wrong}"
+    block = "layers.0."
+    q, k, v = (inputs[f"{block}attn.{name}"] for name in ("wq", "wk", "wv"))
+    assert q is k is v, "q, k and v got different tensors: the attention norm's output was copied per linear"
+    assert inputs["head"].dtype == torch.bfloat16
+
+
+def test_a_moe_sums_the_weighted_expert_outputs_of_a_token_in_fp32_under_bf16(tmp_path):
+    """The norm hands the MoE a bf16 x; the routing weights and the sum of a token's k weighted expert
+    outputs stay fp32 (a bf16 index_add_ is an atomic, order-dependent sum on CUDA)."""
+    from pipetrain.models.moe import MoE
+    trainer = build_trainer(CASES["moe-shared-expert"][0], str(tmp_path), precision="bf16", steps=1)
+    combined = []
+    hooks = [module.register_forward_hook(lambda m, args, out: combined.append((args[0].dtype, out.dtype)))
+             for module in trainer.model.modules() if isinstance(module, MoE)]
+    trainer.train_step()
+    for hook in hooks:
+        hook.remove()
+    assert combined and set(combined) == {(torch.bfloat16, torch.float32)}, combined

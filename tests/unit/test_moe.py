@@ -118,6 +118,32 @@ def test_the_grouped_mm_path_matches_the_loop_in_values_and_gradients(monkeypatc
     assert not real_ok(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 8, dtype=torch.bfloat16))  # CPU
 
 
+def test_the_grouped_mm_path_takes_autocasts_bf16_from_fp32_masters(monkeypatch):
+    """Training keeps fp32 expert weights under bf16 autocast, which has no rule for torch._grouped_mm: the
+    grouped path casts the operands itself, as autocast does to the loop's F.linear, and matches the loop
+    (the CUDA condition forced to its dtype part; before, fp32 masters always fell back to the loop)."""
+    from pipetrain.models import moe
+    torch.manual_seed(0)
+    E, D, Fh = 4, 16, 32
+    counts = torch.tensor([10, 0, 14, 0])
+    leaves = [torch.randn(24, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
+    real, calls = torch._grouped_mm, []
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    results = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "_grouped_mm_ok",
+                            lambda x, gate: grouped and moe._gemm_dtype(x, gate) == torch.bfloat16)
+        x, gate, up, down = [t.clone().requires_grad_() for t in leaves]
+        with torch.autocast("cpu", torch.bfloat16):
+            y = grouped_swiglu(x, counts, gate, up, down)
+        y.float().square().sum().backward()
+        results[grouped] = [y, x.grad, gate.grad, up.grad, down.grad]
+    assert calls == [torch.bfloat16] * 3, calls
+    for got, want in zip(results[True], results[False]):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
 def _explicit_aux(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The per-sequence balance loss written out: mean over sequences of E/(kT) sum_e count_e * mean_t p_e."""
     probs = F.softmax(moe.router(x), dim=-1, dtype=torch.float32)  # (B, T, E)
