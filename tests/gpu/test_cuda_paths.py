@@ -104,6 +104,25 @@ trainer.train_step()
 with _Ops() as mode:
     record = trainer.train_step()
 print("float reads before the update:", _float_reads_before_the_update(mode.ops), record["loss"])
+
+# With document masking (and under cp) every layer gets positions: CUDA's sync debug mode raises at any
+# wait for the device (a read, or a blocking copy such as positions.to("cuda") from pageable memory) from
+# the step's start until its update is queued.
+next_batch = trainer.loader.next
+def with_positions():
+    batch, num_targets = next_batch()
+    batch.positions = (torch.arange(batch.inputs.shape[1]) % 5).expand_as(batch.inputs).contiguous()
+    return batch, num_targets
+trainer.loader.next = with_positions
+clip_and_step = trainer.optimizer.clip_and_step
+def queued_then_allowed(*args):
+    out = clip_and_step(*args)
+    torch.cuda.set_sync_debug_mode(0)
+    return out
+trainer.optimizer.clip_and_step = queued_then_allowed
+torch.cuda.set_sync_debug_mode("error")
+trainer.train_step()
+print("no wait for the device before the update, with positions")
 """
 
 
@@ -115,6 +134,7 @@ def test_a_training_step_on_cuda_reads_nothing_to_the_host_before_its_update():
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "float reads before the update: 0 " in proc.stdout, proc.stdout
+    assert "no wait for the device before the update, with positions" in proc.stdout, proc.stdout
 
 
 _GROUPED_MM = """

@@ -93,3 +93,27 @@ def test_a_non_finite_loss_skips_the_update_on_the_device_and_raises(tmp_path, f
     for p, s in opt.state.items():  # moments and step counters as before the step
         for k, v in s.items():
             torch.testing.assert_close(v, state[id(p)][k], rtol=0, atol=0)
+
+
+def test_every_batch_tensor_the_executor_hands_a_layer_went_through_to_device(tmp_path, monkeypatch):
+    """Positions (document masking, cp) reach every layer: the executor moves them once per microbatch with
+    to_device (pinned, non_blocking on a GPU). A layer's own positions.to("cuda") from pageable memory was a
+    blocking copy, two host waits per attention layer (tests/gpu checks it with CUDA's sync debug mode)."""
+    import pipetrain.parallel.pipeline.executor as executor
+    moved = []
+    real = executor.to_device
+    monkeypatch.setattr(executor, "to_device", lambda t, device: moved.append(t) or real(t, device))
+    trainer = _trainer(tmp_path, "positions")
+    next_batch = trainer.loader.next
+
+    given = []
+
+    def with_positions():
+        batch, num_targets = next_batch()
+        batch.positions = (torch.arange(batch.inputs.shape[1]) % 5).expand_as(batch.inputs).contiguous()
+        given.append(batch.positions)
+        return batch, num_targets
+    monkeypatch.setattr(trainer.loader, "next", with_positions)
+    trainer.train_step()
+    assert given and any(t.data_ptr() == given[0].data_ptr() for t in moved), \
+        "the positions never went through to_device"

@@ -47,7 +47,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t (a CPU batch tensor) on device, without the host waiting for the device: to a GPU it is copied from
     pinned memory with non_blocking (a plain .to() from pageable memory synchronises with the stream, so the
     GPU would drain before every microbatch's forward while the host launches it); elsewhere t.to(device)."""
-    if device.type != "cuda" or t.device == device:
+    if device.type != "cuda" or not t.is_cpu:  # not t.device == device: "cuda" is not "cuda:0"
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)  # a strided source would be staged pageable
 
@@ -157,6 +157,8 @@ class Executor:
                 x = to_device(mb.inputs, device) if spec.is_first else inputs[key]
                 with self.autocast(), deferral(key) if not forward_only else contextlib.nullcontext():
                     positions = getattr(mb, "positions", None)  # document masking: (B, T) for every stage
+                    if positions is not None:  # to the device once, not by each layer's .to(): a host sync apiece
+                        positions = to_device(positions, device)
                     out = chunk(x) if positions is None else chunk(x, positions)
                 if spec.is_last:
                     loss = self.loss_fn(out, mb.targets)  # targets stay on the CPU (see loss_sum)
