@@ -35,6 +35,8 @@ def norm_output_dtype(x: torch.Tensor) -> torch.dtype:
     backward. The norm writes bf16 once instead, as Megatron-LM's and torchtitan's do; their input
     gradients then sum in bf16, as theirs do. fp32 runs are unchanged."""
     device = x.device.type
+    if device == "meta":  # shape-only forwards: autocast has no meta device and refuses the question
+        return x.dtype
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 

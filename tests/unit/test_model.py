@@ -105,3 +105,13 @@ def test_materialize_keeps_tied_embeddings_tied():
     model = materialize(build(cfg), cfg, seed=0, device="cpu")
     assert model.head.weight is model.embed.weight
     assert "head.weight" not in dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_on_the_meta_device_runs_a_forward_for_its_shapes(family):
+    """The norms ask autocast for their output dtype (models/decoder.norm_output_dtype); autocast has no meta
+    device and raises, so a shape-only forward on meta must not ask it."""
+    cfg = ModelConfig(family=family, vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    model = build(cfg, device="meta")
+    out = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    assert out.shape == (2, 8, 64) and out.device.type == "meta" and out.dtype == torch.float32
