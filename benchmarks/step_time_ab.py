@@ -36,6 +36,7 @@ LAYOUTS = {  # name: (processes, --set overrides)
     "single": (1, []),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
     "tp2": (2, ["parallel.tp=2"]),
+    "bf16": (1, ["train.precision=bf16"]),  # autocast: meaningful where the CPU has bf16 matmuls (avx512_bf16, AMX)
 }
 
 
