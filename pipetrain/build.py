@@ -163,7 +163,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
                                          auto=resume == "auto", output_dir=recipe.run.output_dir)
         start = manifest["step"]
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
-    if resume is not None and dims.rank == 0:
+    if resume is not None and dims.rank == 0 and not eval_only:  # an evaluation rewrites no training history
         logged = _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending
         if ckpt_dir is not None:
             print(f"resumed from {ckpt_dir} at step {start}; {max(0, logged - start)} logged step(s) after it are "

@@ -79,7 +79,7 @@ def _init_distributed(world_size: int) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLock | None:
+def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only: bool = False) -> RunLock | None:
     """Rank 0 creates run.output_dir, locks it for this run (one run per output directory) and refuses to
     overwrite another run's checkpoints or to save where a stray file sits. Returns the lock (None on other
     ranks). The resolved recipe is saved there once the run is built (_train): a launch refused after this
@@ -105,7 +105,7 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None) -> RunLoc
         if resume is None and os.path.isdir(ckpts) and os.listdir(ckpts):
             raise ConfigError(f"run.output_dir={out} already holds checkpoints; pass --resume auto to continue "
                               "that run or set run.output_dir to a new folder")
-        if resume is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        if resume is None and not eval_only and os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
     except BaseException:
         lock.release()
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
               f"(as --resume auto)", flush=True)
     if rank == 0 and elastic_note:
         print(elastic_note, flush=True)
-    lock = _prepare_output_dir(recipe, rank, args.resume)
+    lock = _prepare_output_dir(recipe, rank, args.resume, args.eval_only)
     try:
         preflight(recipe, workers)  # before any allocation: sizes that cannot fit, batches the data cannot supply
         if rank >= workers:

@@ -35,6 +35,25 @@ def test_eval_only_writes_one_eval_line(tmp_path, token_cache):
     assert len(metrics) == 1 and metrics[0]["step"] == 0 and metrics[0]["eval_loss"] > 8.0
 
 
+def test_eval_only_adds_its_line_and_keeps_the_runs_metrics(tmp_path, token_cache):
+    """--eval-only from an older checkpoint of a finished run, and in a folder with metrics but no checkpoint:
+    one eval line is added and nothing else in metrics.jsonl changes (it cut the lines after the checkpoint,
+    as a resumed training run does, and removed a checkpoint-less folder's file, as a fresh run does)."""
+    run = ["train.steps=4", "checkpoint.every=2", "run.eval_every=0"]
+    out = tmp_path / "run"
+    proc, before = run_train(str(out), run, cache_dir=token_cache)
+    assert proc.returncode == 0 and [m["step"] for m in before if "loss" in m] == [1, 2, 3, 4], proc.stderr[-2000:]
+    older = ["--resume", str(out / "checkpoints" / "step-00000002"), "--eval-only"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    for folder, extra, step in ((out, older, 2), (bare, ["--eval-only"], 0)):
+        kept = read_metrics(str(folder))
+        proc, after = run_train(str(folder), run, extra_args=extra, cache_dir=token_cache)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert after[:-1] == kept and after[-1]["step"] == step and "eval_loss" in after[-1], (folder, after)
+
+
 def test_sample_is_printed_at_the_end(tmp_path, token_cache):
     proc, _ = run_train(str(tmp_path), ["train.steps=2", "run.sample_tokens=8"], cache_dir=token_cache)
     assert proc.returncode == 0, proc.stderr[-2000:]
