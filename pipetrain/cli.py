@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipetrain.build import build_server, build_trainer, resolve_init_from
 from pipetrain.checkpoint.writer import CheckpointSaveError
-from pipetrain.config import ConfigError, Recipe, dump_recipe, load_recipe
+from pipetrain.config import ArgumentParser, ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
 from pipetrain.elastic import launch_layout
 from pipetrain.faults import restart_count
@@ -40,7 +40,7 @@ from pipetrain.trainer import TrainingDiverged
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
+    parser = ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
     parser.add_argument("--recipe", required=True,
                         help="path to a YAML recipe, or a shipped recipe's name (tiny, gpt-1b, ...)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

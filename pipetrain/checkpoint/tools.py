@@ -10,7 +10,6 @@ from its pieces and written at its offset), so peak memory stays near the larges
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import sys
 import torch
 
 from pipetrain.checkpoint.read import TensorReader, model_tensors, read_manifest, verify_files
-from pipetrain.config import ConfigError
+from pipetrain.config import ArgumentParser, ConfigError
 from pipetrain.hf.export import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_size, prepare_out_dir
 
 def consolidate(ckpt_dir: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -67,7 +66,7 @@ def inspect(ckpt_dir: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.checkpoint", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m pipetrain.checkpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_inspect = sub.add_parser("inspect", help="print step, layout, tensors and sizes")
     p_inspect.add_argument("ckpt")

@@ -5,6 +5,7 @@
                    ConfigError, clip, lora_projections
     loading.py     YAML (bounded), --set overrides, path resolution, build_recipe, load_recipe, dump_recipe
     validation.py  validate: the rules of the keys config owns, plus the parallel rules it is handed
+    arguments.py   ArgumentParser: argparse's, with its errors on one line (every command line uses it)
 
 Why re-export: a recipe's schema and its loader are one public API that nearly every module and test of
 pipetrain reads (over a hundred imports), and the split into three files is how config is organised inside,
@@ -16,6 +17,7 @@ parallel keys live in pipetrain.parallel.mesh.rules; code that runs a recipe pas
 `rules=parallel_problems` to load_recipe / build_recipe / validate, so one ConfigError still lists every
 problem at once.
 """
+from pipetrain.config.arguments import ArgumentParser
 from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, parse_override, section_type_problems
 from pipetrain.config.schema import (CheckpointConfig, ConfigError, DataConfig, FaultsConfig, ModelConfig,
                                      ParallelConfig, Recipe, RunConfig, TrainConfig, clip, lora_projections)
@@ -25,4 +27,5 @@ __all__ = [
     "Recipe", "ModelConfig", "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "RunConfig",
     "FaultsConfig", "ConfigError", "clip", "lora_projections",
     "load_recipe", "build_recipe", "dump_recipe", "parse_override", "section_type_problems", "validate",
+    "ArgumentParser",
 ]

@@ -1,17 +1,16 @@
 """python -m pipetrain.data prepare --recipe R [--set KEY=VALUE ...]: tokenise a recipe's data ahead of a launch."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
-from pipetrain.config import ConfigError, load_recipe
+from pipetrain.config import ArgumentParser, ConfigError, load_recipe
 from pipetrain.data import load_tokenizer, prepare_sources
 from pipetrain.parallel.mesh.rules import parallel_problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.data")
+    parser = ArgumentParser(prog="python -m pipetrain.data")
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="tokenise data.path / data.sources into prepared directories")
     prep.add_argument("--recipe", required=True)

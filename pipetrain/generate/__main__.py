@@ -7,12 +7,12 @@ import sys
 
 import torch
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ArgumentParser, ConfigError
 from pipetrain.generate import generate_tokens, load_for_generation
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.generate",
+    parser = ArgumentParser(prog="python -m pipetrain.generate",
                                      description="Continue a prompt with a pipetrain checkpoint or a Hugging Face model.")
     parser.add_argument("path", help="a checkpoints/step-... folder, a run folder (its newest checkpoint) "
                                      "or a Hugging Face model folder")

@@ -30,7 +30,6 @@ mixtral -> MixtralForCausalLM, qwen3_moe -> Qwen3MoeForCausalLM (experts fused a
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -44,7 +43,7 @@ import torch.nn as nn
 
 from pipetrain.checkpoint.load import check_base
 from pipetrain.checkpoint.read import TensorReader, iter_full_tensors, read_manifest, verify_files
-from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.config import ArgumentParser, ConfigError, ModelConfig
 from pipetrain.hf.config import CONFIG_FILE, FAMILIES as FAMILY_CLASS, read_hf_config
 from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
 from pipetrain.hf.tokenizer import load_hf_tokenizer
@@ -430,7 +429,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.hf", description="Hugging Face export.")
+    parser = ArgumentParser(prog="python -m pipetrain.hf", description="Hugging Face export.")
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write a transformers model directory from a pipetrain checkpoint")
     exp.add_argument("ckpt_dir", help="a checkpoint directory (manifest.json + *.safetensors)")

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from pipetrain.config import ConfigError, load_recipe
+from pipetrain.config import ArgumentParser, ConfigError, load_recipe
 from pipetrain.parallel.mesh.rules import parallel_problems
 from pipetrain.plan import format_plan_row, plan_header
 from pipetrain.plan.auto import fixed_parallel_keys
@@ -22,7 +22,7 @@ from pipetrain.plan.search import nothing_fits, search, world_problem
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.plan", description=__doc__.split("\n\n")[1])
+    parser = ArgumentParser(prog="python -m pipetrain.plan", description=__doc__.split("\n\n")[1])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
     parser.add_argument("--nodes", type=int, default=1)

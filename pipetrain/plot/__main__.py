@@ -1,15 +1,14 @@
 """python -m pipetrain.plot RUN_DIR [--out FILE]: write RUN_DIR/loss.png (train/eval loss, lr)."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ArgumentParser, ConfigError
 from pipetrain.plot import plot_run
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.plot", description="Plot a run's metrics.jsonl.")
+    parser = ArgumentParser(prog="python -m pipetrain.plot", description="Plot a run's metrics.jsonl.")
     parser.add_argument("run_dir", help="a run folder (run.output_dir) holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="image path (default RUN_DIR/loss.png)")
     args = parser.parse_args(argv)

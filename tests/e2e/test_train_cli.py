@@ -1,10 +1,12 @@
 """train.py end to end: metrics contract, learning, eval-only, and bad input exiting 2."""
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
-from tests.e2e.common import TINY, read_metrics, run_train, step_losses
+from tests.e2e.common import ROOT, TINY, read_metrics, run_train, step_losses
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s", "peak_mem_bytes"}
 
@@ -89,6 +91,23 @@ def _snapshot(out) -> dict:
     """Every file under a run directory with its bytes (the run lock's holder note aside)."""
     return {os.path.relpath(os.path.join(d, f), out): open(os.path.join(d, f), "rb").read()
             for d, _, files in os.walk(out) for f in files if f != ".pipetrain.lock"}
+
+
+def test_a_bad_flag_exits_2_with_one_line_in_every_command():
+    """argparse's own errors (an unknown flag, a missing argument) follow the bad-input rule too: one `error:`
+    line that names the problem and where the options are, exit 2; argparse printed its usage block first."""
+    commands = [[os.path.join(ROOT, "train.py"), "--recipe", "tiny", "--bogus"], [os.path.join(ROOT, "train.py")],
+                ["-m", "pipetrain.data", "prepare"], ["-m", "pipetrain.plan", "--bogus"], ["-m", "pipetrain.generate"],
+                ["-m", "pipetrain.checkpoint"], ["-m", "pipetrain.plot"], ["-m", "pipetrain.hf"],
+                ["-m", "pipetrain.parallel.pipeline.schedules", "--pp", "2"]]
+
+    def run(args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    with ThreadPoolExecutor(2) as pool:
+        for args, proc in zip(commands, pool.map(run, commands)):
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, (args, proc.returncode, proc.stderr)
+            assert lines[0].startswith("error: ") and "--help" in lines[0], (args, lines)
 
 
 def test_the_same_command_again_resumes_its_run_and_another_recipe_is_refused(tmp_path, token_cache):

@@ -5,11 +5,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from typing import Sequence
 
+from pipetrain.config import ArgumentParser
 from pipetrain.parallel.pipeline.schedules.actions import B, COMPUTE_KINDS, F, SCHEDULES, V_SCHEDULES, W, Action, placement_of
 from pipetrain.parallel.pipeline.schedules.builders import build_all_schedules, schedule_problems
 from pipetrain.parallel.pipeline.schedules.timing import SimResult, ideal_bubble, simulate
@@ -77,7 +77,7 @@ def write_png(result: SimResult, path: str, title: str = "") -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: build, validate and simulate a schedule; print the ASCII timeline and bubble fraction."""
-    ap = argparse.ArgumentParser(prog="python -m pipetrain.parallel.pipeline.schedules", description=main.__doc__)
+    ap = ArgumentParser(prog="python -m pipetrain.parallel.pipeline.schedules", description=main.__doc__)
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
