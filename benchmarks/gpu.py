@@ -16,7 +16,8 @@ the device (no dataset, no network). Default: the llama 1.0B model of issue 34 a
 (under 5 minutes on one H100/H200); --full adds the gpt-1b recipe's model and a llama 1.5B with vocab 128,256.
 MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
 pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
-Without CUDA (or with --cpu-smoke) a tiny model runs 2 steps per row on the CPU in fp32, compile rows with the
+Without CUDA it says it needs a GPU and exits 0, running and writing nothing. With --cpu-smoke a tiny model
+runs 2 steps per row on the CPU in fp32, compile rows with the
 "eager" backend (the plain loop) and "aot_eager" (train.compile): it checks that every row runs, the profile is
 taken and the file is written; its numbers mean nothing.
 """
@@ -374,10 +375,11 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.only) - {label for label, _, _ in ROWS})
     if unknown:
         parser.error(f"--only {unknown[0]!r} is no row's label; the labels: " + "; ".join(r[0] for r in ROWS))
-    smoke = args.cpu_smoke or not torch.cuda.is_available()
-    if smoke and not args.cpu_smoke:
-        print("benchmarks/gpu.py needs a CUDA GPU for its numbers (an H100 or H200 for issue 34's table); none "
-              "found, so it runs the CPU smoke instead (the wiring only, numbers meaningless)")
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA GPU (an H100 or H200 for issue 34's table) and found none; nothing "
+              "was run or written. --cpu-smoke checks its wiring on this machine (numbers meaningless)")
+        return 0
+    smoke = args.cpu_smoke
     if smoke:  # train.compile's rows trace as inductor does but run eager kernels: seconds, not minutes
         os.environ[BACKEND_ENV] = "aot_eager"
     device = torch.device("cpu" if smoke else "cuda")

@@ -90,6 +90,15 @@ def test_the_default_profiles_the_two_compile_rows_and_diagnose_adds_the_baselin
         "torch.compile of the plain loop", "pipetrain Trainer (Triton kernels)"}
 
 
+def test_without_a_gpu_it_says_so_and_exits_0_running_and_writing_nothing(tmp_path, monkeypatch, capsys):
+    bench = _load("gpu", monkeypatch)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "run_row", lambda *args: pytest.fail("a row ran without a GPU and --cpu-smoke"))
+    out = tmp_path / "gpu-benchmark.md"
+    assert bench.main(["--out", str(out)]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out and not out.exists()
+
+
 def test_model_picks_the_models_in_the_order_given(monkeypatch):
     bench = _load("gpu", monkeypatch)
     assert bench.selected_models(["gpt-1b", "llama-1b"], False, False) == [bench.MODELS["gpt-1b"],
