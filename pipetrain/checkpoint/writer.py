@@ -149,11 +149,21 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
-        if os.path.exists(final):  # the same step saved before (e.g. a resumed run's final save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        old = None
+        if os.path.exists(final):  # the same step saved before: set aside, and removed only once this one is in
+            old = os.path.join(self.root, f".old-{step_dir_name(step)}")  # place (a crash keeps one of the two)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if old is not None:
+                os.rename(old, final)  # the first copy back where `latest` names it
+            raise
         _fsync(self.root)
         _write_latest(self.root, step_dir_name(step))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         self._rotate()
 
     def _rotate(self) -> None:

@@ -2,6 +2,7 @@
 (step, items, meta), from a trainer rank and a parameter server alike; a Trainer brings its state to the step
 boundary (parameter servers told, relaxed replicas drained) before it hands it over."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -36,6 +37,25 @@ def test_the_checkpointer_writes_what_a_saveable_hands_it(tmp_path, lora_rank):
     assert (manifest["step"], manifest["tokens"], manifest["data"]) == (7, 4096, {"samples": 5})
     assert path.endswith("step-00000007") and list(manifest["tensors"]) == ["model/table"]
     assert torch.equal(TensorReader(path, manifest).read("model/table", [1, 0], [2, 4]), table.rows[1:])
+
+
+def test_saving_a_step_again_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """A step saved a second time replaces the first copy; a failure before the new folder is in place (here
+    its rename) leaves the first copy where `latest` names it, where the old code had already deleted it."""
+    import pipetrain.checkpoint.writer as writer
+    recipe = Recipe(model=LLAMA, run=RunConfig(output_dir=str(tmp_path), progress=False))
+    checkpointer = Checkpointer(str(tmp_path), recipe, ParallelDims())
+    path = checkpointer.save(_Table())
+    checkpointer.save(_Table())  # the same step again: replaced, nothing left aside
+    root = os.path.dirname(path)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000007"] and read_manifest(path)["step"] == 7
+    real = os.rename
+    monkeypatch.setattr(writer.os, "rename", lambda src, dst: real(src, dst) if "tmp" not in src
+                        else (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(Exception):
+        checkpointer.save(_Table())
+    assert sorted(os.listdir(root)) == ["latest", "step-00000007"], os.listdir(root)
+    assert read_manifest(path)["step"] == 7 and os.listdir(path)
 
 
 def test_a_trainer_tells_the_servers_and_drains_replicas_before_it_hands_over_its_state(tmp_path):
