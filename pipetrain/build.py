@@ -98,7 +98,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     checkpoint directory. eval_only: no checkpointer. loader: serve these batches instead of
     recipe.data's (no tokenizer is loaded then). optimizer_factory(model, dims, recipe): instead of
     optim.build_optimizer. Metrics go to run.output_dir, which must exist on global rank 0.
-    replica: this torchrun is one torchft replica group (parallel.fault_tolerance=torchft, pipetrain.parallel.replicas.failover):
+    replica: this torchrun is one torchft replica group (parallel.fault_tolerance=torchft,
+    pipetrain.parallel.replicas.failover):
     the mesh is the group's own, the loader reads the group's slice of the global batch and the optimizer
     exchanges gradients with the other groups through torchft.
     """
@@ -257,8 +258,6 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
             return torch.autocast(dims.device.type, dtype=torch.bfloat16)
     else:
         autocast = contextlib.nullcontext
-    def loss_fn(logits, targets):
-        return loss_sum(logits, targets, tp_group)
     if fused_loss_on(recipe, dims.device) and any(spec.is_last for spec in specs):
         head = next(c.head for c, spec in zip(chunks, specs) if spec.is_last)
         chunks = [without_head(c) if spec.is_last else c for c, spec in zip(chunks, specs)]
@@ -270,6 +269,9 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
                 if gatherer is not None:
                     return gatherer.call_outside(head, fused_loss_sum, hidden, head, targets, tp_group)
                 return fused_loss_sum(hidden, head, targets, tp_group)
+    else:
+        def loss_fn(logits, targets):
+            return loss_sum(logits, targets, tp_group)
     return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype, loss_fn=loss_fn,
                     autocast=autocast)
 

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
                           "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")
     world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
-    servers = recipe.parallel.ps_servers  # the last ranks of the world serve the embedding (pipetrain.parallel.ps.server)
+    servers = recipe.parallel.ps_servers  # the world's last ranks serve the embedding (pipetrain.parallel.ps.server)
     if servers and servers >= world_size:
         raise ConfigError(f"parallel.ps_servers={servers} leaves no worker in a world of {world_size} processes; "
                           f"launch dp*tp*pp + {servers} processes (torchrun --nproc-per-node)")

@@ -13,7 +13,7 @@ from pipetrain.generate import generate_tokens, load_for_generation
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m pipetrain.generate",
-                                     description="Continue a prompt with a pipetrain checkpoint or a Hugging Face model.")
+                            description="Continue a prompt with a pipetrain checkpoint or a Hugging Face model.")
     parser.add_argument("path", help="a checkpoints/step-... folder, a run folder (its newest checkpoint) "
                                      "or a Hugging Face model folder")
     parser.add_argument("--prompt", required=True, help="text to continue")

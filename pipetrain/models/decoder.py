@@ -246,9 +246,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training matmul FLOPs per token (forward + backward = 3x forward), see docs/mfu.md.
 
     Counts every matmul once with 2 FLOPs per multiply-add: q/k/v/o projections (GQA-aware), the
-    MLP (3 matrices for SwiGLU, 2 for GELU; an MoE's router and active experts), the LM head, and attention scores and values with the
-    causal mask halving the useful work (T/2 keys per query on average). Norms, activations and
-    softmax are left out, as in Megatron-LM and PaLM; recomputation is not counted (that is HFU).
+    MLP (3 matrices for SwiGLU, 2 for GELU; an MoE's router and active experts), the LM head, and attention
+    scores and values with the causal mask halving the useful work (T/2 keys per query on average). Norms,
+    activations and softmax are left out, as in Megatron-LM and PaLM; recomputation is not counted (that is
+    HFU).
     """
     D, K, L = cfg.d_model, cfg.head_dim, cfg.n_layers
     Hq, Hkv = cfg.n_heads, cfg.kv_heads

@@ -1,7 +1,8 @@
 """The timeline command: build, validate and simulate a schedule, then draw it as ASCII (or a PNG).
 
     python -m pipetrain.parallel.pipeline.schedules --schedule 1f1b --pp 4 --microbatches 8 \\
-        [--virtual-stages 2] (--schedule gpipe | 1f1b | interleaved-1f1b | zbv | dualpipev) [--cost-f 1 --cost-b 2 --cost-comm 0] [--split-backward [--cost-w 1]] [--png out.png]
+        [--virtual-stages 2] (--schedule gpipe | 1f1b | interleaved-1f1b | zbv | dualpipev)
+        [--cost-f 1 --cost-b 2 --cost-comm 0] [--split-backward [--cost-w 1]] [--png out.png]
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import warnings
 from typing import Sequence
 
 from pipetrain.config import ArgumentParser
-from pipetrain.parallel.pipeline.schedules.actions import B, COMPUTE_KINDS, F, SCHEDULES, V_SCHEDULES, W, Action, placement_of
+from pipetrain.parallel.pipeline.schedules.actions import (B, COMPUTE_KINDS, F, SCHEDULES, V_SCHEDULES, W, Action,
+                                                           placement_of)
 from pipetrain.parallel.pipeline.schedules.builders import build_all_schedules, schedule_problems
 from pipetrain.parallel.pipeline.schedules.timing import SimResult, ideal_bubble, simulate
 from pipetrain.parallel.pipeline.schedules.validate import validate_schedule
