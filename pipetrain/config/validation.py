@@ -34,16 +34,18 @@ def _own_problems(r: Recipe) -> list[str]:
         if not cond:
             problems.append(msg)
 
-    problems += _non_finite(r)
+    non_finite = _non_finite(r)
+    problems += non_finite
     for sec, name in [(m, "vocab_size"), (m, "d_model"), (m, "n_layers"), (m, "n_heads"), (m, "max_seq_len"),
                       (t, "global_batch"), (t, "seq_len")]:
         need(getattr(sec, name) >= 1, f"{_sec(sec)}.{name}={getattr(sec, name)} must be >= 1")
     for name in ("n_kv_heads", "ffn_hidden"):  # None: the family's default
         need(getattr(m, name) is None or getattr(m, name) >= 1,
              f"model.{name}={getattr(m, name)} must be >= 1 (or null for the family's default)")
-    if problems:
+    if non_finite:  # each range check below would say it again
         return problems
-    if not m.init_from:  # with init_from the HF config defines these; checked again once it is read
+    sized = not problems  # the sizes are >= 1: what divides or compares them can be checked
+    if sized and not m.init_from:  # with init_from the HF config defines these; checked again once it is read
         need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
         need(m.n_heads % m.kv_heads == 0,
              f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")

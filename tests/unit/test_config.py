@@ -229,3 +229,14 @@ def test_a_huge_layout_key_is_refused_with_a_short_hint():
     model = build_recipe(_with(model={"vocab_size": 10 ** 11 + 1})).model
     line = next(p for p in tensor_parallel_problems(model, 2) if "model.vocab_size=100000000001" in p)
     assert "use one of 1, 11, 23, 121, 253, 2783, 4093, 8779, 45023, 94139, 96569, 201917, ..." in line
+
+
+def test_a_size_below_1_is_reported_with_the_other_problems_not_alone():
+    """Every problem at once: a size below 1 holds back only the checks that divide or compare sizes."""
+    with pytest.raises(ConfigError) as exc:
+        load_recipe("tiny", ["train.global_batch=0", "train.steps=-1", "model.n_heads=0", "checkpoint.keep=0"])
+    message = str(exc.value)
+    for part in ("train.global_batch=0 must be >= 1", "train.steps=-1 must be >= 0", "model.n_heads=0 must be >= 1",
+                 "checkpoint.keep=0 must be >= 1"):
+        assert part in message, message
+    assert "divisible" not in message, message  # d_model % n_heads is not checked with n_heads 0
