@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.build import build_server, build_trainer, resolve_init_from
-from pipetrain.checkpoint.writer import CheckpointSaveError
+from pipetrain.checkpoint.writer import CheckpointSaveError, restore_set_aside
 from pipetrain.config import ArgumentParser, ConfigError, Recipe, dump_recipe, load_recipe
 from pipetrain.dry_run import dry_run
 from pipetrain.elastic import launch_layout
@@ -97,6 +97,7 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only
         ckpts = os.path.join(out, "checkpoints")
         if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
             raise ConfigError(f"run.output_dir={out}: {ckpts} is a file, not a folder; move it away")
+        restore_set_aside(ckpts)  # a re-save killed between its renames
         stray = sorted(n for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else [])
                        if n.startswith(("step-", ".tmp-step-")) and not os.path.isdir(os.path.join(ckpts, n)))
         if stray:

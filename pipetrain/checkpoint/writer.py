@@ -160,15 +160,30 @@ class CheckpointWriter:
             if old is not None:
                 os.rename(old, final)  # the first copy back where `latest` names it
             raise
-        _fsync(self.root)
-        _write_latest(self.root, step_dir_name(step))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            _fsync(self.root)
+            _write_latest(self.root, step_dir_name(step))
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         self._rotate()
 
     def _rotate(self) -> None:
         for path in checkpoint_dirs(self.root)[:-self.keep]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def restore_set_aside(root: str) -> None:
+    """A process killed between a re-save's two renames (CheckpointWriter._commit) leaves the step's first
+    copy under .old-step-N and no step-N: put it back. Where step-N is in place, the leftover goes."""
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        aside = os.path.join(root, name)
+        if name.startswith(".old-step-") and os.path.isdir(aside) and not os.path.islink(aside):
+            final = os.path.join(root, name[len(".old-"):])
+            if os.path.lexists(final):
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(aside, final)
 
 
 def _fsync(path: str) -> None:

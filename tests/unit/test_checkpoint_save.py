@@ -50,12 +50,34 @@ def test_saving_a_step_again_keeps_the_old_copy_until_the_new_one_is_in_place(tm
     root = os.path.dirname(path)
     assert sorted(os.listdir(root)) == ["latest", "step-00000007"] and read_manifest(path)["step"] == 7
     real = os.rename
-    monkeypatch.setattr(writer.os, "rename", lambda src, dst: real(src, dst) if "tmp" not in src
-                        else (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    renames = []
+
+    def rename(src, dst):  # the new folder's move into place fails; setting the old one aside works
+        renames.append(os.path.basename(src))
+        if os.path.basename(src).startswith(".tmp-"):
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+    monkeypatch.setattr(writer.os, "rename", rename)
     with pytest.raises(Exception):
         checkpointer.save(_Table())
+    assert renames == ["step-00000007", ".tmp-step-00000007", ".old-step-00000007"], renames  # aside, fail, back
     assert sorted(os.listdir(root)) == ["latest", "step-00000007"], os.listdir(root)
     assert read_manifest(path)["step"] == 7 and os.listdir(path)
+
+
+def test_a_step_set_aside_by_a_killed_re_save_is_put_back_before_the_next_launch(tmp_path):
+    """Killed between the re-save's two renames, a run leaves the first copy under .old-step-N and no step-N;
+    preparing the output folder puts it back (and drops a leftover whose step-N is in place)."""
+    from pipetrain.cli import _prepare_output_dir
+    recipe = Recipe(model=LLAMA, run=RunConfig(output_dir=str(tmp_path), progress=False))
+    path = Checkpointer(str(tmp_path), recipe, ParallelDims()).save(_Table())
+    root = os.path.dirname(path)
+    os.rename(path, os.path.join(root, ".old-step-00000007"))
+    os.makedirs(os.path.join(root, ".old-step-00000003"))  # its step-00000003 ...
+    os.makedirs(os.path.join(root, "step-00000003"))  # ... is in place
+    _prepare_output_dir(recipe, 0, "auto").release()
+    assert sorted(os.listdir(root)) == ["latest", "step-00000003", "step-00000007"], os.listdir(root)
+    assert read_manifest(path)["step"] == 7
 
 
 def test_a_trainer_tells_the_servers_and_drains_replicas_before_it_hands_over_its_state(tmp_path):
