@@ -8,7 +8,8 @@ parallelism (pipetrain.parallel.expert) replaces only the middle one:
     y = self.account(y, stats)                          aux loss injection, expert counts for the step
 
 Routing follows the Hugging Face families exactly: probabilities = softmax(router logits) in fp32 over
-all experts, then the top k, then (norm_topk_prob) divided by their sum, then cast to x's dtype. The
+all experts, then the top k, then (norm_topk_prob) divided by their sum, then cast to x's dtype (fp32
+under autocast, MoE.route). The
 DeepSeek-V3 aux-loss-free bias (router.expert_bias) is added to the probabilities only to choose WHICH
 experts a token goes to; the weights stay the unbiased probabilities. Ties choose the lower expert
 index (a stable sort), so routing is deterministic.
@@ -184,15 +185,18 @@ class MoE(nn.Module):
         self.expert_region = None
 
     def route(self, x: torch.Tensor):
-        """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k) in fp32 (float64 for float64 x), stats (probs fp32
-        (B, T, E), idx). The weights stay fp32 under bf16 autocast, where x (the norm's output) is bf16: the k
-        weighted expert outputs of a token are then summed in fp32 (a bf16 sum by CUDA's atomic index_add_
-        would also change with the order the atomics land in)."""
+        """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k), stats (probs fp32 (B, T, E), idx). topk_w is in
+        x's dtype, but at least fp32 under autocast, where x (the norm's output) is bf16 while the residual
+        stream is fp32: the k weighted expert outputs of a token are then summed in fp32, as they were when
+        the norm returned fp32 (a precision matter: CUDA's index_add_ sums in any order either way)."""
         logits = self.router(x)  # (B, T, E)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         bias = self.router.expert_bias if self.bias_rate > 0 else None
         topk_idx, topk_w = route_topk(probs.reshape(-1, self.num_experts), self.top_k, self.norm_topk, bias)
-        return topk_idx, topk_w.to(torch.promote_types(x.dtype, torch.float32)), (probs, topk_idx)
+        device = x.device.type
+        autocast = device != "meta" and torch.is_autocast_enabled(device)  # autocast has no meta device
+        dtype = torch.promote_types(x.dtype, torch.float32) if autocast else x.dtype
+        return topk_idx, topk_w.to(dtype), (probs, topk_idx)
 
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor):
         """Local dropless experts: (B, T, D) -> (B, T, D), sum_k w_k * expert_{idx_k}(x) per token."""
@@ -206,7 +210,7 @@ class MoE(nn.Module):
         e = self.experts
         y = grouped_swiglu(x[token], counts, e.gate, e.up, e.down)  # (N*k, D) in expert order
         y = y * topk_w.reshape(-1)[order].unsqueeze(-1)
-        out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y)  # y * w: fp32 (route)
+        out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y)  # y * w: fp32 under autocast (route)
         return out.view(shape)
 
     def account(self, y: torch.Tensor, stats) -> torch.Tensor:

@@ -84,7 +84,7 @@ def test_the_linears_after_a_norm_take_its_bf16_output_as_it_is(tmp_path, cfg):
 
 def test_a_moe_sums_the_weighted_expert_outputs_of_a_token_in_fp32_under_bf16(tmp_path):
     """The norm hands the MoE a bf16 x; the routing weights and the sum of a token's k weighted expert
-    outputs stay fp32 (a bf16 index_add_ is an atomic, order-dependent sum on CUDA)."""
+    outputs stay fp32, as when the norm returned fp32 (precision: a bf16 sum of k terms rounds each add)."""
     from pipetrain.models.moe import MoE
     trainer = build_trainer(CASES["moe-shared-expert"][0], str(tmp_path), precision="bf16", steps=1)
     combined = []

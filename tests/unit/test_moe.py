@@ -278,3 +278,14 @@ def test_layouts_experts_do_not_combine_with_are_refused_with_the_layout():
     # sequence parallelism composes: the router sees the whole sequence through its gathered logits
     sp = Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(tp=2, sequence_parallel=True))
     assert not layout_problems(sp, 2)
+
+
+def test_a_moe_model_in_bf16_without_autocast_keeps_bf16():
+    """Weights and activations all bf16, no autocast (a bf16 copy of a model, as for generation): the routing
+    weights follow x, so the block hands back bf16 and the next linear takes it (fp32 weights are for
+    autocast, where x is the norm's bf16 output beside an fp32 residual stream)."""
+    cfg = ModelConfig(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      num_experts=4, num_experts_per_tok=2, max_seq_len=16)
+    model = materialize(build(cfg), cfg, seed=0, device="cpu").to(torch.bfloat16)
+    logits = model(torch.randint(0, 64, (2, 8)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

@@ -59,7 +59,8 @@ class ExpertParallelDispatch:
         y = y[torch.argsort(by_expert)]  # back to arrival order
         y = all_to_all_tokens(y, in_splits, out_splits, self.ep_group)  # (N*k, D) in `order`
         y = y * topk_w.reshape(-1)[order].unsqueeze(-1)
-        return x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y).view(shape)  # y * w: fp32 (MoE.route)
+        out = x.new_zeros(x.shape, dtype=y.dtype)  # y * w: fp32 under autocast (MoE.route)
+        return out.index_add_(0, token, y).view(shape)
 
     def _compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         e = self.moe.experts
