@@ -204,8 +204,9 @@ def _replica_layout(recipe: Recipe, world_size: int) -> tuple[Recipe, Replica | 
 
 def _train(args: argparse.Namespace, recipe: Recipe, rank: int, world_size: int, replica: Replica | None) -> int:
     trainer = build_trainer(recipe, resume=args.resume, eval_only=args.eval_only, replica=replica)
-    if rank == 0:  # built: the checkpoint, the data and the layout were accepted
-        dump_recipe(recipe, os.path.join(recipe.run.output_dir, "recipe.yaml"))
+    saved = os.path.join(recipe.run.output_dir, "recipe.yaml")
+    if rank == 0 and not (args.eval_only and os.path.exists(saved)):  # an evaluation leaves the run's recipe
+        dump_recipe(recipe, saved)  # built: the checkpoint, the data and the layout were accepted
     if args.eval_only:
         trainer.evaluate()
         trainer.logger.close()

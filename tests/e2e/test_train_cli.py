@@ -40,7 +40,8 @@ def test_eval_only_writes_one_eval_line(tmp_path, token_cache):
 def test_eval_only_adds_its_line_and_keeps_the_runs_metrics(tmp_path, token_cache):
     """--eval-only from an older checkpoint of a finished run, and in a folder with metrics but no checkpoint:
     one eval line is added and nothing else in metrics.jsonl changes (it cut the lines after the checkpoint,
-    as a resumed training run does, and removed a checkpoint-less folder's file, as a fresh run does)."""
+    as a resumed training run does, and removed a checkpoint-less folder's file, as a fresh run does), nor
+    the run's recipe.yaml (it wrote its own)."""
     run = ["train.steps=4", "checkpoint.every=2", "run.eval_every=0"]
     out = tmp_path / "run"
     proc, before = run_train(str(out), run, cache_dir=token_cache)
@@ -49,11 +50,14 @@ def test_eval_only_adds_its_line_and_keeps_the_runs_metrics(tmp_path, token_cach
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    recipe = (out / "recipe.yaml").read_text()
     for folder, extra, step in ((out, older, 2), (bare, ["--eval-only"], 0)):
         kept = read_metrics(str(folder))
-        proc, after = run_train(str(folder), run, extra_args=extra, cache_dir=token_cache)
+        proc, after = run_train(str(folder), run + ["run.eval_batches=1"], extra_args=extra, cache_dir=token_cache)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert after[:-1] == kept and after[-1]["step"] == step and "eval_loss" in after[-1], (folder, after)
+    assert (out / "recipe.yaml").read_text() == recipe  # the run's recipe, not the evaluation's
+    assert "eval_batches: 1" in (bare / "recipe.yaml").read_text()  # a folder without one gets the evaluation's
 
 
 def test_sample_is_printed_at_the_end(tmp_path, token_cache):
