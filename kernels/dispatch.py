@@ -67,6 +67,15 @@ def use_triton(x: torch.Tensor) -> bool:
     return True
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes in on x's device, or None where autocast is off (or cannot be: the meta
+    device, which autocast does not know and refuses to be asked about)."""
+    device = x.device.type
+    if device == "meta" or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def check_dtype(where: str, x: torch.Tensor, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """Raise ValueError unless x.dtype is one of dtypes (the launchers' shared check)."""
     if x.dtype not in dtypes:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import rms_norm, rope, swiglu
+from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.models.moe import MoE
 
 
@@ -34,10 +35,7 @@ def norm_output_dtype(x: torch.Tensor) -> torch.dtype:
     for backward), gate and up two, with a cast back to fp32 and an fp32 sum of their gradients in the
     backward. The norm writes bf16 once instead, as Megatron-LM's and torchtitan's do; their input
     gradients then sum in bf16, as theirs do. fp32 runs are unchanged."""
-    device = x.device.type
-    if device == "meta":  # shape-only forwards: autocast has no meta device and refuses the question
-        return x.dtype
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return autocast_dtype(x) or x.dtype
 
 
 class RMSNorm(nn.Module):

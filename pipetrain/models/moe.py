@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.kernels import swiglu
+from pipetrain.kernels.dispatch import autocast_dtype
 
 
 class Router(nn.Linear):
@@ -86,10 +87,7 @@ def route_topk(probs: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | Non
 def _gemm_dtype(x: torch.Tensor, gate: torch.Tensor) -> torch.dtype | None:
     """The dtype the experts' GEMMs take: autocast's where it is on (it casts the loop's F.linear operands,
     fp32 masters included, and has no rule for torch._grouped_mm), else x's if the weights share it."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype if gate.dtype == x.dtype else None
+    return autocast_dtype(x) or (x.dtype if gate.dtype == x.dtype else None)
 
 
 def _grouped_mm_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -193,9 +191,7 @@ class MoE(nn.Module):
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         bias = self.router.expert_bias if self.bias_rate > 0 else None
         topk_idx, topk_w = route_topk(probs.reshape(-1, self.num_experts), self.top_k, self.norm_topk, bias)
-        device = x.device.type
-        autocast = device != "meta" and torch.is_autocast_enabled(device)  # autocast has no meta device
-        dtype = torch.promote_types(x.dtype, torch.float32) if autocast else x.dtype
+        dtype = torch.promote_types(x.dtype, torch.float32) if autocast_dtype(x) else x.dtype
         return topk_idx, topk_w.to(dtype), (probs, topk_idx)
 
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor):

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.config import ConfigError, ModelConfig
+from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.parallel.mesh.comm import all_reduce_max_
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
@@ -112,7 +113,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, spec: "Fp8Linear"):
         device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        out_dtype = autocast_dtype(x) or x.dtype
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
         x_scale = tensor_scale(x2, FORWARD_DTYPE, spec.tp_group)
         xq = quantize(x2, x_scale, FORWARD_DTYPE)
