@@ -293,8 +293,12 @@ def format_ratios(rows: list[dict]) -> list[str]:
     speed = {r["implementation"]: r.get("tokens_per_s") for r in rows}
     lines = []
     for top, bottom, target in RATIOS:
-        value = f"{speed[top] / speed[bottom]:.2f}x" if speed.get(top) and speed.get(bottom) else "n/a"
-        goal = f" (target >= {target:.2f}x)" if target else ""
+        ratio = speed[top] / speed[bottom] if speed.get(top) and speed.get(bottom) else None
+        value = "n/a" if ratio is None else f"{ratio:.3f}x"  # 3 places: 1.195 must not read as 1.20
+        goal = ""
+        if target:
+            verdict = "" if ratio is None else (": met" if ratio >= target else ": missed")
+            goal = f" (target >= {target:.2f}x{verdict})"
         lines.append(f"- {top} / {bottom}: {value}{goal}")
     return lines
 

@@ -40,7 +40,9 @@ if HAS_TRITON:
         mask = cols < D
         x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        # eps: Triton's launcher types a Python float fp32, but inductor's fp64 (under train.compile): in fp64
+        # the math after it would run in fp64 and round_to could not round it (it bitcasts 32-bit words)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + tl.cast(eps, tl.float32))
         tl.store(rstd_ptr + row, rstd)
         dt = y_ptr.dtype.element_ty
         tl.store(y_ptr + base + cols, round_to(x * rstd * w, dt).to(dt), mask=mask)

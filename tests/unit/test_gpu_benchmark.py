@@ -76,6 +76,22 @@ def test_only_runs_the_rows_it_names_and_can_skip_the_kernel_table(tmp_path, mon
     assert exc.value.code == 2 and done[3:] == []
 
 
+def test_ratios_say_met_or_missed_with_three_places(monkeypatch):
+    """The H200's fp8 + compile / compile was 77,677 / 64,991 = 1.195: printed as 1.20x it read as the target met."""
+    bench = _load("gpu", monkeypatch)
+    rows = [{"implementation": "pipetrain, train.compile=true", "tokens_per_s": 64991.0},
+            {"implementation": "pipetrain, train.precision=fp8 + train.compile=true", "tokens_per_s": 77677.0},
+            {"implementation": "torch.compile of the plain loop", "tokens_per_s": 62974.0},
+            {"implementation": "pipetrain Trainer (Triton kernels)", "status": "failed: out of memory"}]
+    lines = bench.format_ratios(rows)
+    assert ("- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: 1.195x "
+            "(target >= 1.20x: missed)") in lines
+    assert ("- pipetrain, train.compile=true / torch.compile of the plain loop: 1.032x (target >= 1.00x: met)"
+            in lines)
+    assert ("- pipetrain, train.compile=true / pipetrain Trainer (Triton kernels): n/a (target >= 1.10x)"
+            in lines)
+
+
 def test_the_default_profiles_the_two_compile_rows_and_diagnose_adds_the_baselines(tmp_path, monkeypatch):
     bench = _load("gpu", monkeypatch)
     profiled = []
