@@ -278,9 +278,9 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
 
 # device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
 # as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
-# the logits it never builds are tokens x vocab). Nothing is recorded yet: on an H100 at vocab 8192 it ran at
-# 0.88x (docs/benchmarks.md) with its GEMMs in fp32 (it ran outside autocast then), and the GPU session script
-# measures it at vocab 8192 and 128,256 next. The CPU path saves memory, not time, so the CPU stays off.
+# the logits it never builds are tokens x vocab). Nothing is recorded: on an H200 it ran at 0.985x at vocab 8192
+# and 0.992x at 128,256 (docs/benchmarks.md), at 0.80x the peak memory there. The CPU path saves memory, not
+# time, so the CPU stays off too.
 FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {}
 
 
