@@ -92,6 +92,15 @@ class AttentionCore(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
+def linears_of_one_input(x: torch.Tensor, linears: tuple[nn.Module, ...], shared=None) -> tuple[torch.Tensor, ...]:
+    """Each of linears applied to the same x. shared(x, linears), where set, computes them together: under
+    train.precision=fp8 it quantises x once for all of them (pipetrain.parallel.tensor.fp8.fp8_linears) where
+    one call per linear would quantise, and save for backward, a float8 copy of x each."""
+    if shared is not None:
+        return shared(x, linears)
+    return tuple(linear(x) for linear in linears)
+
+
 def document_mask(positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
     """(B, 1, T, T) bool, True where query i may attend key j: j <= i, same document, inside the window."""
     doc = torch.cumsum(positions == 0, dim=1)  # (B, T) document number inside the window
@@ -103,6 +112,8 @@ def document_mask(positions: torch.Tensor, sliding_window: int | None = None) ->
 
 
 class Attention(nn.Module):
+    ONE_INPUT_LINEARS = ("wq", "wk", "wv")  # the linears of x, for a shared_input callable
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         K, D = cfg.head_dim, cfg.d_model
@@ -120,14 +131,12 @@ class Attention(nn.Module):
         # RoPE table length when positions index past this input's T (a context-parallel slice holds global
         # positions; pipetrain.parallel.context sets the full sequence length). None: the input's T.
         self.rope_len: int | None = None
+        self.shared_input = None  # linears_of_one_input's callable for wq, wk, wv (set by train.precision=fp8)
 
     def forward(self, x, positions=None):  # x (B, T, D) or (B, T/tp, D) under sequence parallelism
-        q = self.wq(x)  # (B, T, Hq/tp * K): read T and heads from the output, not the input
-        q = q.view(*q.shape[:2], -1, self.head_dim)
-        k = self.wk(x)
-        k = k.view(*k.shape[:2], -1, self.head_dim)
-        v = self.wv(x)
-        v = v.view(*v.shape[:2], -1, self.head_dim)
+        # (B, T, Hq/tp * K) and (B, T, Hkv/tp * K): read T and heads from the outputs, not the input
+        q, k, v = linears_of_one_input(x, (self.wq, self.wk, self.wv), self.shared_input)
+        q, k, v = (t.view(*t.shape[:2], -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope and positions is None:
@@ -145,6 +154,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ONE_INPUT_LINEARS = ("gate", "up")  # gated: the linears of x, for a shared_input callable
+
     def __init__(self, cfg: ModelConfig, ffn: int | None = None):
         super().__init__()
         D, Fh = cfg.d_model, ffn or cfg.ffn
@@ -154,10 +165,12 @@ class MLP(nn.Module):
             self.gate = nn.Linear(D, Fh, bias=False)
         self.up = nn.Linear(D, Fh, bias=bias)
         self.down = nn.Linear(Fh, D, bias=bias)
+        self.shared_input = None  # linears_of_one_input's callable for gate, up (set by train.precision=fp8)
 
     def forward(self, x):
         if self.gated:
-            return self.down(swiglu(self.gate(x), self.up(x)))  # (B, T, F/tp) inside
+            gate, up = linears_of_one_input(x, (self.gate, self.up), self.shared_input)
+            return self.down(swiglu(gate, up))  # (B, T, F/tp) inside
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 

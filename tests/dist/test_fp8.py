@@ -119,6 +119,12 @@ def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tm
 
 @pytest.mark.slow
 def test_fp8_trainer_at_dp2_with_zero2_equals_one_process_with_two_microbatches(tmp_path):
-    """Scales are per microbatch: dp=2 (4 sequences a rank) quantises as one process with 2 microbatches of 4."""
+    """Scales are per microbatch: dp=2 (4 sequences a rank) quantises as one process with 2 microbatches of 4,
+    so the first step's loss is the same bit for bit. Later steps: ZeRO's gradient norm sums each rank's
+    shard apart, in another order than the single process's, and the clip acts here (norms of 1.05 to 1.2
+    against train.grad_clip 1.0), so the updates differ by round-off, which e5m2 gradients then amplify as
+    tp's summation order does (FP8_TP_CURVE)."""
     reference = _losses(str(tmp_path / "single"), microbatches=2)
-    assert rank_results(2, _dp_worker, str(tmp_path), dict(zero=2))[0] == reference
+    losses = rank_results(2, _dp_worker, str(tmp_path), dict(zero=2))[0]
+    assert losses[0] == reference[0]
+    _check_curve(losses, reference)

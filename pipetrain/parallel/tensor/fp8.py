@@ -31,6 +31,10 @@ are per microbatch, so layouts that put the same sequences in each microbatch (p
 parallel.microbatches; dp x microbatches constant) quantise alike. Replicated kv heads (n_kv_heads < tp) are
 refused: each rank's kv gradient is a partial sum there, and fp8 rounding of partial sums is not tp=1's.
 
+Linears of one input (the attention's wq, wk, wv; a gated MLP's gate and up) run as one autograd function
+(fp8_linears, models.decoder.linears_of_one_input): x is quantised and saved once for all of them, where a
+call per linear made and saved a float8 copy each (three per layer for q, k, v in the H200's profile).
+
 The weight gradient goes through autograd (not fused into .grad, not deferred by the split backward): the
 fp8 dW needs the quantised dy of the same call, and split backward still works, with dW computed in B.
 
@@ -107,44 +111,68 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
 
 
-class _Fp8LinearFn(torch.autograd.Function):
-    """y = x W^T + b with float8 operands (module docstring); saves the quantised x and W (1 byte each)."""
+class _Fp8LinearsFn(torch.autograd.Function):
+    """y_i = x W_i^T + b_i for linears i of one input x, with float8 operands (module docstring): x is
+    quantised once for all of them and saved once (1 byte an element), as is each W_i. One linear is the case
+    of one. Inputs: x, the linears' Fp8Linear specs, then each linear's weight and bias (None: none)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: "Fp8Linear"):
+    def forward(ctx, x, specs: tuple, *params):
         device = x.device.type
         out_dtype = autocast_dtype(x) or x.dtype
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-        x_scale = tensor_scale(x2, FORWARD_DTYPE, spec.tp_group)
+        x_scale = tensor_scale(x2, FORWARD_DTYPE, specs[0].tp_group)  # the linears share the tp group
         xq = quantize(x2, x_scale, FORWARD_DTYPE)
-        if spec.gathered is not None:  # ZeRO-3 gathered the weight already quantised (weight holds no values)
-            wq, w_scale = spec.gathered.data, spec.gathered.scale
-        else:
-            w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
-            wq = quantize(weight, w_scale, FORWARD_DTYPE)
-        with torch.autocast(device, enabled=False):
-            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
-        ctx.save_for_backward(xq, x_scale, wq, w_scale)
-        ctx.spec, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = spec, x.dtype, weight.dtype, bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+        outputs, saved = [], [xq, x_scale]
+        for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
+            if spec.gathered is not None:  # ZeRO-3 gathered the weight already quantised (weight holds no values)
+                wq, w_scale = spec.gathered.data, spec.gathered.scale
+            else:
+                w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
+                wq = quantize(weight, w_scale, FORWARD_DTYPE)
+            with torch.autocast(device, enabled=False):
+                y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
+                if bias is not None:
+                    y = y + bias.to(out_dtype)
+            outputs.append(y.view(*x.shape[:-1], weight.shape[0]))
+            saved += [wq, w_scale]
+        ctx.save_for_backward(*saved)
+        ctx.specs, ctx.x_dtype, ctx.x_shape = specs, x.dtype, x.shape
+        ctx.w_dtypes, ctx.has_bias = [w.dtype for w in params[0::2]], [b is not None for b in params[1::2]]
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, dy):
-        xq, x_scale, wq, w_scale = ctx.saved_tensors
-        spec = ctx.spec
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
-        g_scale = tensor_scale(dy2, GRAD_DTYPE, spec.tp_group)
-        gq = quantize(dy2, g_scale, GRAD_DTYPE)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware).view(*dy.shape[:-1], wq.shape[1])
-        if ctx.needs_input_grad[1]:
-            dw = scaled_mm(gq.t(), g_scale, xq, x_scale, ctx.w_dtype, spec.hardware)  # (D_out, D_in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0)
-        return dx, dw, db, None
+    def backward(ctx, *dys):
+        xq, x_scale, *weights = ctx.saved_tensors
+        dx, grads = None, []
+        # dW = dyq^T xq: torch._scaled_mm wants xq column-major, transposed here once for all the linears (the
+        # emulation takes it as it is: a column-major operand can change the CPU GEMM's summation order)
+        xq_columns = xq
+        if ctx.specs[0].hardware and any(ctx.needs_input_grad[2::2]) and _hardware_shapes_ok(xq.t(), xq):
+            xq_columns = xq.t().contiguous().t()
+        for i, (spec, dy) in enumerate(zip(ctx.specs, dys)):
+            wq, w_scale = weights[2 * i], weights[2 * i + 1]
+            dw = db = None
+            if dy is not None:
+                dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
+                g_scale = tensor_scale(dy2, GRAD_DTYPE, spec.tp_group)
+                gq = quantize(dy2, g_scale, GRAD_DTYPE)
+                if ctx.needs_input_grad[0]:
+                    part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
+                    dx = part if dx is None else dx + part
+                if ctx.needs_input_grad[2 + 2 * i]:
+                    dw = scaled_mm(gq.t(), g_scale, xq_columns, x_scale, ctx.w_dtypes[i], spec.hardware)
+                if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
+                    db = dy2.float().sum(0)
+            grads += [dw, db]
+        return None if dx is None else dx.view(ctx.x_shape), None, *grads
+
+
+def fp8_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """The fp8 linears of one input x together: x quantised and saved once (models.decoder.linears_of_one_input's
+    shared callable, which apply_fp8 gives the attention's wq, wk, wv and a gated MLP's gate, up)."""
+    params = [t for linear in linears for t in (linear.weight, linear.bias)]
+    return _Fp8LinearsFn.apply(x, tuple(linear.fp8 for linear in linears), *params)
 
 
 class Fp8Weight:
@@ -182,7 +210,7 @@ class Fp8Linear:
     gathered: Fp8Weight | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _Fp8LinearFn.apply(x, weight, bias, self)
+        return _Fp8LinearsFn.apply(x, (self,), weight, bias)[0]
 
 
 def fp8_problem(device: torch.device, emulate: bool) -> str | None:
@@ -227,4 +255,8 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
                 "call apply_grad_accumulation_fusion first"
             module.fp8 = spec
             names.append(name)
+    for module in model.modules():  # linears of one input share its quantisation (fp8_linears)
+        linears = [getattr(module, n, None) for n in getattr(module, "ONE_INPUT_LINEARS", ())]
+        if linears and all(getattr(linear, "fp8", None) is not None for linear in linears):
+            module.shared_input = fp8_linears
     return names

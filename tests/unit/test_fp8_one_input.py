@@ -1,0 +1,66 @@
+"""Linears of one input under fp8 (fp8.fp8_linears): the attention's wq, wk, wv and a gated MLP's gate and up
+quantise their input once and save one float8 copy of it for backward, where one call per linear did each
+(the H200's profile of fp8 + compile on the gpt-1b model showed three casts of the first norm's output a
+layer). Outputs and weight gradients are those of one call per linear."""
+import torch
+
+from pipetrain.parallel.tensor import fp8
+from tests.unit.common import GPT2, LLAMA, build_trainer
+
+
+def _first_block(cfg, out, precision):
+    out.mkdir()
+    return build_trainer(cfg, str(out), precision=precision, steps=1).model.layers["0"]
+
+
+def test_attention_and_a_gated_mlp_share_their_input_only_under_fp8(tmp_path):
+    llama = _first_block(LLAMA, tmp_path / "llama", "fp8")
+    assert llama.attn.shared_input is fp8.fp8_linears and llama.mlp.shared_input is fp8.fp8_linears
+    gpt2 = _first_block(GPT2, tmp_path / "gpt2", "fp8")
+    assert gpt2.attn.shared_input is fp8.fp8_linears
+    assert gpt2.mlp.shared_input is None  # no gate: up is the only linear of its input
+    bf16 = _first_block(LLAMA, tmp_path / "bf16", "bf16")
+    assert bf16.attn.shared_input is None and bf16.mlp.shared_input is None
+
+
+def _run(linears, x, shared, monkeypatch):
+    """Forward and backward of linears on x under bf16 autocast; returns outputs, x's and the weights' gradients,
+    the float8 quantisations of an x-shaped tensor and the float8 x-shaped tensors saved for backward."""
+    for linear in linears:
+        linear.weight.grad = None
+    quantised, saved = [], []
+    real = fp8.quantize
+
+    def counting(t, scale, dtype):
+        if t.shape == (x.numel() // x.shape[-1], x.shape[-1]) and dtype == fp8.FORWARD_DTYPE:
+            quantised.append(t)
+        return real(t, scale, dtype)
+
+    def pack(t):
+        if t.dtype == fp8.FORWARD_DTYPE and t.shape[-1] == x.shape[-1] and t.numel() == x.numel():
+            saved.append(t)
+        return t
+
+    monkeypatch.setattr(fp8, "quantize", counting)
+    xi = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        outs = fp8.fp8_linears(xi, linears) if shared else tuple(linear(xi) for linear in linears)
+    torch.manual_seed(1)
+    sum((out.float() * torch.randn(out.shape)).sum() for out in outs).backward()
+    monkeypatch.setattr(fp8, "quantize", real)
+    return outs, xi.grad, [linear.weight.grad.clone() for linear in linears], len(quantised), len(saved)
+
+
+def test_the_input_is_quantised_and_saved_once_with_the_results_of_one_call_per_linear(tmp_path, monkeypatch):
+    block = _first_block(LLAMA, tmp_path / "run", "fp8")
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, LLAMA.d_model) * 2  # 15 rows: no weight of the block has that shape
+    for module, names in ((block.attn, ("wq", "wk", "wv")), (block.mlp, ("gate", "up"))):
+        linears = tuple(getattr(module, name) for name in names)
+        outs, dx, dws, quantised, saved = _run(linears, x, True, monkeypatch)
+        want_outs, want_dx, want_dws, per_linear_quantised, per_linear_saved = _run(linears, x, False, monkeypatch)
+        assert (quantised, saved) == (1, 1) and (per_linear_quantised, per_linear_saved) == (len(names),) * 2
+        for got, want in zip([*outs, *dws], [*want_outs, *want_dws]):
+            torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)
+        # x's gradient sums the linears' parts: here in order, there in autograd's (fp32: round-off)
+        torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-7)
