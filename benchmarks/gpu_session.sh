@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Everything one lent GPU is for, in one command that fits the device tool's 10-minute call:
+# Everything one lent GPU is for, in two commands that each fit the device tool's 10-minute call, run one after
+# the other on the same warm machine (about 14 minutes of device time with the start):
 #
-#   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine) what the H200 run of
-#                                             2026-11-27 left unmeasured: the llama 1.0B's target rows (its
-#                                             train.compile row failed to build there, fixed since), then the
-#                                             default suite with the `gpu` tests, given the time to finish
-#   bash benchmarks/gpu_session.sh targets    issue 34's target rows on the gpt-1b recipe's model and the llama
-#                                             1.0B, the fused loss at vocab 128,256, then as much of the suite as fits
-#   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table instead of the
-#                                             targets, and the MoE grouped GEMM after the suite
-#   bash benchmarks/gpu_session.sh suite      every test there instead, the slow ones too
-#   bash benchmarks/gpu_session.sh check      five minutes: issue 34's rows with their profiles, then `pytest -m gpu`
+#   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine) issue 34's target
+#                                             rows with their profiles on the gpt-1b recipe's model and the llama
+#                                             1.0B, about 340 s
+#   bash benchmarks/gpu_session.sh tests      the default suite with the `gpu` tests, about 430 s
+#   bash benchmarks/gpu_session.sh vocab      the fused loss at vocab 8192 and 128,256 against the unfused Trainer
+#   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table, the MoE grouped
+#                                             GEMM, then as much of the suite as fits
+#   bash benchmarks/gpu_session.sh suite      every test, the slow ones too
+#   bash benchmarks/gpu_session.sh check      five minutes: the llama's rows with their profiles, then `pytest -m gpu`
 #
 # The machine has torch, Triton and transformers but no network and no `datasets`: nothing here downloads
 # (benchmarks/gpu.py uses synthetic tokens; the tests prepare the shipped corpus with datasets from the
@@ -22,20 +22,20 @@
 # device tool brings back: a ninth is left behind):
 #   setup.txt             nvidia-smi's name and memory, torch / Triton versions, the install's and the
 #                         wheels' output, and datasets' version
-#   gpu-llama.md, gpu-gpt.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
-#                         loop, fp8 + compile) with their profiles, per model; under `targets` also the fused
-#                         loss at vocab 8192 on the llama; gpu-llama.log, ...
-#   gpu-vocab.md          (`targets`) the llama 1.5B (vocab 128,256): pipetrain eager against train.fused_loss=true
+#   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
+#                         loop, fp8 + compile) with their profiles, per model; gpu-gpt.log, gpu-llama.log
+#   gpu-vocab.md          (`vocab`) pipetrain eager against train.fused_loss=true on the llama 1.0B (vocab 8192)
+#                         and the llama 1.5B (vocab 128,256); gpu-vocab.log
 #   gpu-benchmark.md      (`all`, `check`) every default row and the kernel table; gpu.log
 #   pytest.log            the suite: first every FAILED / ERROR line (xdist's -v names each test as it ends, so
 #                         a run cut short still names its failures), then the run's last 150 lines
 #   moe.log               (`all`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
-# install: 150 + 390 s by default (the H200 ran 97% of the default suite in 300 s with 15 workers);
-# `targets` 160 + 125 + 70 + 165; `all` 310 + 200 + 40. gpu.py rewrites its file after every row,
-# so a step that overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests
-# time nothing. The gpt-1b rows need 76 to 93 GiB at 16 sequences (the H200 run), so a card under 100 GB
-# runs them at 8; the llama rows run at 16 as every earlier llama figure did.
+# install: 160 + 150 s by default; `tests` 400 s (the H200 ran 97% of the default suite in 300 s with 15
+# workers); `vocab` 70 + 70; `all` 310 + 40 + 200. gpu.py rewrites its file after every row, so a step that
+# overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests time nothing. The
+# gpt-1b rows need 76 to 93 GiB at 16 sequences (the H200 run), so a card under 100 GB runs them (and the
+# llama 1.5B's) at 8; the llama 1.0B's rows run at 16 as every earlier llama figure did.
 # Multi-GPU comparisons (zero 3 against FSDP2, cp against torch's context_parallel) need several cards:
 # one card cannot run them (multi-process tests never put two ranks on one GPU).
 set -u
@@ -95,7 +95,7 @@ suite() {  # suite SECONDS LOG PYTEST-ARGS...: the failures first, then the end 
 
 PYTEST=(python -m pytest -v -rfE --tb=short -p no:cacheprovider)  # -v: a cut-short run still names its failures
 if [ "${1:-}" = check ]; then  # what a session with about 5 minutes of device time left can still do
-  # the target rows again with their profiles and longest kernels, the plain loop's compile beside them
+  # the llama's target rows with their profiles and longest kernels, the plain loop's compile beside them
   step 135 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md" --no-kernel-table --diagnose \
     --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
     --only "torch.compile of the plain loop" --only "pipetrain, train.precision=fp8 + train.compile=true" \
@@ -116,27 +116,22 @@ fi
 TARGETS=(--no-kernel-table --diagnose --only "pipetrain Trainer (Triton kernels)"
          --only "pipetrain, train.compile=true" --only "torch.compile of the plain loop"
          --only "pipetrain, train.precision=fp8 + train.compile=true")
-SUITE_S=390
-if [ "${1:-}" = all ]; then
-  step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
-  SUITE_S=200
-elif [ "${1:-}" = targets ]; then
-  MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
-  GPT_SEQUENCES=8
-  if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then GPT_SEQUENCES=16; fi
-  step 160 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$GPT_SEQUENCES" "${TARGETS[@]}" \
-    --out "$OUT/gpu-gpt.md"
-  step 125 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]:0:8}" \
-    --only "pipetrain, train.fused_loss=true" --out "$OUT/gpu-llama.md"
-  # train.fused_loss "auto" turns on from the vocabulary where it was measured faster (build.py); at 128,256
-  # the H200 ran it at 0.99x eager's tokens/s with 15 GiB less memory
-  step 70 gpu-vocab.log python benchmarks/gpu.py --model llama-1b5 --sequences "$GPT_SEQUENCES" --no-kernel-table \
-    --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" --out "$OUT/gpu-vocab.md"
-  SUITE_S=165
-else
-  # the llama's four target rows: its train.compile row failed to build on the H200 (an fp64 eps, fixed)
-  step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --out "$OUT/gpu-llama.md"
-fi
-# the default suite and the gpu tests: the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-suite "$SUITE_S" pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt
-if [ "${1:-}" = all ]; then step 40 moe.log python benchmarks/moe.py experts --reps 5; fi
+MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
+SEQUENCES=8
+if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then SEQUENCES=16; fi
+case "${1:-}" in
+  tests)  # the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
+    suite 400 pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
+  vocab)  # train.fused_loss "auto" turns on from the vocabulary where it was measured faster (build.py)
+    step 70 gpu-vocab.log python benchmarks/gpu.py --model llama-1b --model llama-1b5 --sequences "$SEQUENCES" \
+      --no-kernel-table --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" \
+      --out "$OUT/gpu-vocab.md" ;;
+  all)
+    step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
+    step 40 moe.log python benchmarks/moe.py experts --reps 5
+    suite 200 pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
+  *)
+    step 160 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$SEQUENCES" "${TARGETS[@]}" \
+      --out "$OUT/gpu-gpt.md"
+    step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --out "$OUT/gpu-llama.md" ;;
+esac
