@@ -16,7 +16,8 @@ kernel reads them twice (max/sum-exp pass, then the gradient pass; the second mo
 2, ~8 bytes. At llama-3-8B shapes (N 8192, D 4096, V 128256, bf16) that is ~29 GB against ~8 GB of
 memory traffic next to ~26 TFLOP of GEMMs, so the fused op should be GEMM-bound at the GEMMs' rate.
 The dW accumulator costs one read + write of (V, D) per chunk after the first (mm, then addmm_ beta=1,
-inside the GEMM's epilogue); with C >= D/2 rows that is a few passes, not the many of small chunks.
+inside the GEMM's epilogue); with C >= D/2 rows, and at least 4096 on a GPU (GPU_MIN_CHUNK_ROWS), that is
+a few passes, not the many of small chunks.
 
 Precision: logits and gradients in the input dtype, softmax math in fp32 (as eager casts its logits to
 fp32). dW accumulates in the weight's dtype: fp32 weights get an fp32 accumulator; bf16 weights (or
@@ -66,6 +67,12 @@ _MAX_BLOCK = 4096
 # Floor on the chunk for narrow models: below a few hundred rows the dW GEMM (inner dimension C) and
 # its (V, D) read + write per chunk dominate (C = 4 at N=1024, D=512, V=128k was several times slower).
 MIN_CHUNK_ROWS = 256
+# The floor on a GPU. Each chunk after the first reads and writes the (V, D) dW accumulator, 4*V*D bytes in
+# bf16, beside its dW GEMM's 2*C*V*D FLOPs: C/2 FLOPs a byte. An H100 or H200 does about 200 bf16 FLOPs per
+# byte of HBM (990 TFLOP/s, 3.35-4.8 TB/s), so 4096 rows keep that traffic near a tenth of the dW GEMM's time.
+# At D/2 = 1024 rows (d 2048) it was about 32 GB a step at vocab 128,256 (the llama 1.5B, 16 x 2048 tokens:
+# 32 chunks), about 7 ms, where the H200 ran the fused loss 4 ms a step slower than the unfused head.
+GPU_MIN_CHUNK_ROWS = 4096
 
 
 def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -76,12 +83,14 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets
                            ignore_index=ignore_index)
 
 
-def chunk_rows(N: int, D: int, V: int) -> int:
+def chunk_rows(N: int, D: int, V: int, device_type: str = "cpu") -> int:
     """Tokens per chunk: C >= D/2 (the dW GEMM's inner dimension; 2048 at D=4096), C*V >= N*D (the
-    chunk's logits may be as large as the hidden states), at least MIN_CHUNK_ROWS, at most N; then
-    evened out so the last chunk is not a sliver. The (C, V) buffer is then at most half the (V, D)
-    dW accumulator or the (N, D) hidden states, whichever is larger."""
-    C = min(N, max(-(-N * D // V), D // 2, MIN_CHUNK_ROWS))
+    chunk's logits may be as large as the hidden states), at least MIN_CHUNK_ROWS (GPU_MIN_CHUNK_ROWS on
+    CUDA), at most N; then evened out so the last chunk is not a sliver. The (C, V) buffer is then at most
+    half the (V, D) dW accumulator or the (N, D) hidden states, whichever is larger, or on CUDA 4096 rows
+    (1 GB at vocab 128,256 in bf16, against 8.4 GB of logits for 32,768 tokens)."""
+    floor = GPU_MIN_CHUNK_ROWS if device_type == "cuda" else MIN_CHUNK_ROWS
+    C = min(N, max(-(-N * D // V), D // 2, floor))
     if C <= 0:
         return 1
     num_chunks = -(-N // C)
@@ -162,7 +171,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         dw = torch.empty_like(weight) if need_dw else None  # the accumulator: the weight's dtype
         loss_sum = torch.zeros((), device=h2.device, dtype=acc_dtype)
         chunk_fn = _chunk_triton if use_kernels else _chunk_torch
-        C = chunk_rows(N, D, V)
+        C = chunk_rows(N, D, V, h2.device.type)
         buf = torch.empty(min(C, N), V, device=h2.device, dtype=h2.dtype)  # (C, V), reused by every chunk
         for start in range(0, N, C):
             h_c, t_c = h2[start:start + C], t[start:start + C]

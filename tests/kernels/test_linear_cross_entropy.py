@@ -128,6 +128,16 @@ def test_chunks_are_large_for_real_models_and_even(monkeypatch):
     assert chunk_rows(3000, 4096, 128256) == 1500  # 2 even chunks, not 2048 + 952
 
 
+def test_chunks_on_a_gpu_have_4096_rows_at_least():
+    """On CUDA the dW accumulator's read + write per chunk must stay small beside the chunk's dW GEMM
+    (GPU_MIN_CHUNK_ROWS): the llama 1.5B's 32,768 tokens at d 2048 and vocab 128,256 took 32 chunks of 1024."""
+    assert chunk_rows(32768, 2048, 128256) == 1024  # the CPU's floor: D/2
+    assert chunk_rows(32768, 2048, 128256, "cuda") == 4096  # 8 chunks
+    assert chunk_rows(8192, 4096, 128256, "cuda") == 4096  # llama-3-8B: 2 chunks
+    assert chunk_rows(32768, 2048, 8192, "cuda") == 8192  # N*D/V above the floor: as on the CPU
+    assert chunk_rows(3000, 2048, 128256, "cuda") == 3000  # never more than N
+
+
 def test_gradients_match_finite_differences_in_float64(monkeypatch):
     # gradcheck-style, by hand: torch.autograd.gradcheck back-propagates one graph twice, which the op
     # forbids (see the next test). Central differences of the float64 loss at every input element, on
