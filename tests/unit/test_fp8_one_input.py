@@ -2,6 +2,7 @@
 quantise their input once and save one float8 copy of it for backward, where one call per linear did each
 (the H200's profile of fp8 + compile on the gpt-1b model showed three casts of the first norm's output a
 layer). Outputs and weight gradients are those of one call per linear."""
+import pytest
 import torch
 
 from pipetrain.parallel.tensor import fp8
@@ -64,3 +65,33 @@ def test_the_input_is_quantised_and_saved_once_with_the_results_of_one_call_per_
             torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)
         # x's gradient sums the linears' parts: here in order, there in autograd's (fp32: round-off)
         torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_shared_input_on_the_scaled_mm_path_to_eager_values():
+    """Inductor with the hardware path (torch._scaled_mm runs on the CPU too) over three linears of one input,
+    one with a bias: its outputs and every gradient are eager's."""
+    torch.manual_seed(0)
+    spec = fp8.Fp8Linear(hardware=True)
+    linears = tuple(torch.nn.Linear(64, n, bias=bias) for n, bias in ((48, False), (32, True), (48, False)))
+    for linear in linears:
+        linear.weight.data.mul_(0.05)
+        linear.fp8 = spec
+    x = torch.randn(4, 16, 64) * 3
+
+    def run(fn):
+        for linear in linears:
+            linear.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        outs = fn(xi)
+        sum(out.square().sum() for out in outs).backward()
+        return [*(out.detach() for out in outs), xi.grad, *(linear.weight.grad.clone() for linear in linears),
+                linears[1].bias.grad.clone()]
+
+    def forward(xi):
+        return fp8.fp8_linears(xi, linears)
+
+    eager = run(forward)
+    compiled = run(torch.compile(forward, backend="inductor", fullgraph=True))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
