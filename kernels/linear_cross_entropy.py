@@ -16,8 +16,8 @@ kernel reads them twice (max/sum-exp pass, then the gradient pass; the second mo
 2, ~8 bytes. At llama-3-8B shapes (N 8192, D 4096, V 128256, bf16) that is ~29 GB against ~8 GB of
 memory traffic next to ~26 TFLOP of GEMMs, so the fused op should be GEMM-bound at the GEMMs' rate.
 The dW accumulator costs one read + write of (V, D) per chunk after the first (mm, then addmm_ beta=1,
-inside the GEMM's epilogue); with C >= D/2 rows, and at least 4096 on a GPU (GPU_MIN_CHUNK_ROWS), that is
-a few passes, not the many of small chunks.
+inside the GEMM's epilogue); with C >= D/2 rows, and 4096 on a GPU (GPU_MIN_CHUNK_ROWS; evening the
+chunks out can leave them just over half that), that is a few passes, not the many of small chunks.
 
 Precision: logits and gradients in the input dtype, softmax math in fp32 (as eager casts its logits to
 fp32). dW accumulates in the weight's dtype: fp32 weights get an fp32 accumulator; bf16 weights (or

@@ -82,9 +82,10 @@ def run_launchers() -> set[str]:
     """Every op's forward and backward launcher, in each dtype combination a run uses; returns the ops run."""
     torch.manual_seed(0)
     f32, b16 = torch.float32, torch.bfloat16
-    # RMSNorm: fp32 model; bf16 model; bf16 autocast (fp32 residual and weight, bf16 output and dy)
-    for x_dtype, out_dtype in ((f32, f32), (b16, b16), (f32, b16)):
-        x, w = torch.randn(6, 40, dtype=x_dtype), torch.randn(40, dtype=x_dtype)
+    # RMSNorm: fp32 model; bf16 model; bf16 autocast (fp32 residual and weight, bf16 output and dy); qwen3's
+    # q/k norms under autocast (bf16 q and k from the linears, fp32 weight)
+    for x_dtype, w_dtype, out_dtype in ((f32, f32, f32), (b16, b16, b16), (f32, f32, b16), (b16, f32, b16)):
+        x, w = torch.randn(6, 40, dtype=x_dtype), torch.randn(40, dtype=w_dtype)
         y, rstd = rms_norm_fwd(x, w, 1e-6, out_dtype)
         rms_norm_bwd(torch.randn_like(y), x, w, rstd)
     for dtype in (f32, b16):

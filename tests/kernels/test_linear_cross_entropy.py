@@ -128,7 +128,7 @@ def test_chunks_are_large_for_real_models_and_even(monkeypatch):
     assert chunk_rows(3000, 4096, 128256) == 1500  # 2 even chunks, not 2048 + 952
 
 
-def test_chunks_on_a_gpu_have_4096_rows_at_least():
+def test_chunks_on_a_gpu_have_4096_rows():
     """On CUDA the dW accumulator's read + write per chunk must stay small beside the chunk's dW GEMM
     (GPU_MIN_CHUNK_ROWS): the llama 1.5B's 32,768 tokens at d 2048 and vocab 128,256 took 32 chunks of 1024."""
     assert chunk_rows(32768, 2048, 128256) == 1024  # the CPU's floor: D/2

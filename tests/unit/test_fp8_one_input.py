@@ -67,6 +67,22 @@ def test_the_input_is_quantised_and_saved_once_with_the_results_of_one_call_per_
         torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-7)
 
 
+
+def test_an_output_nothing_uses_gives_its_weight_no_gradient():
+    """As a linear called on its own and left unused: None, not zeros (autograd would hand the function a
+    zero gradient for that output, which it would quantise and multiply)."""
+    linears = tuple(torch.nn.Linear(32, 16, bias=False) for _ in range(2))
+    for linear in linears:
+        linear.fp8 = fp8.Fp8Linear()
+    x = torch.randn(5, 32, requires_grad=True)
+    first, _ = fp8.fp8_linears(x, linears)
+    first.square().sum().backward()
+    assert linears[0].weight.grad is not None and linears[1].weight.grad is None
+    alone = x.detach().clone().requires_grad_()
+    linears[0].fp8(alone, linears[0].weight).square().sum().backward()
+    torch.testing.assert_close(x.grad, alone.grad, rtol=0.0, atol=0.0)
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_shared_input_on_the_scaled_mm_path_to_eager_values():
     """Inductor with the hardware path (torch._scaled_mm runs on the CPU too) over three linears of one input,
