@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine) issue 34's target
 #                                             rows with their profiles on the gpt-1b recipe's model and the llama
-#                                             1.0B, about 340 s
+#                                             1.0B, then the fused loss at vocab 128,256, about 350 s
 #   bash benchmarks/gpu_session.sh tests      the default suite with the `gpu` tests, about 430 s
 #   bash benchmarks/gpu_session.sh vocab      the fused loss at vocab 8192 and 128,256 against the unfused Trainer
 #   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table, the MoE grouped
@@ -24,14 +24,14 @@
 #                         wheels' output, and datasets' version
 #   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
 #                         loop, fp8 + compile) with their profiles, per model; gpu-gpt.log, gpu-llama.log
-#   gpu-vocab.md          (`vocab`) pipetrain eager against train.fused_loss=true on the llama 1.0B (vocab 8192)
-#                         and the llama 1.5B (vocab 128,256); gpu-vocab.log
+#   gpu-vocab.md          pipetrain eager against train.fused_loss=true on the llama 1.5B (vocab 128,256); under
+#                         `vocab` the llama 1.0B's (vocab 8192) too; gpu-vocab.log
 #   gpu-benchmark.md      (`all`, `check`) every default row and the kernel table; gpu.log
 #   pytest.log            the suite: first every FAILED / ERROR line (xdist's -v names each test as it ends, so
 #                         a run cut short still names its failures), then the run's last 150 lines
 #   moe.log               (`all`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
-# install: 160 + 150 s by default; `tests` 400 s (the H200 ran 97% of the default suite in 300 s with 15
+# install: 160 + 150 + 60 s by default; `tests` 400 s (the H200 ran 97% of the default suite in 300 s with 15
 # workers); `vocab` 70 + 70; `all` 310 + 40 + 200. gpu.py rewrites its file after every row, so a step that
 # overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests time nothing. The
 # gpt-1b rows need 76 to 93 GiB at 16 sequences (the H200 run), so a card under 100 GB runs them (and the
@@ -133,5 +133,9 @@ case "${1:-}" in
   *)
     step 160 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$SEQUENCES" "${TARGETS[@]}" \
       --out "$OUT/gpu-gpt.md"
-    step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --out "$OUT/gpu-llama.md" ;;
+    step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --out "$OUT/gpu-llama.md"
+    # last, as the least needed: the fused loss at vocab 128,256 with its chunks of 4096 rows
+    step 60 gpu-vocab.log python benchmarks/gpu.py --model llama-1b5 --sequences "$SEQUENCES" --no-kernel-table \
+      --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" \
+      --out "$OUT/gpu-vocab.md" ;;
 esac
