@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from pipetrain.parallel.tensor.fp8 import MIN_CAPABILITY, Fp8Linear
+from pipetrain.parallel.tensor.fp8 import MIN_CAPABILITY, Fp8Linear, fp8_linears
 from tests.e2e.common import ROOT, run_train, step_losses
 
 pytestmark = pytest.mark.gpu
@@ -84,6 +84,28 @@ def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
     for got, want in zip(grads[True], grads[False]):
         bound = 2 ** -7 * want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0.0, atol=bound)
+
+
+def test_fp8_linears_of_one_input_match_their_emulation_on_cuda():
+    """The shared input's path (fp8_linears: x quantised once, its column-major copy made once for the weight
+    gradients) on torch._scaled_mm, against the emulation, within the bound of the test above."""
+    if not _fp8_capable():
+        pytest.skip(f"torch._scaled_mm needs compute capability >= 8.9, got {torch.cuda.get_device_capability()}")
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(64, n, bias=bias, device="cuda") for n, bias in ((48, False), (32, True), (48, False))]
+    x = torch.randn(4, 16, 64, device="cuda")
+    results = {}
+    for hardware in (True, False):
+        for linear in linears:
+            linear.zero_grad(set_to_none=True)
+            linear.fp8 = Fp8Linear(hardware=hardware)
+        xi = x.clone().requires_grad_()
+        outs = fp8_linears(xi, tuple(linears))
+        sum((out * out.detach()).sum() for out in outs).backward()
+        results[hardware] = [*(out.detach() for out in outs), xi.grad,
+                             *(linear.weight.grad for linear in linears), linears[1].bias.grad]
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=0.0, atol=2 ** -6 * want.abs().max().item())
 
 
 def test_train_compile_on_cuda_matches_eager(tmp_path, bf16_on_cuda):
