@@ -22,7 +22,7 @@ chunks out can leave them just over half that), that is a few passes, not the ma
 Precision: logits and gradients in the input dtype, softmax math in fp32 (as eager casts its logits to
 fp32). dW accumulates in the weight's dtype: fp32 weights get an fp32 accumulator; bf16 weights (or
 autocast's bf16 copy of fp32 masters) a bf16 one, where each chunk's GEMM sums in fp32 and adds the running
-total (beta=1) before one rounding, so dW is rounded once per chunk (4 times at the 8B shape) instead of
+total (beta=1) before one rounding, so dW is rounded once per chunk (twice at the 8B shape on CUDA) instead of
 once as eager's single GEMM does; the fp32 accumulator that the old design used cost a (V, D) fp32 buffer
 plus a (V, D) bf16 temporary per chunk (most of its 110 ms and 5.1 GB).
 
