@@ -10,6 +10,7 @@ with monkeypatch and there is no module-level switch to reset.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,6 +26,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 if HAS_TRITON:
     from torch.library import wrap_triton as _torch_wrap_triton
+    try:
+        from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+    except ImportError:  # pragma: no cover - a torch without the switch: launches stay wrapped
+        _set_wrap_triton_enabled = None
 
     def wrap_triton(kernel):
         """The launchers call kernels through this: torch.library.wrap_triton(kernel), a plain launch in eager
@@ -39,6 +44,24 @@ if HAS_TRITON:
             raise
 else:  # pragma: no cover - the launchers are never called without triton
     wrap_triton = None
+    _set_wrap_triton_enabled = None
+
+
+def launches_directly(fn):
+    """fn (an eager autograd Function's forward or backward) with its launchers' wrap_triton launches made
+    plain Triton launches. In eager, a wrap_triton launch dispatches through torch's higher-order op, which
+    costs host time and keeps one entry of the launch's arguments in torch's kernel side table for the life
+    of the process (never freed: about 130 a step on a 16-layer llama). torch's own triton_op runs its eager
+    kernels so too. A trace (train.compile's custom ops) never runs these Functions, so inductor still sees
+    the kernels."""
+    if _set_wrap_triton_enabled is None:
+        return fn
+
+    @functools.wraps(fn)
+    def direct(*args, **kwargs):
+        with _set_wrap_triton_enabled(False):
+            return fn(*args, **kwargs)
+    return direct
 
 ENV_VAR = "PIPETRAIN_KERNELS"
 _MODES = ("auto", "torch", "triton")

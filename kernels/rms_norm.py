@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .compile_ops import CompileOp, declare, forward_op
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
+from .dispatch import HAS_TRITON, check_dtype, launches_directly, tl, triton, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES, num_warps_for
 
 if HAS_TRITON:
@@ -126,12 +126,14 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 class RMSNormFn(torch.autograd.Function):
     @staticmethod
+    @launches_directly
     def forward(ctx, x, weight, eps, out_dtype):
         y, rstd = rms_norm_fwd(x, weight, eps, out_dtype)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
+    @launches_directly
     def backward(ctx, dy):
         dx, dw = rms_norm_bwd(dy, *ctx.saved_tensors)
         return dx, dw, None, None

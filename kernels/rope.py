@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .compile_ops import CompileOp, declare, forward_op
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
+from .dispatch import HAS_TRITON, check_dtype, launches_directly, tl, triton, use_triton, wrap_triton
 from .triton_helpers import MAX_FUSED_BYTES
 
 if HAS_TRITON:
@@ -130,6 +130,7 @@ def rope_bwd(dq: torch.Tensor, dk: torch.Tensor,
 
 class RoPEFn(torch.autograd.Function):
     @staticmethod
+    @launches_directly
     def forward(ctx, q, k, cos, sin):
         if cos.requires_grad or sin.requires_grad:
             raise ValueError("rope: the Triton path has no gradient for cos/sin; pass tables without grad")
@@ -137,6 +138,7 @@ class RoPEFn(torch.autograd.Function):
         return rope_fwd(q, k, cos, sin)
 
     @staticmethod
+    @launches_directly
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         dq, dk = rope_bwd(dq, dk, cos, sin)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .compile_ops import CompileOp, declare, forward_op
-from .dispatch import HAS_TRITON, check_dtype, triton, tl, use_triton, wrap_triton
+from .dispatch import HAS_TRITON, check_dtype, launches_directly, tl, triton, use_triton, wrap_triton
 
 if HAS_TRITON:
     from .triton_helpers import round_to  # a triton.jit function: defined only with triton
@@ -85,12 +85,14 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
 
 class SwiGLUFn(torch.autograd.Function):
     @staticmethod
+    @launches_directly
     def forward(ctx, gate, up):
         y = swiglu_fwd(gate, up)
         ctx.save_for_backward(gate, up)  # not silu(gate): the backward recomputes it
         return y
 
     @staticmethod
+    @launches_directly
     def backward(ctx, dy):
         return swiglu_bwd(dy, *ctx.saved_tensors)
 

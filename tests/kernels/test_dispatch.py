@@ -100,3 +100,28 @@ def test_references_work_when_triton_is_not_installed():
     env = {k: v for k, v in os.environ.items() if k != "PIPETRAIN_KERNELS"}
     proc = subprocess.run([sys.executable, "-c", _NO_TRITON], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.triton
+def test_eager_launches_bypass_torchs_higher_order_op(force_triton, monkeypatch):
+    """In eager, a wrap_triton launch dispatches through torch's higher-order op, which keeps one entry per
+    launch in torch's kernel side table for the life of the process (and costs host time): the eager
+    autograd Functions of rms_norm, rope and swiglu launch with it off, forward and backward."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    from pipetrain.kernels import dispatch, rms_norm, rope, swiglu
+    seen = []
+    real = dispatch._torch_wrap_triton
+
+    def recording(kernel):
+        seen.append(is_wrap_triton_enabled())
+        return real(kernel)
+
+    monkeypatch.setattr(dispatch, "_torch_wrap_triton", recording)
+    x, w = torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    q, k = torch.randn(1, 4, 2, 8, requires_grad=True), torch.randn(1, 4, 2, 8, requires_grad=True)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    gate, up = torch.randn(5, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    loss = rms_norm(x, w, 1e-6).sum() + sum(t.sum() for t in rope(q, k, cos, sin)) + swiglu(gate, up).sum()
+    loss.backward()
+    assert len(seen) == 6 and not any(seen), seen  # three forwards and three backwards, none wrapped
