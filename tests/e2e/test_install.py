@@ -56,6 +56,10 @@ def _make_venv(path: str) -> str:
                              capture_output=True, text=True, check=True).stdout.strip()
     dirs = [os.path.dirname(os.path.dirname(torch.__file__)), sysconfig.get_path("purelib")]
     dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    # folders of packages on PYTHONPATH (a GPU machine's `datasets`, installed with pip --target), not one
+    # that holds pipetrain itself (the repository root): _run drops PYTHONPATH
+    dirs += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not os.path.exists(os.path.join(p, "pipetrain"))]
     with open(os.path.join(purelib, "zz_host_packages.pth"), "w") as f:
         f.write("\n".join(dict.fromkeys(os.path.realpath(d) for d in dirs if os.path.isdir(d))) + "\n")
     return python
