@@ -44,6 +44,9 @@ mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  # tests/e2e/test_install.py builds a wheel without isolation only from setuptools 70.1 (or 68 with wheel)
+  python -c "import setuptools; print('setuptools', setuptools.__version__)"
+  python -c "import wheel; print('wheel', wheel.__version__)"
 } > "$OUT/setup.txt" 2>&1
 
 # `datasets` is not on the machine and tests prepare corpora with it: its wheels travel in .whl (carry:
