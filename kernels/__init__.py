@@ -5,7 +5,8 @@ Triton kernels, an autograd.Function, and a dispatcher that picks Triton for CUD
 reference otherwise. PIPETRAIN_KERNELS=triton|torch forces one path (see dispatch.py).
 
 The Triton path has two wrappers around the same launchers: eager calls go through the autograd.Function
-(no operator dispatch per call), and code being traced by torch.compile (train.compile) calls the
+(no operator dispatch per call: its launches bypass wrap_triton's higher-order op, dispatch.launches_directly),
+and code being traced by torch.compile (train.compile) calls the
 custom ops pipetrain::<op> and pipetrain::<op>_backward (torch.library.triton_op with the backward op
 registered as its autograd formula; each op module declares its op to compile_ops.py, the one registrar),
 whose kernels launch through wrap_triton, so inductor sees them as
