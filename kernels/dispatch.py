@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -26,16 +27,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 if HAS_TRITON:
     from torch.library import wrap_triton as _torch_wrap_triton
-    try:
-        from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
-    except ImportError:  # pragma: no cover - a torch without the switch: launches stay wrapped
-        _set_wrap_triton_enabled = None
 
     def wrap_triton(kernel):
         """The launchers call kernels through this: torch.library.wrap_triton(kernel), a plain launch in eager
         and a kernel inductor sees when traced. Under the Triton interpreter (TRITON_INTERPRET=1) a torch whose
         wrap_triton takes compiled kernels only (2.11 refuses the interpreter's functions) gets the kernel
         itself: launched as it is, opaque to a graph around it."""
+        if getattr(_DIRECT, "on", False):  # inside launches_directly: a plain launch
+            return kernel
         try:
             return _torch_wrap_triton(kernel)
         except RuntimeError:
@@ -44,23 +43,25 @@ if HAS_TRITON:
             raise
 else:  # pragma: no cover - the launchers are never called without triton
     wrap_triton = None
-    _set_wrap_triton_enabled = None
+
+_DIRECT = threading.local()  # .on: wrap_triton hands back the kernel itself (launches_directly)
 
 
 def launches_directly(fn):
     """fn (an eager autograd Function's forward or backward) with its launchers' wrap_triton launches made
-    plain Triton launches. In eager, a wrap_triton launch dispatches through torch's higher-order op, which
-    costs host time and keeps one entry of the launch's arguments in torch's kernel side table for the life
-    of the process (never freed: about 130 a step on a 16-layer llama). torch's own triton_op runs its eager
-    kernels so too. A trace (train.compile's custom ops) never runs these Functions, so inductor still sees
-    the kernels."""
-    if _set_wrap_triton_enabled is None:
-        return fn
-
+    plain Triton launches. In eager, a torch.library.wrap_triton launch dispatches through torch's
+    higher-order op, which costs host time and keeps one entry of the launch's arguments in torch's kernel
+    side table for the life of the process (never freed: about 130 a step on a 16-layer llama); torch's
+    own triton_op launches its eager kernels plainly too. A trace (train.compile's custom ops) never runs
+    these Functions, so inductor still sees the kernels."""
     @functools.wraps(fn)
     def direct(*args, **kwargs):
-        with _set_wrap_triton_enabled(False):
+        previous = getattr(_DIRECT, "on", False)
+        _DIRECT.on = True
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _DIRECT.on = previous
     return direct
 
 ENV_VAR = "PIPETRAIN_KERNELS"
