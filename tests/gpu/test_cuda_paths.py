@@ -22,6 +22,13 @@ def _fp8_capable() -> bool:
     return torch.cuda.get_device_capability() >= MIN_CAPABILITY
 
 
+def _skip_without_fp8_hardware() -> None:
+    """A card older than sm_89 has no torch._scaled_mm: the hardware-against-emulation tests cannot run there
+    (the fp8 training test then checks the one-line refusal instead)."""
+    if not _fp8_capable():
+        pytest.skip(f"torch._scaled_mm needs compute capability >= 8.9, got {torch.cuda.get_device_capability()}")
+
+
 def test_compiled_triton_kernels_and_torch_compile_match_the_references_on_cuda():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--check"], env=env,
@@ -63,8 +70,7 @@ def test_fp8_training_on_cuda_follows_bf16_or_names_the_card_it_needs(tmp_path, 
 
 
 def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
-    if not _fp8_capable():
-        pytest.skip(f"torch._scaled_mm needs compute capability >= 8.9, got {torch.cuda.get_device_capability()}")
+    _skip_without_fp8_hardware()
     torch.manual_seed(0)
     grads = {}
     x = torch.randn(4, 16, 64, device="cuda")
@@ -89,8 +95,7 @@ def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
 def test_fp8_linears_of_one_input_match_their_emulation_on_cuda():
     """The shared input's path (fp8_linears: x quantised once, its column-major copy made once for the weight
     gradients) on torch._scaled_mm, against the emulation, within the bound of the test above."""
-    if not _fp8_capable():
-        pytest.skip(f"torch._scaled_mm needs compute capability >= 8.9, got {torch.cuda.get_device_capability()}")
+    _skip_without_fp8_hardware()
     torch.manual_seed(0)
     linears = [torch.nn.Linear(64, n, bias=bias, device="cuda") for n, bias in ((48, False), (32, True), (48, False))]
     x = torch.randn(4, 16, 64, device="cuda")
