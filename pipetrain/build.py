@@ -62,7 +62,7 @@ from pipetrain.parallel.ps.server import Server
 from pipetrain.parallel.ps.state import server_log
 from pipetrain.parallel.pipeline.recompute import apply_recompute
 from pipetrain.parallel.pipeline.schedules import build_schedule, gpipe
-from pipetrain.parallel.tensor.fp8 import apply_fp8, eager_fp8_warning
+from pipetrain.parallel.tensor.fp8 import Fp8WeightCache, apply_fp8, eager_fp8_warning
 from pipetrain.parallel.tensor.layers import apply_tensor_parallel
 from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
 from pipetrain.trainer import Trainer, fused_loss_sum, loss_sum
@@ -172,6 +172,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
 
     executor = _build_executor(recipe, dims, chunks, specs, act_dtype=act_dtype, gatherer=unit_gatherer(optimizer),
                                replicas=replica.num_replicas if replica else 1)
+    if fp8_weights_once_a_run(recipe):  # after the load and ZeRO: the holders read the weights as they are
+        executor.around_run = Fp8WeightCache(model, compile_backend() if t.compile else None).run
     actions, eval_actions = _build_schedules(recipe, dims)
     dynamic = _build_dynamic_batch(recipe, dims, loader)
     logger = MetricsLogger.from_recipe(recipe, recipe.run.output_dir, enabled=dims.rank == 0, start_step=start)
@@ -185,6 +187,13 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if replica is not None:
         optimizer.attach(trainer)  # healing restores the trainer's step and loader with the weights
     return trainer
+
+
+def fp8_weights_once_a_run(recipe: Recipe) -> bool:
+    """Whether the fp8 weights are quantised once per executor run (fp8.Fp8WeightCache): train.precision=fp8 with
+    several microbatches a step (each quantised every weight again), below ZeRO-3 (which gathers them quantised)."""
+    p = recipe.parallel
+    return recipe.train.precision == "fp8" and p.zero != 3 and (p.microbatches > 1 or p.dynamic_batch)
 
 
 def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:

@@ -55,8 +55,9 @@ def _skewed(trainer, dims: ParallelDims):
 
 
 def _saved_fp8(trainer) -> tuple[int, int]:
-    """One training step of trainer; the fp8 tensors autograd saved for backward: (the gathered fp8 weights
-    themselves (zero 3's Fp8Weight data), every other one (quantised inputs, and copies of weights))."""
+    """One training step of trainer; the fp8 tensors autograd saved for backward: (the fp8 weights held between
+    calls themselves (an Fp8Weight's data: zero 3's gathered one, or the weight cache's), every other one
+    (quantised inputs, and copies of weights))."""
     holders = [m.fp8.gathered.data for m in trainer.model.modules()
                if getattr(m, "fp8", None) is not None and m.fp8.gathered is not None]
     saved = [0, 0]
@@ -126,10 +127,10 @@ def _check(results, name):
         head = {"torch.bfloat16"} if res["has_head"] else set()
         assert set(res["gathered"]) == {str(FORWARD_DTYPE), "torch.float32"} | head, res["gathered"]
         if name == "dp2":
-            # zero 1 saves a quantised copy of each weight, zero 3 the gathered weight (freed with its unit)
-            (zero1_gathered, zero1_fresh), (zero3_gathered, zero3_fresh) = res["saved"]
-            assert zero1_gathered == 0 and zero3_gathered == zero1_fresh - zero3_fresh == res["saved_per_step"], \
-                res["saved"]
+            # zero 3 saves the gathered weight (freed with its unit), zero 1 its weight cache's (2 microbatches:
+            # fp8.Fp8WeightCache), neither a quantised copy of its own; both the same quantised inputs
+            (zero1_held, zero1_fresh), (zero3_gathered, zero3_fresh) = res["saved"]
+            assert zero1_held == zero3_gathered == res["saved_per_step"] and zero1_fresh == zero3_fresh, res["saved"]
 
 
 def test_zero3_fp8_dp2_equals_zero1_bit_for_bit_and_one_process(tmp_path):

@@ -69,6 +69,8 @@ class Executor:
         self.next_local = [chunk_of_stage.get(spec.stage + 1) for spec in self.specs]
         # Whether run() returns a loss: the rank holding the last stage (pp-1, or 0 in the V placement).
         self.holds_last_stage = any(spec.is_last for spec in self.specs)
+        # A context around each run: the fp8 weights quantised once per run (fp8.Fp8WeightCache.run)
+        self.around_run: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _peer(self, pp_rank: int) -> int:
         d = self.dims
@@ -82,6 +84,10 @@ class Executor:
 
     def run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool = False):
         """Execute actions; returns this rank's summed loss (0 unless it holds the last stage)."""
+        with self.around_run():
+            return self._run(actions, microbatches, num_targets, forward_only)
+
+    def _run(self, actions: Sequence[Action], microbatches, num_targets: int, forward_only: bool):
         device = self.dims.device
         inputs, outputs, losses, grads_in, grads_out, weight_work = {}, {}, {}, {}, {}, {}
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == W}

@@ -35,6 +35,11 @@ Linears of one input (the attention's wq, wk, wv; a gated MLP's gate and up) run
 (fp8_linears, models.decoder.linears_of_one_input): x is quantised and saved once for all of them, where a
 call per linear made and saved a float8 copy each (three per layer for q, k, v in the H200's profile).
 
+Several microbatches a step (gradient accumulation, pipeline schedules): Fp8WeightCache quantises each weight
+once per executor run into an Fp8Weight the linear reads (the weights do not change within a run, so the
+values are the same), where each call quantised it again. Under no_grad (evaluation) the linears run without
+the autograd Function (_apply).
+
 The weight gradient goes through autograd (not fused into .grad, not deferred by the split backward): the
 fp8 dW needs the quantised dy of the same call, and split backward still works, with dW computed in B.
 
@@ -42,6 +47,8 @@ Shapes: x (..., D_in) flattened to (N, D_in), W (D_out, D_in), dy (N, D_out).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -111,6 +118,31 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
 
 
+def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
+    """The outputs of linears (specs, then each one's weight and bias or None in params) on x, and the tensors
+    their backward needs: xq and its scale, then each linear's float8 weight (as dx = dy W reads it) and scale."""
+    device = x.device.type
+    out_dtype = autocast_dtype(x) or x.dtype
+    x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
+    x_scale = tensor_scale(x2, FORWARD_DTYPE, specs[0].tp_group)  # the linears share the tp group
+    xq = quantize(x2, x_scale, FORWARD_DTYPE)
+    outputs, saved = [], [xq, x_scale]
+    for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
+        wq_backward = None  # dx = dy W's operand: wq, or its column-major copy when the holder has one
+        if spec.gathered is not None:  # quantised already: by ZeRO-3's gather or Fp8WeightCache
+            wq, w_scale, wq_backward = spec.gathered.data, spec.gathered.scale, spec.gathered.columns
+        else:
+            w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
+            wq = quantize(weight, w_scale, FORWARD_DTYPE)
+        with torch.autocast(device, enabled=False):
+            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        outputs.append(y.view(*x.shape[:-1], weight.shape[0]))
+        saved += [wq if wq_backward is None else wq_backward, w_scale]
+    return outputs, saved
+
+
 class _Fp8LinearsFn(torch.autograd.Function):
     """y_i = x W_i^T + b_i for linears i of one input x, with float8 operands (module docstring): x is
     quantised once for all of them and saved once (1 byte an element), as is each W_i. One linear is the case
@@ -119,24 +151,7 @@ class _Fp8LinearsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, specs: tuple, *params):
         ctx.set_materialize_grads(False)  # an output nothing uses gives its weight no gradient, as its own call did
-        device = x.device.type
-        out_dtype = autocast_dtype(x) or x.dtype
-        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-        x_scale = tensor_scale(x2, FORWARD_DTYPE, specs[0].tp_group)  # the linears share the tp group
-        xq = quantize(x2, x_scale, FORWARD_DTYPE)
-        outputs, saved = [], [xq, x_scale]
-        for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
-            if spec.gathered is not None:  # ZeRO-3 gathered the weight already quantised (weight holds no values)
-                wq, w_scale = spec.gathered.data, spec.gathered.scale
-            else:
-                w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
-                wq = quantize(weight, w_scale, FORWARD_DTYPE)
-            with torch.autocast(device, enabled=False):
-                y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
-                if bias is not None:
-                    y = y + bias.to(out_dtype)
-            outputs.append(y.view(*x.shape[:-1], weight.shape[0]))
-            saved += [wq, w_scale]
+        outputs, saved = _forward(x, specs, params)
         ctx.save_for_backward(*saved)
         ctx.specs, ctx.x_dtype, ctx.x_shape = specs, x.dtype, x.shape
         ctx.w_dtypes, ctx.has_bias = [w.dtype for w in params[0::2]], [b is not None for b in params[1::2]]
@@ -169,22 +184,36 @@ class _Fp8LinearsFn(torch.autograd.Function):
         return None if dx is None else dx.view(ctx.x_shape), None, *grads
 
 
+def _apply(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[torch.Tensor, ...]:
+    """The linears on x: through _Fp8LinearsFn, or without autograd under no_grad (evaluation, sampling), where
+    torch.compile (2.13) would pass the Function's forward its arguments shifted by one (tests/unit/test_fp8_cache.py
+    evaluates compiled blocks)."""
+    if not torch.is_grad_enabled():
+        return tuple(_forward(x, specs, params)[0])
+    return _Fp8LinearsFn.apply(x, specs, *params)
+
+
 def fp8_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """The fp8 linears of one input x together: x quantised and saved once (models.decoder.linears_of_one_input's
     shared callable, which apply_fp8 gives the attention's wq, wk, wv and a gated MLP's gate, up)."""
-    params = [t for linear in linears for t in (linear.weight, linear.bias)]
-    return _Fp8LinearsFn.apply(x, tuple(linear.fp8 for linear in linears), *params)
+    params = tuple(t for linear in linears for t in (linear.weight, linear.bias))
+    return _apply(x, tuple(linear.fp8 for linear in linears), params)
 
 
 class Fp8Weight:
-    """A weight ZeRO-3 gathers in float8 (pipetrain/parallel/data/zero3.py): data, the quantised whole weight
-    (D_out, D_in) float8_e4m3fn, whose storage is freed and refilled with its unit, and scale, the fp32 scalar
-    it was quantised with (the whole weight's, from weight_scales). The linear's fp32 parameter then holds no
-    values: its rows are the master."""
+    """A weight quantised ahead of the linear's call, which reads it instead of quantising the weight:
+    data, the quantised whole weight (D_out, D_in) float8_e4m3fn; scale, the fp32 scalar it was quantised with
+    (the whole weight's, from weight_scales); columns, None or the same values column-major (the hardware's
+    operand layout for dx = dy W, so no backward transposes it).
+    - ZeRO-3 gathers into it (pipetrain/parallel/data/zero3.py): data's storage is freed and refilled with its
+      unit (held: False), and the linear's fp32 parameter holds no values: its rows are the master.
+    - Fp8WeightCache fills it once per executor run from the weight (held: True)."""
 
-    def __init__(self, shape: torch.Size, device: torch.device):
+    def __init__(self, shape: torch.Size, device: torch.device, held: bool = False, columns: bool = False):
         self.data = torch.empty(shape, dtype=FORWARD_DTYPE, device=device)
-        self.data.untyped_storage().resize_(0)  # gathered with its unit; until then it holds nothing
+        if not held:
+            self.data.untyped_storage().resize_(0)  # gathered with its unit; until then it holds nothing
+        self.columns = torch.empty(shape[::-1], dtype=FORWARD_DTYPE, device=device).t() if columns else None
         self.scale = torch.ones((), device=device)
 
 
@@ -201,6 +230,72 @@ def weight_scales(shards: list, groups: list, device: torch.device) -> torch.Ten
     return scale_from_amax(amax, FORWARD_DTYPE)
 
 
+def _fill(weight: torch.Tensor, scale: torch.Tensor, holder: Fp8Weight) -> None:
+    """holder = weight quantised with scale (its columns too, when it has them)."""
+    holder.data.copy_(quantize(weight, scale, FORWARD_DTYPE))
+    if holder.columns is not None:
+        holder.columns.copy_(holder.data)
+    holder.scale.copy_(scale)
+
+
+class Fp8WeightCache:
+    """Every fp8 linear's weight quantised once per executor run (a training step, an evaluation batch), into an
+    Fp8Weight its linear reads, where each call quantised it again: under k microbatches a step (gradient
+    accumulation, or a pipeline schedule's k forwards of each chunk) k amaxes and casts of each weight, and under
+    a pipeline schedule a float8 copy of it saved for backward by each microbatch in flight. The weights do not
+    change within a run, so every value is what each call's own quantisation gave, bit for bit; the holders cost
+    one byte a weight element (two on the hardware path, which also keeps the column-major copy dx = dy W
+    reads, where each backward transposed it). build_trainer makes one under train.precision=fp8 with several
+    microbatches a step and ZeRO below 3 (ZeRO-3 gathers its weights quantised already).
+    run() brackets an executor run: it quantises first. A forward outside a run (a sample) quantises before
+    each call of the model, as the linears did themselves: the weights may have changed since the last run.
+    compile_backend: the per-weight quantisation as one compiled kernel (train.compile), else eager ops."""
+
+    def __init__(self, model: nn.Module, compile_backend: str | None = None):
+        self.entries: list[tuple[torch.Tensor, Fp8Weight]] = []
+        self.groups: list = []
+        for module in model.modules():
+            spec = getattr(module, "fp8", None)
+            if spec is None or spec.gathered is not None:
+                continue
+            holder = Fp8Weight(module.weight.shape, module.weight.device, held=True, columns=spec.hardware)
+            module.fp8 = dataclasses.replace(spec, gathered=holder)
+            self.entries.append((module.weight, holder))
+            self.groups = [spec.tp_group] if spec.tp_group is not None else []  # every fp8 linear's tp group
+        self.in_run = False
+        self.refreshes = 0  # tests count them
+        self._fill = _fill if compile_backend is None else torch.compile(_fill, fullgraph=True, dynamic=False,
+                                                                          backend=compile_backend)
+        model.register_forward_pre_hook(self._outside_run)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Quantise every weight into its holder: the scales as tensor_scale takes them (the amaxes, one
+        multi-tensor kernel for them all, reduced over tp in one all-reduce), then one quantisation apiece."""
+        if not self.entries:
+            return
+        weights = [weight for weight, _ in self.entries]
+        amax = torch.stack(torch._foreach_norm(weights, float("inf"))).float()  # max |w| per weight, exact
+        for group in self.groups:
+            amax = all_reduce_max_(amax, group)
+        for (weight, holder), scale in zip(self.entries, scale_from_amax(amax, FORWARD_DTYPE)):
+            self._fill(weight, scale, holder)
+        self.refreshes += 1
+
+    @contextlib.contextmanager
+    def run(self):
+        self.refresh()
+        self.in_run = True
+        try:
+            yield
+        finally:
+            self.in_run = False
+
+    def _outside_run(self, module, args) -> None:
+        if not self.in_run:
+            self.refresh()
+
+
 @dataclass(frozen=True)
 class Fp8Linear:
     """A module's fp8 setting (its `fp8` attribute, read by weight_grads.linear): callable as the linear.
@@ -211,7 +306,7 @@ class Fp8Linear:
     gathered: Fp8Weight | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _Fp8LinearsFn.apply(x, (self,), weight, bias)[0]
+        return _apply(x, (self,), (weight, bias))[0]
 
 
 def fp8_problem(device: torch.device, emulate: bool) -> str | None:
