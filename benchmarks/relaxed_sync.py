@@ -22,7 +22,6 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from common import run_ranks
 

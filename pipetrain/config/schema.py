@@ -242,8 +242,8 @@ class Recipe:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for (section, key), field in KEY_ALIASES.items():
-            out[section][key] = out[section].pop(field)
+        for (section, key), name in KEY_ALIASES.items():
+            out[section][key] = out[section].pop(name)
         return out
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn as nn
 
 from pipetrain.parallel.data.flat import reduce_flat_
 from pipetrain.parallel.mesh.comm import ProcessGroup, all_reduce_, group_size

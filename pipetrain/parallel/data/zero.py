@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from pipetrain.config import TrainConfig
 from pipetrain.models.init import param_layout
-from pipetrain.optim.adamw import MOMENTS, ReadBox, decays, is_tied, set_lr, step_adamw
+from pipetrain.optim.adamw import ReadBox, decays, is_tied, set_lr, step_adamw
 from pipetrain.optim.torch_opt import (build_torch_opt, load_torch_opt_state, torch_opt_state_bytes,
                                        torch_opt_state_items)
 from pipetrain.parallel.mesh.comm import all_gather_async, all_reduce_async, reduce_scatter_async

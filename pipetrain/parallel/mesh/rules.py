@@ -107,7 +107,7 @@ def _moe_refusals(r: Recipe, refused: list) -> list[str]:
 
 def zero3_problems(r: Recipe) -> list[str]:
     """parallel.zero=3 (pipetrain.parallel.data.zero3): the compositions it does not support yet, one line each."""
-    p, t = r.parallel, r.train
+    p = r.parallel
     if p.zero != 3:
         return []
     why = "parallel.zero=3"

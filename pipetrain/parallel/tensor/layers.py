@@ -36,7 +36,6 @@ import re
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from pipetrain.config import ModelConfig
 from pipetrain.models.moe import Experts, MoE
