@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipetrain import build
+from pipetrain.generate.decode import KVCache, forward_cached, generate_tokens
 from pipetrain.parallel.tensor import fp8
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
@@ -78,16 +79,25 @@ def test_one_microbatch_and_zero3_keep_quantising_in_the_call(tmp_path, monkeypa
     assert build.fp8_weights_once_a_run(recipe(zero=2, microbatches=4))
 
 
-def test_a_forward_outside_a_run_sees_the_weights_after_the_last_update(tmp_path, monkeypatch):
-    cached = _trainer(tmp_path / "cached", True, monkeypatch, microbatches=2)
-    plain = _trainer(tmp_path / "plain", False, monkeypatch, microbatches=2)
+def test_a_forward_outside_a_run_quantises_the_weights_after_the_last_update(tmp_path, monkeypatch):
+    """The end-of-run sample calls the blocks' modules itself (generate.decode.forward_cached), after the last
+    update and with no evaluation run after it (no validation windows here): the holders are current only
+    inside a run, so it gets what quantising each call gives, bit for bit; so does a call of the model."""
+    os.makedirs(tmp_path / "cached")
+    os.makedirs(tmp_path / "plain")
+    cached = build_trainer(LLAMA, str(tmp_path / "cached"), precision="fp8", steps=STEPS, microbatches=2)
+    with monkeypatch.context() as m:
+        m.setattr(build, "fp8_weights_once_a_run", lambda recipe: False)
+        plain = build_trainer(LLAMA, str(tmp_path / "plain"), precision="fp8", steps=STEPS, microbatches=2)
+    assert cached.evaluate() == {}  # no validation windows: nothing runs between the last step and the sample
     ids = torch.arange(16).reshape(1, 16) % LLAMA.vocab_size
     for _ in range(2):
         cached.train_step()
         plain.train_step()
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-            got, want = cached.model(ids), plain.model(ids)
-        torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)
+            for call in (lambda model: forward_cached(model, ids, KVCache()), lambda model: model(ids)):
+                torch.testing.assert_close(call(cached.model), call(plain.model), rtol=0.0, atol=0.0)
+    assert generate_tokens(cached.model, [1, 2], 8, seed=0) == generate_tokens(plain.model, [1, 2], 8, seed=0)
 
 
 def test_compiled_blocks_read_the_holders_and_equal_compiled_blocks_quantising_in_each_call(tmp_path, monkeypatch):
@@ -114,6 +124,14 @@ def test_the_hardware_path_reads_the_column_major_copy_and_equals_each_call_quan
     holders = [m.fp8.gathered for m in cached.model.modules() if getattr(m, "fp8", None) is not None]
     assert holders and all(h.columns is not None and h.columns.t().is_contiguous() for h in holders)
     plain = _trainer(tmp_path / "plain", False, monkeypatch, microbatches=2)
-    got = _curve(cached)
+    saved = []
+
+    def pack(t):
+        saved.append(any(t is h.columns for h in holders))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        first = cached.train_step()["loss"]
+    assert sum(saved) == 2 * len(holders)  # each linear's backward reads the copy, in each of 2 microbatches
+    assert first == plain.train_step()["loss"]
+    assert _curve(cached) == _curve(plain)
     assert all(torch.equal(h.columns, h.data) for h in holders)
-    assert got == _curve(plain)

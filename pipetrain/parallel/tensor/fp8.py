@@ -128,9 +128,11 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
     xq = quantize(x2, x_scale, FORWARD_DTYPE)
     outputs, saved = [], [xq, x_scale]
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
-        wq_backward = None  # dx = dy W's operand: wq, or its column-major copy when the holder has one
-        if spec.gathered is not None:  # quantised already: by ZeRO-3's gather or Fp8WeightCache
-            wq, w_scale, wq_backward = spec.gathered.data, spec.gathered.scale, spec.gathered.columns
+        wq_backward = None  # dx = dy W's operand: wq, or its column-major copy for the hardware's GEMM
+        if spec.gathered is not None and spec.gathered.current:  # quantised already: ZeRO-3 or Fp8WeightCache
+            wq, w_scale = spec.gathered.data, spec.gathered.scale
+            if spec.gathered.columns is not None and all(n % 16 == 0 for n in (x2.shape[0], *wq.shape)):
+                wq_backward = spec.gathered.columns  # (else scaled_mm emulates dx, from wq as it is)
         else:
             w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
             wq = quantize(weight, w_scale, FORWARD_DTYPE)
@@ -205,9 +207,11 @@ class Fp8Weight:
     data, the quantised whole weight (D_out, D_in) float8_e4m3fn; scale, the fp32 scalar it was quantised with
     (the whole weight's, from weight_scales); columns, None or the same values column-major (the hardware's
     operand layout for dx = dy W, so no backward transposes it).
+    current: whether the linear reads it (else it quantises its weight itself).
     - ZeRO-3 gathers into it (pipetrain/parallel/data/zero3.py): data's storage is freed and refilled with its
-      unit (held: False), and the linear's fp32 parameter holds no values: its rows are the master.
-    - Fp8WeightCache fills it once per executor run from the weight (held: True)."""
+      unit (held: False), and the linear's fp32 parameter holds no values: its rows are the master. Always
+      current (its unit's hooks gather it before every call).
+    - Fp8WeightCache fills it once per executor run from the weight (held: True), current only inside the run."""
 
     def __init__(self, shape: torch.Size, device: torch.device, held: bool = False, columns: bool = False):
         self.data = torch.empty(shape, dtype=FORWARD_DTYPE, device=device)
@@ -215,6 +219,7 @@ class Fp8Weight:
             self.data.untyped_storage().resize_(0)  # gathered with its unit; until then it holds nothing
         self.columns = torch.empty(shape[::-1], dtype=FORWARD_DTYPE, device=device).t() if columns else None
         self.scale = torch.ones((), device=device)
+        self.current = not held
 
 
 def weight_scales(shards: list, groups: list, device: torch.device) -> torch.Tensor:
@@ -247,8 +252,9 @@ class Fp8WeightCache:
     one byte a weight element (two on the hardware path, which also keeps the column-major copy dx = dy W
     reads, where each backward transposed it). build_trainer makes one under train.precision=fp8 with several
     microbatches a step and ZeRO below 3 (ZeRO-3 gathers its weights quantised already).
-    run() brackets an executor run: it quantises first. A forward outside a run (a sample) quantises before
-    each call of the model, as the linears did themselves: the weights may have changed since the last run.
+    run() brackets an executor run: it quantises first, and the holders are current only until the run ends.
+    Outside a run (the end-of-run sample, which calls the blocks' modules itself) the linears quantise their
+    weights in each call, as without the cache: the weights may have changed since the last run.
     compile_backend: the per-weight quantisation as one compiled kernel (train.compile), else eager ops."""
 
     def __init__(self, model: nn.Module, compile_backend: str | None = None):
@@ -262,11 +268,9 @@ class Fp8WeightCache:
             module.fp8 = dataclasses.replace(spec, gathered=holder)
             self.entries.append((module.weight, holder))
             self.groups = [spec.tp_group] if spec.tp_group is not None else []  # every fp8 linear's tp group
-        self.in_run = False
         self.refreshes = 0  # tests count them
         self._fill = _fill if compile_backend is None else torch.compile(_fill, fullgraph=True, dynamic=False,
                                                                           backend=compile_backend)
-        model.register_forward_pre_hook(self._outside_run)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -282,18 +286,18 @@ class Fp8WeightCache:
             self._fill(weight, scale, holder)
         self.refreshes += 1
 
+    def _set_current(self, current: bool) -> None:
+        for _, holder in self.entries:
+            holder.current = current
+
     @contextlib.contextmanager
     def run(self):
         self.refresh()
-        self.in_run = True
+        self._set_current(True)
         try:
             yield
         finally:
-            self.in_run = False
-
-    def _outside_run(self, module, args) -> None:
-        if not self.in_run:
-            self.refresh()
+            self._set_current(False)
 
 
 @dataclass(frozen=True)
