@@ -56,14 +56,19 @@ def test_bf16_training_on_cuda_learns(bf16_on_cuda):
     assert len(bf16_on_cuda) == 12 and bf16_on_cuda[-1] < 0.9 * bf16_on_cuda[0]
 
 
+# fp8 as it is meant to run (with train.compile), with 2 microbatches a step (the weight cache, its compiled
+# quantisation and column-major copies: fp8.Fp8WeightCache) and evaluations (compiled blocks under no_grad)
+FP8_KEYS = ["train.precision=fp8", "train.compile=true", "parallel.microbatches=2", *GPU_STEPS, "run.eval_every=6"]
+
+
 def test_fp8_training_on_cuda_follows_bf16_or_names_the_card_it_needs(tmp_path, bf16_on_cuda):
-    proc, metrics = run_train(str(tmp_path / "fp8"), ["train.precision=fp8", *GPU_STEPS], cuda=True)
+    proc, metrics = run_train(str(tmp_path / "fp8"), FP8_KEYS, cuda=True)
     if not _fp8_capable():
         assert proc.returncode == 2 and "compute capability >= 8.9" in proc.stderr, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
-        proc, metrics = run_train(str(tmp_path / "emulated"), ["train.precision=fp8", "train.fp8_emulate=true",
-                                                               *GPU_STEPS], cuda=True)
+        proc, metrics = run_train(str(tmp_path / "emulated"), [*FP8_KEYS, "train.fp8_emulate=true"], cuda=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([m for m in metrics if "eval_loss" in m]) == 2
     losses = step_losses(metrics)
     assert losses != bf16_on_cuda
     assert losses == pytest.approx(bf16_on_cuda, rel=2e-2)  # tests/e2e/test_fp8.py's FP8_CURVE
