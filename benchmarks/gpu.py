@@ -61,6 +61,7 @@ def _load_benchmark(name: str):
 
 
 step_profile = _load_benchmark("step_profile")
+clocks = _load_benchmark("clocks")
 
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
@@ -125,16 +126,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step, setup: Setup) -> tuple[float, float]:
-    """(first step's seconds, median seconds of `steps` steps after two warm-up steps)."""
+def _timed(step, setup: Setup) -> tuple[float, float, dict | None]:
+    """(first step's seconds, median seconds of `steps` steps after two warm-up steps, the card's clocks during
+    those steps: benchmarks/clocks.py, None without nvidia-smi)."""
     times = []
-    for _ in range(2 + setup.steps):
-        _sync(setup.device)
-        t0 = time.perf_counter()
-        step()
-        _sync(setup.device)
-        times.append(time.perf_counter() - t0)
-    return times[0], statistics.median(times[2:])
+    sampler = clocks.ClockSampler(clocks.gpu_id(setup.device))
+    with contextlib.ExitStack() as measuring:
+        for i in range(2 + setup.steps):
+            _sync(setup.device)
+            if i == 2:
+                measuring.enter_context(sampler)
+            t0 = time.perf_counter()
+            step()
+            _sync(setup.device)
+            times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[2:]), sampler.summary
 
 
 def _tokens(vocab: int, setup: Setup, seed: int = 0) -> torch.Tensor:
@@ -231,7 +237,7 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
                 step, cfg = _pipetrain_row(model, overrides, setup, out_dir)
             else:
                 step, cfg = _loop_row(model, kind, setup)
-            first, median = _timed(step, setup)
+            first, median, row["clocks"] = _timed(step, setup)
             graphs = counters["stats"]["unique_graphs"]
             if label in setup.profiled:
                 try:
@@ -354,6 +360,10 @@ def selected_models(names: list[str], full: bool, smoke: bool) -> list[tuple[str
     return [MODELS[n] for n in names or (list(MODELS) if full else ["llama-1b"])]
 
 
+def _spaced(section: list[str]) -> list[str]:
+    return ["", *section] if section else []
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
@@ -412,8 +422,8 @@ def main(argv=None) -> int:
             done = rows[-1]
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
-            table = [*format_model_table(name, rows, peak), "", *format_ratios(rows), "",
-                     *format_profile_section(rows)]
+            table = [*format_model_table(name, rows, peak), "", *format_ratios(rows),
+                     *_spaced(clocks.format_clocks(rows)), "", *format_profile_section(rows)]
             write(table)
         print("\n".join(table), flush=True)
         lines += table + [""]

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -241,3 +242,30 @@ def test_the_step_profile_counts_each_kernel_once_on_cuda():
     assert totals["gemm"] == 0.003 and totals[sp.OTHER] == 0.001 and totals["optimizer"] == 0.0, totals
 
 
+
+
+def test_the_clocks_of_the_timed_steps_come_from_nvidia_smi_beside_them(tmp_path, monkeypatch):
+    """benchmarks/clocks.py with a stand-in nvidia-smi on PATH that prints a sample every 50 ms until stopped
+    (and one line a real card can print for a field it cannot read): medians of what it printed while the block
+    ran, the lowest clock, the table; nothing without nvidia-smi or a GPU id."""
+    clocks = _load("clocks")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\necho '[N/A], 700.00, 60'\n"
+                   "i=0\nwhile true; do echo \"$((1980 - i * 10)), 690.5, 61\"; i=$((i + 1)); sleep 0.05; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with clocks.ClockSampler("GPU-1234") as sampler:
+        time.sleep(0.6)
+    c = sampler.summary
+    assert c is not None and c["samples"] >= 3 and c["watts"] == 690.5 and c["celsius"] == 61
+    assert c["min_sm_mhz"] == 1980 - 10 * (c["samples"] - 1) and c["sm_mhz"] < 1980
+    args = (tmp_path / "args").read_text()
+    assert "--id=GPU-1234" in args and "--query-gpu=clocks.sm,power.draw,temperature.gpu" in args
+    table = clocks.format_clocks([{"implementation": "eager", "clocks": c}, {"implementation": "oom"}])
+    assert len(table) == 5 and table[-1].startswith(f"| eager | {c['sm_mhz']:,.0f} | ")
+    with clocks.ClockSampler(None) as none:
+        pass
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with clocks.ClockSampler("0") as missing:
+        pass
+    assert none.summary is None and missing.summary is None and clocks.format_clocks([{"implementation": "x"}]) == []
