@@ -14,7 +14,8 @@ transformers' model (sdpa). A pipetrain row whose override the recipe refuses (a
 reads "unsupported: <the recipe's error>"; a row that runs out of memory says so. Data: synthetic tokens drawn on
 the device (no dataset, no network). Default: the llama 1.0B model of issue 34 at seq 2048, 16 sequences a step
 (under 5 minutes on one H100/H200); --full adds the gpt-1b recipe's model and a llama 1.5B with vocab 128,256.
-MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
+With nvidia-smi on PATH each row also gets the card's SM clock, board power and temperature during its timed
+steps (benchmarks/clocks.py). MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
 pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
 Without CUDA it says it needs a GPU and exits 0, running and writing nothing. With --cpu-smoke a tiny model
 runs 2 steps per row on the CPU in fp32, compile rows with the
