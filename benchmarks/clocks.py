@@ -79,11 +79,15 @@ def gpu_id(device) -> str | None:
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-def format_clocks(rows: list[dict]) -> list[str]:
-    """A table of each row's clocks during its timed steps (rows without them left out; [] when none has)."""
+def format_clocks(rows: list[dict], pairs: list[tuple[str, str]] = ()) -> list[str]:
+    """A table of each row's clocks during its timed steps (rows without them left out; [] when none has), then
+    the ratio of the median SM clocks for each (row, other row) of pairs that both have them."""
     timed = [r for r in rows if r.get("clocks")]
     if not timed:
         return []
+    mhz = {r["implementation"]: r["clocks"]["sm_mhz"] for r in timed}
+    ratios = [f"- SM clock, {top} / {bottom}: {mhz[top] / mhz[bottom]:.3f}" for top, bottom in pairs
+              if top in mhz and bottom in mhz]
     lines = [f"Clocks during the timed steps (nvidia-smi every {INTERVAL_MS} ms, medians):", "",
              "| implementation | SM MHz | lowest SM MHz | board W | GPU C | samples |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -91,4 +95,4 @@ def format_clocks(rows: list[dict]) -> list[str]:
         c = r["clocks"]
         lines.append(f"| {r['implementation']} | {c['sm_mhz']:,.0f} | {c['min_sm_mhz']:,.0f} | {c['watts']:.0f} | "
                      f"{c['celsius']:.0f} | {c['samples']} |")
-    return lines
+    return lines + (["", *ratios] if ratios else [])

@@ -424,7 +424,7 @@ def main(argv=None) -> int:
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
             table = [*format_model_table(name, rows, peak), "", *format_ratios(rows),
-                     *_spaced(clocks.format_clocks(rows)), "", *format_profile_section(rows)]
+                     *_spaced(clocks.format_clocks(rows, [(top, bottom) for top, bottom, _ in RATIOS])), "", *format_profile_section(rows)]
             write(table)
         print("\n".join(table), flush=True)
         lines += table + [""]

@@ -261,8 +261,12 @@ def test_the_clocks_of_the_timed_steps_come_from_nvidia_smi_beside_them(tmp_path
     assert c["min_sm_mhz"] == 1980 - 10 * (c["samples"] - 1) and c["sm_mhz"] < 1980
     args = (tmp_path / "args").read_text()
     assert "--id=GPU-1234" in args and "--query-gpu=clocks.sm,power.draw,temperature.gpu" in args
-    table = clocks.format_clocks([{"implementation": "eager", "clocks": c}, {"implementation": "oom"}])
-    assert len(table) == 5 and table[-1].startswith(f"| eager | {c['sm_mhz']:,.0f} | ")
+    slower = dict(c, sm_mhz=c["sm_mhz"] * 0.97)
+    rows = [{"implementation": "eager", "clocks": c}, {"implementation": "oom"},
+            {"implementation": "compile", "clocks": slower}]
+    table = clocks.format_clocks(rows, [("compile", "eager"), ("oom", "eager")])
+    assert table[4].startswith(f"| eager | {c['sm_mhz']:,.0f} | ") and len(table) == 8
+    assert table[-1] == "- SM clock, compile / eager: 0.970"  # rows without clocks give no ratio
     with clocks.ClockSampler(None) as none:
         pass
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
