@@ -4,6 +4,8 @@ backend knob, the reason inductor cannot run, the steady-state throughput of the
 split backward's dW deferred out of compiled blocks to the W action."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,16 +26,22 @@ def _losses(tmp_path, name: str, steps: int = 3, model=LLAMA, **keys):
     return trainer, [trainer.train_step()["loss"] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}, {"model": GPT2}],
-                         ids=["fp32_recompute", "bf16", "gpt2"])  # gpt2: the gpt-1b recipe's family (issue 34)
+SIX_LAYERS = dataclasses.replace(LLAMA, n_layers=6)  # each layer's own recomputed forward made a graph apiece
+
+
+@pytest.mark.parametrize("keys", [{"recompute": "full"}, {"precision": "bf16"}, {"model": GPT2},
+                                  {"model": SIX_LAYERS, "recompute": "selective"},
+                                  {"model": SIX_LAYERS, "recompute": "full"}],
+                         ids=["fp32_recompute", "bf16", "gpt2", "selective_6_layers", "full_6_layers"])
 def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, monkeypatch, keys):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inductor's trace with eager kernels: bitwise, bf16 autocast too
     counters.clear()
     _, eager = _losses(tmp_path, "eager", **keys)
     assert not counters["stats"], "the eager run compiled something"
+    torch._dynamo.reset()  # (each graph this test counts is traced here)
     trainer, compiled = _losses(tmp_path, "compiled", compile=True, **keys)
     assert compiled == eager, (compiled, eager)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # 2 blocks, 2 microbatches, 3 steps
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # every block, 2 microbatches, 3 steps
     names = [n for n, _ in trainer.model.named_parameters()]
     assert "layers.0.attn.wq.weight" in names and not any("_orig_mod" in n for n in names), names
     assert all(block._compiled_call_impl is not None for block in trainer.model.layers.values())

@@ -11,27 +11,35 @@
 Non-reentrant torch.utils.checkpoint with the RNG state preserved, so the recomputed forward is
 bitwise the original one and losses and gradients do not change. The model has no dropout, so RNG
 preservation is belt and braces; it keeps the guarantee if dropout is ever added.
-The module's own forward is replaced on the instance (not wrapped in a new module), so parameter
-names, and with them checkpoints and initialisation, do not change.
+The module's class is swapped for a subclass whose forward checkpoints the class's own (not wrapped
+in a new module), so parameter names, and with them checkpoints and initialisation, do not change.
+One subclass per class, shared by every layer: under train.compile the blocks share one graph, where a
+forward of each instance's own (a functools.partial apiece) made dynamo retrace the block for each layer
+and fail at its recompile limit from 5 layers a stage (tests/unit/test_compile.py).
 """
 from __future__ import annotations
-
-import functools
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.config import ParallelConfig
 
+_RECOMPUTED: dict[type, type] = {}  # a module class -> its recomputing subclass
 
-def _checkpointed_forward(module: nn.Module, *args, **kwargs):
-    forward = type(module).forward
-    return checkpoint(forward, module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+def _recomputing_class(cls: type) -> type:
+    if cls not in _RECOMPUTED:
+        own_forward = cls.forward
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(own_forward, self, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (cls,),
+                                {"forward": forward, "recomputed": True, "__module__": cls.__module__})
+    return _RECOMPUTED[cls]
 
 
 def _recompute(module: nn.Module) -> None:
-    module.forward = functools.partial(_checkpointed_forward, module)
-    module.recomputed = True
+    module.__class__ = _recomputing_class(type(module))
 
 
 def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
