@@ -268,7 +268,6 @@ class Fp8WeightCache:
             module.fp8 = dataclasses.replace(spec, gathered=holder)
             self.entries.append((module.weight, holder))
             self.groups = [spec.tp_group] if spec.tp_group is not None else []  # every fp8 linear's tp group
-        self.refreshes = 0  # tests count them
         self._fill = _fill if compile_backend is None else torch.compile(_fill, fullgraph=True, dynamic=False,
                                                                           backend=compile_backend)
 
@@ -284,7 +283,6 @@ class Fp8WeightCache:
             amax = all_reduce_max_(amax, group)
         for (weight, holder), scale in zip(self.entries, scale_from_amax(amax, FORWARD_DTYPE)):
             self._fill(weight, scale, holder)
-        self.refreshes += 1
 
     def _set_current(self, current: bool) -> None:
         for _, holder in self.entries:
