@@ -228,8 +228,11 @@ def weight_scales(shards: list, groups: list, device: torch.device) -> torch.Ten
     for a tp-sharded weight, as tensor_scale reduces it). One all-reduce (max) per group for all the
     weights together. Returns (len(shards),) fp32 on device (the groups' backend's), equal to tensor_scale of
     each whole weight."""
-    amax = torch.stack([s.detach().abs().amax().float() if s is not None and s.numel()
-                        else torch.zeros((), device=device) for s in shards])  # (n,)
+    held = [i for i, s in enumerate(shards) if s is not None and s.numel()]
+    amax = torch.zeros(len(shards), device=device)
+    if held:  # max |w| of each, exact: one multi-tensor kernel for them all
+        norms = torch._foreach_norm([shards[i].detach() for i in held], float("inf"))
+        amax[held] = torch.stack(norms).float().to(device)
     for group in groups:
         amax = all_reduce_max_(amax, group)
     return scale_from_amax(amax, FORWARD_DTYPE)
@@ -278,10 +281,8 @@ class Fp8WeightCache:
         if not self.entries:
             return
         weights = [weight for weight, _ in self.entries]
-        amax = torch.stack(torch._foreach_norm(weights, float("inf"))).float()  # max |w| per weight, exact
-        for group in self.groups:
-            amax = all_reduce_max_(amax, group)
-        for (weight, holder), scale in zip(self.entries, scale_from_amax(amax, FORWARD_DTYPE)):
+        scales = weight_scales(weights, self.groups, weights[0].device)
+        for (weight, holder), scale in zip(self.entries, scales):
             self._fill(weight, scale, holder)
 
     def _set_current(self, current: bool) -> None:
