@@ -12,6 +12,10 @@ registered as its autograd formula; each op module declares its op to compile_op
 whose kernels launch through wrap_triton, so inductor sees them as
 Triton kernels in its graph, schedules around them and derives their fake (meta) implementation by running
 the launcher on fake tensors. The torch reference stays the CPU path, compiled or not.
+
+fp8_quant (float8 amaxes and casts for train.precision=fp8) is not differentiable and has no custom op: eager
+CUDA calls launch its kernels, and a trace takes its torch reference, which inductor fuses into the ops that
+produce the tensor it quantises.
 """
 from .compile_ops import register_all
 from .cross_entropy import cross_entropy

@@ -74,6 +74,31 @@ def test_fp8_training_on_cuda_follows_bf16_or_names_the_card_it_needs(tmp_path, 
     assert losses == pytest.approx(bf16_on_cuda, rel=2e-2)  # tests/e2e/test_fp8.py's FP8_CURVE
 
 
+def test_fp8_eager_training_on_cuda_takes_the_triton_casts_and_follows_bf16(tmp_path, bf16_on_cuda):
+    """Without train.compile each amax and cast is kernels/fp8_quant.py's Triton (compiled for this card)."""
+    if not _fp8_capable():
+        pytest.skip("fp8 needs compute capability >= 8.9 (the compiled run above checks the refusal)")
+    keys = [k for k in FP8_KEYS if k != "train.compile=true"]
+    proc, metrics = run_train(str(tmp_path / "fp8-eager"), keys, cuda=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(metrics) == pytest.approx(bf16_on_cuda, rel=2e-2)
+
+
+def test_fp8_triton_casts_equal_the_torch_reference_bit_for_bit_on_cuda():
+    from pipetrain.kernels.fp8_quant import fp8_columns, quantize_ref, quantize_tensorwise
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            x = (torch.randn(1000, 344, device="cuda") * 3).to(dtype)
+            x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 2.0 ** -12])
+            got = quantize_tensorwise(x, fmt, rows=True, columns=True)
+            want = quantize_ref(x, fmt, rows=True, columns=True)
+            assert torch.equal(got[1], want[1]), (dtype, fmt, got[1], want[1])
+            for a, b in ((got[0], want[0]), (got[2], want[2]), (fp8_columns(got[0]), want[2])):
+                assert a.t().is_contiguous() == b.t().is_contiguous()
+                assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (dtype, fmt)
+
+
 def test_fp8_scaled_mm_matches_its_emulation_on_cuda():
     _skip_without_fp8_hardware()
     torch.manual_seed(0)

@@ -9,6 +9,9 @@ every RMSNorm model under bf16. triton.compile needs no GPU for a named target (
 A build also fails if its Triton IR computes in fp64 (an fp64 argument may only be converted to fp32):
 the eager launch computes in fp32, and so must the compiled one.
 
+It also builds the fp8 casts (kernels/fp8_quant.py), which only eager runs launch (a trace takes their
+torch reference), in both float8 formats and in their byte-copy mode.
+
 Each op's forward and backward launchers run with small CPU tensors in every dtype combination training
 uses, while JITFunction.run is replaced by a build of the kernel for that signature. Prints one line per
 signature, `built ...` or `failed ...: error`, and `ops: ...`; exits 1 if a build failed.
@@ -31,13 +34,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from pipetrain.kernels import compile_ops  # noqa: E402
+from pipetrain.kernels.fp8_quant import fp8_amax, fp8_cast  # noqa: E402
 from pipetrain.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd  # noqa: E402
 from pipetrain.kernels.rope import rope_bwd, rope_fwd  # noqa: E402
 from pipetrain.kernels.swiglu import swiglu_bwd, swiglu_fwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-            torch.int64: "i64", torch.int32: "i32"}
+            torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
 # A Python float as each launcher types it: inductor (CUDA has fp64) and Triton's own JIT launch
 FLOAT_TYPES = {"inductor": "fp64", "triton": "fp32"}
 
@@ -68,7 +72,7 @@ def build_instead_of_launch(self, *args, grid, warmup, **kwargs):
     for launcher, float_type in FLOAT_TYPES.items():
         signature = {p.name: "constexpr" if p.is_constexpr else arg_type(bound[p.name], float_type)
                      for p in self.params}
-        key = (self.fn.__name__, launcher, tuple(signature.items()))
+        key = (self.fn.__name__, launcher, tuple(signature.items()), repr(sorted(constexprs.items())))
         if key in RESULTS:
             continue
         try:
@@ -96,13 +100,21 @@ def run_launchers() -> None:
         rope_bwd(*rope_fwd(q, k, cos, sin), cos, sin)
         gate, up = torch.randn(3, 7, 6, dtype=dtype), torch.randn(3, 7, 6, dtype=dtype)
         swiglu_bwd(swiglu_fwd(gate, up), gate, up)
+    # fp8: activations (bf16) and weights (fp32) in either format, both layouts; a float8 tensor's transpose
+    for dtype in (f32, b16):
+        x = torch.randn(70, 40, dtype=dtype)
+        fp8_amax(x)
+        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for columns in (False, True):
+                fp8_cast(x, torch.ones(1), fmt, rows=True, columns=columns)
+    fp8_cast(torch.zeros(70, 40, dtype=torch.float8_e5m2), torch.ones(1), torch.float8_e5m2, rows=False, columns=True)
 
 
 def main() -> int:
     JITFunction.run = build_instead_of_launch
     run_launchers()
-    for (kernel, launcher, signature), outcome in sorted(RESULTS.items()):
-        print(f"{outcome.split(':')[0]} {kernel} ({launcher}) {dict(signature)}{outcome[6:]}")
+    for (kernel, launcher, signature, constexprs), outcome in sorted(RESULTS.items()):
+        print(f"{outcome.split(':')[0]} {kernel} ({launcher}) {dict(signature)} {constexprs}{outcome[6:]}")
     print("ops:", " ".join(sorted(OPS)), "| declared:", " ".join(compile_ops.declared()))
     return 1 if any(v != "built" for v in RESULTS.values()) else 0
 

@@ -13,7 +13,8 @@ from pipetrain.kernels.compile_ops import declared
 from pipetrain.kernels.dispatch import HAS_TRITON
 from tests.e2e.common import ROOT
 
-KERNELS = {"rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
+KERNELS = {"fp8_quant": ("_amax_kernel", "_cast_kernel"),  # eager only: not a compile op
+           "rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
            "rope": ("_rope_fwd_kernel", "_rope_bwd_kernel"),
            "swiglu": ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel")}
 

@@ -11,6 +11,7 @@ import torch
 
 from pipetrain import build
 from pipetrain.generate.decode import KVCache, forward_cached, generate_tokens
+from pipetrain.kernels import fp8_quant
 from pipetrain.parallel.tensor import fp8
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
@@ -43,7 +44,8 @@ def _count_weight_quantisations(monkeypatch, trainer) -> list:
         if dtype == fp8.FORWARD_DTYPE and tuple(t.shape) in shapes and t.dtype == torch.float32:
             calls.append(tuple(t.shape))
         return real(t, scale, dtype)
-    monkeypatch.setattr(fp8, "quantize", counting)
+    monkeypatch.setattr(fp8, "quantize", counting)  # the cache's fill
+    monkeypatch.setattr(fp8_quant, "quantize", counting)  # a linear's own (quantize_tensorwise's reference)
     return calls
 
 

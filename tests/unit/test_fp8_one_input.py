@@ -5,6 +5,7 @@ layer). Outputs and weight gradients are those of one call per linear."""
 import pytest
 import torch
 
+from pipetrain.kernels import fp8_quant
 from pipetrain.parallel.tensor import fp8
 from tests.unit.common import GPT2, LLAMA, build_trainer
 
@@ -30,7 +31,7 @@ def _run(linears, x, shared, monkeypatch):
     for linear in linears:
         linear.weight.grad = None
     quantised, saved = [], []
-    real = fp8.quantize
+    real = fp8_quant.quantize  # quantize_tensorwise's reference, which a linear's quantisation runs on the CPU
 
     def counting(t, scale, dtype):
         if t.shape == (x.numel() // x.shape[-1], x.shape[-1]) and dtype == fp8.FORWARD_DTYPE:
@@ -42,13 +43,13 @@ def _run(linears, x, shared, monkeypatch):
             saved.append(t)
         return t
 
-    monkeypatch.setattr(fp8, "quantize", counting)
+    monkeypatch.setattr(fp8_quant, "quantize", counting)
     xi = x.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
         outs = fp8.fp8_linears(xi, linears) if shared else tuple(linear(xi) for linear in linears)
     torch.manual_seed(1)
     sum((out.float() * torch.randn(out.shape)).sum() for out in outs).backward()
-    monkeypatch.setattr(fp8, "quantize", real)
+    monkeypatch.setattr(fp8_quant, "quantize", real)
     return outs, xi.grad, [linear.weight.grad.clone() for linear in linears], len(quantised), len(saved)
 
 

@@ -16,6 +16,9 @@ HYBRID format use):
 - the three matmuls y = xq Wq^T, dx = dyq Wq, dW = dyq^T xq accumulate in fp32 and multiply by both inverse
   scales (on the hardware, y with fast accumulation: FORWARD_FAST_ACCUM); y and dx come out in the autocast
   dtype (bf16) or x's dtype, dW in the weight's dtype (fp32); db = sum(dy) in high precision.
+The amaxes and casts are pipetrain.kernels.fp8_quant's: Triton kernels in eager CUDA runs (an amax pass, then one
+cast that also writes the column-major copy the hardware's dW GEMM reads), the torch reference on the CPU and
+inside torch.compile, where inductor fuses them into the ops around them.
 No scale is state: nothing carries from one step to the next (no amax history), so a checkpoint holds no fp8
 state and a resumed run continues bit for bit.
 
@@ -57,6 +60,7 @@ import torch.nn as nn
 
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels.dispatch import autocast_dtype
+from pipetrain.kernels.fp8_quant import fp8_columns, quantize, quantize_tensorwise, scale_from_amax, tensorwise_scale
 from pipetrain.parallel.mesh.comm import all_reduce_max_
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
@@ -66,33 +70,19 @@ GRAD_DTYPE = torch.float8_e5m2        # dy
 # The forward GEMM (y = x W^T) accumulates fast on the hardware, the two gradient GEMMs in full: torchao's
 # float8 training defaults (what torchtitan's fp8 figures used); gradients need the precision more.
 FORWARD_FAST_ACCUM = True
-AMAX_EPS = 1e-12                      # an all-zero tensor gets a finite scale (its values quantise to 0)
 MIN_CAPABILITY = (8, 9)               # torch._scaled_mm: Ada, Hopper and newer
 FP8_PLAN = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 
-def fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power-of-two scale that maps amax to at most the format's largest value (fp32 scalar)."""
-    return torch.exp2(torch.floor(torch.log2(fp8_max(dtype) / amax.float().clamp(min=AMAX_EPS))))
-
-
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype, tp_group=None) -> torch.Tensor:
     """Scale of the whole tensor: its amax, reduced (max) over tp_group when x is one rank's part of it."""
-    amax = x.detach().abs().amax().float().reshape(1)
-    if tp_group is not None:
-        amax = all_reduce_max_(amax, tp_group)
-    return scale_from_amax(amax, dtype).reshape(())
+    return tensorwise_scale(x, dtype, _amax_reducer(tp_group))
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale rounded to dtype (nearest, ties to even), saturated at the format's max."""
-    limit = fp8_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+def _amax_reducer(tp_group):
+    """quantize_tensorwise's reduce_amax: the max over tp_group (None at tp=1)."""
+    return None if tp_group is None else (lambda amax: all_reduce_max_(amax, tp_group))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -113,7 +103,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     inverse = a_scale.reciprocal() * b_scale.reciprocal()  # exact: both are powers of two
     if hardware and _hardware_shapes_ok(a, b):
         # a row-major, b column-major, scales as the multipliers that dequantise
-        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
+        return torch._scaled_mm(fp8_columns(a.t()).t(), fp8_columns(b), scale_a=a_scale.reciprocal(),
                                 scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accum)
     return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
 
@@ -124,8 +114,7 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
     device = x.device.type
     out_dtype = autocast_dtype(x) or x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-    x_scale = tensor_scale(x2, FORWARD_DTYPE, specs[0].tp_group)  # the linears share the tp group
-    xq = quantize(x2, x_scale, FORWARD_DTYPE)
+    xq, x_scale, _ = quantize_tensorwise(x2, FORWARD_DTYPE, _amax_reducer(specs[0].tp_group))  # one tp group
     outputs, saved = [], [xq, x_scale]
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
         wq_backward = None  # dx = dy W's operand: wq, or its column-major copy for the hardware's GEMM
@@ -134,8 +123,7 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
             if spec.gathered.columns is not None and all(n % 16 == 0 for n in (x2.shape[0], *wq.shape)):
                 wq_backward = spec.gathered.columns  # (else scaled_mm emulates dx, from wq as it is)
         else:
-            w_scale = tensor_scale(weight, FORWARD_DTYPE, spec.tp_group)
-            wq = quantize(weight, w_scale, FORWARD_DTYPE)
+            wq, w_scale, _ = quantize_tensorwise(weight, FORWARD_DTYPE, _amax_reducer(spec.tp_group))
         with torch.autocast(device, enabled=False):
             y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
             if bias is not None:
@@ -165,21 +153,23 @@ class _Fp8LinearsFn(torch.autograd.Function):
         dx, grads = None, []
         # dW = dyq^T xq: torch._scaled_mm wants xq column-major, transposed here once for all the linears (the
         # emulation takes it as it is: a column-major operand can change the CPU GEMM's summation order)
-        xq_columns = xq
-        if ctx.specs[0].hardware and any(ctx.needs_input_grad[2::2]) and _hardware_shapes_ok(xq.t(), xq):
-            xq_columns = xq.t().contiguous().t()
+        hardware_dw = ctx.specs[0].hardware and _hardware_shapes_ok(xq.t(), xq)
+        xq_columns = fp8_columns(xq) if hardware_dw and any(ctx.needs_input_grad[2::2]) else xq
         for i, (spec, dy) in enumerate(zip(ctx.specs, dys)):
             wq, w_scale = weights[2 * i], weights[2 * i + 1]
             dw = db = None
             if dy is not None:
                 dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
-                g_scale = tensor_scale(dy2, GRAD_DTYPE, spec.tp_group)
-                gq = quantize(dy2, g_scale, GRAD_DTYPE)
+                need_dw = ctx.needs_input_grad[2 + 2 * i]
+                # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
+                gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, _amax_reducer(spec.tp_group),
+                                                              columns=need_dw and hardware_dw)
                 if ctx.needs_input_grad[0]:
                     part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
                     dx = part if dx is None else dx + part
-                if ctx.needs_input_grad[2 + 2 * i]:
-                    dw = scaled_mm(gq.t(), g_scale, xq_columns, x_scale, ctx.w_dtypes[i], spec.hardware)
+                if need_dw:
+                    dw = scaled_mm((gq if gq_columns is None else gq_columns).t(), g_scale, xq_columns, x_scale,
+                                   ctx.w_dtypes[i], spec.hardware)
                 if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
                     db = dy2.float().sum(0)
             grads += [dw, db]
@@ -325,12 +315,12 @@ def fp8_problem(device: torch.device, emulate: bool) -> str | None:
 
 
 def eager_fp8_warning(device: torch.device, emulate: bool, compile: bool) -> str | None:
-    """The warning for fp8 on a GPU without train.compile (None otherwise): eager runs every amax and cast
-    as kernels of their own, which cost more than the float8 GEMMs save (docs/fp8.md)."""
+    """The warning for fp8 on a GPU without train.compile (None otherwise): eager runs every amax and cast as
+    kernels of their own (kernels/fp8_quant.py), which inductor fuses into the ops around them (docs/fp8.md)."""
     if device.type != "cuda" or emulate or compile:
         return None
-    return ("warning: train.precision=fp8 without train.compile runs each amax and cast as a kernel of its own: "
-            "on an H100 a llama 1.0B trained at 0.58x bf16's tokens/s (docs/fp8.md); set train.compile=true")
+    return ("warning: train.precision=fp8 without train.compile runs each amax and cast as a kernel of its own, "
+            "where train.compile fuses them into the ops around them (docs/fp8.md, Speed); set train.compile=true")
 
 
 def uses_hardware(device: torch.device, emulate: bool) -> bool:
