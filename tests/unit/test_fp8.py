@@ -2,6 +2,7 @@
 refused. (Its training curve: tests/e2e/test_fp8.py; tp=2 against tp=1: tests/dist/test_fp8.py.)"""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipetrain.config import ConfigError
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -82,6 +83,22 @@ def test_fp8_linear_under_bf16_autocast_returns_bf16_and_fp32_weight_grads():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_the_bias_is_added_before_the_one_rounding_to_bf16_on_both_paths():
+    """Under bf16 autocast the bias joins the fp32 product before its rounding to bf16: in torch._scaled_mm's
+    epilogue on the hardware path (no pass of its own over y), and so in the emulation; adding it after the
+    rounding (as a separate op would) rounds twice, which these values show."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(32, 64) * 3, torch.randn(48, 64) * 0.3, torch.randn(48) * 5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = [Fp8Linear(hardware=hardware)(x, w, b) for hardware in (True, False)]
+    xq, wq = _q(x, FORWARD_DTYPE), _q(w, FORWARD_DTYPE)
+    once = (xq @ wq.t() + b.to(torch.bfloat16).float()).to(torch.bfloat16)
+    twice = (xq @ wq.t()).to(torch.bfloat16) + b.to(torch.bfloat16)
+    assert not torch.equal(once, twice)
+    for y in ys:
+        assert y.dtype == torch.bfloat16 and torch.equal(y, once)
 
 
 def _train_linear(hardware: bool, shape=(4, 16, 64), d_out=48):
@@ -203,25 +220,30 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
 @pytest.mark.slow
 def test_inductor_compiles_the_scaled_mm_path_to_eager_values():
     """Inductor (not only aot_eager) with the hardware path: its fused amax / scale / cast kernels and the
-    _scaled_mm extern call give eager's output and gradients (about 10 s of compiling on 2 cores)."""
+    _scaled_mm extern call (with a bias, under bf16 autocast) give eager's output and gradients (about 10 s of
+    compiling on 2 cores)."""
     torch.manual_seed(0)
     spec = Fp8Linear(hardware=True)
     w1 = torch.nn.Parameter(torch.randn(48, 64) * 0.02)
     w2 = torch.nn.Parameter(torch.randn(64, 48) * 0.02)
+    b1 = torch.nn.Parameter(torch.randn(48))  # under bf16 autocast: in _scaled_mm's epilogue
     x = torch.randn(4, 16, 64) * 3
 
     def run(fn):
-        w1.grad = w2.grad = None
+        w1.grad = w2.grad = b1.grad = None
         xi = x.clone().requires_grad_()
         y = fn(xi)
-        y.square().sum().backward()
-        return y.detach(), xi.grad, w1.grad.clone(), w2.grad.clone()
+        y.float().square().sum().backward()
+        return y.detach(), xi.grad, w1.grad.clone(), w2.grad.clone(), b1.grad.clone()
 
     def forward(xi):
-        return spec(torch.relu(spec(xi, w1)), w2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return spec(torch.relu(spec(xi, w1, b1)), w2)
 
     eager = run(forward)
     compiled = run(torch.compile(forward, backend="inductor", fullgraph=True))
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
-    assert not torch.equal(eager[0], (torch.relu(x @ w1.t()) @ w2.t()).detach())  # it did quantise
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = F.linear(torch.relu(F.linear(x, w1, b1)), w2).detach()
+    assert eager[0].dtype == bf16.dtype and not torch.equal(eager[0], bf16)  # it did quantise

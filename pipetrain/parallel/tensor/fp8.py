@@ -95,17 +95,24 @@ def _hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, hardware: bool, fast_accum: bool = False) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) for fp8 a (M, K), b (K, N): fp32 accumulation, out_dtype result.
+              out_dtype: torch.dtype, hardware: bool, fast_accum: bool = False,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) (+ bias) for fp8 a (M, K), b (K, N): fp32 accumulation, out_dtype result.
     hardware: torch._scaled_mm (sm_89+; shapes that are not multiples of 16 fall back to the emulation).
     fast_accum: the hardware's fp8 accumulation without its periodic promotion to fp32 (faster on Hopper,
-    with an error that grows with K); the emulation sums in fp32 either way."""
+    with an error that grows with K); the emulation sums in fp32 either way.
+    bias (N,), in out_dtype: added in fp32 before the one rounding to out_dtype, by the GEMM's epilogue on the
+    hardware for a bf16 / fp16 result (no pass of its own over the output), as the emulation does."""
     inverse = a_scale.reciprocal() * b_scale.reciprocal()  # exact: both are powers of two
     if hardware and _hardware_shapes_ok(a, b):
+        in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
         # a row-major, b column-major, scales as the multipliers that dequantise
-        return torch._scaled_mm(fp8_columns(a.t()).t(), fp8_columns(b), scale_a=a_scale.reciprocal(),
-                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return (torch.mm(a.float(), b.float()) * inverse).to(out_dtype)
+        y = torch._scaled_mm(fp8_columns(a.t()).t(), fp8_columns(b), scale_a=a_scale.reciprocal(),
+                             scale_b=b_scale.reciprocal(), bias=bias if in_epilogue else None, out_dtype=out_dtype,
+                             use_fast_accum=fast_accum)
+        return y if bias is None or in_epilogue else y + bias
+    y = torch.mm(a.float(), b.float()) * inverse
+    return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
 def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
@@ -125,9 +132,8 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
         else:
             wq, w_scale, _ = quantize_tensorwise(weight, FORWARD_DTYPE, _amax_reducer(spec.tp_group))
         with torch.autocast(device, enabled=False):
-            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
+            y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM,
+                          bias=None if bias is None else bias.to(out_dtype))
         outputs.append(y.view(*x.shape[:-1], weight.shape[0]))
         saved += [wq if wq_backward is None else wq_backward, w_scale]
     return outputs, saved
@@ -171,7 +177,7 @@ class _Fp8LinearsFn(torch.autograd.Function):
                     dw = scaled_mm((gq if gq_columns is None else gq_columns).t(), g_scale, xq_columns, x_scale,
                                    ctx.w_dtypes[i], spec.hardware)
                 if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
-                    db = dy2.float().sum(0)
+                    db = dy2.sum(0, dtype=torch.float32)  # on CUDA: fp32 sums of bf16 reads, no fp32 copy
             grads += [dw, db]
         return None if dx is None else dx.view(ctx.x_shape), None, *grads
 
