@@ -103,7 +103,6 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     with an error that grows with K); the emulation sums in fp32 either way.
     bias (N,), in out_dtype: added in fp32 before the one rounding to out_dtype, by the GEMM's epilogue on the
     hardware for a bf16 / fp16 result (no pass of its own over the output), as the emulation does."""
-    inverse = a_scale.reciprocal() * b_scale.reciprocal()  # exact: both are powers of two
     if hardware and _hardware_shapes_ok(a, b):
         in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
         # a row-major, b column-major, scales as the multipliers that dequantise
@@ -111,7 +110,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
                              scale_b=b_scale.reciprocal(), bias=bias if in_epilogue else None, out_dtype=out_dtype,
                              use_fast_accum=fast_accum)
         return y if bias is None or in_epilogue else y + bias
-    y = torch.mm(a.float(), b.float()) * inverse
+    y = torch.mm(a.float(), b.float()) * (a_scale.reciprocal() * b_scale.reciprocal())  # exact: powers of two
     return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
