@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .dispatch import HAS_TRITON, check_dtype, tl, triton, use_triton
+from .dispatch import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
     from .triton_helpers import round_to  # a triton.jit function: defined only with triton
@@ -165,17 +165,34 @@ def fp8_cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, rows: bool
     return q, scale, (qt.t() if columns else None)
 
 
+# Triton builds float8e4nv only from compute capability 8.9 (Ada, Hopper): older cards (an A100 under
+# train.fp8_emulate) take the reference
+MIN_CAPABILITY = (8, 9)
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)  # the cast kernel's; others (fp16) take the reference
+
+
+def kernels_build_on(device: torch.device) -> bool:
+    """Whether the float8 kernels build for device: any CUDA card of compute capability >= 8.9; the CPU (the
+    interpreter, when use_triton sends CPU tensors here at all)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def _takes_triton(x: torch.Tensor, dtypes: tuple) -> bool:
+    return (x.dtype in dtypes and use_triton(x) and not torch.compiler.is_compiling()
+            and kernels_build_on(x.device))
+
+
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, reduce_amax: Callable | None = None,
                         rows: bool = True, columns: bool = False
                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(q or None, scale, q_columns or None): x (N, D) quantised to dtype with one scale from the amax of x,
     reduced by reduce_amax ((1,) fp32 -> (1,) fp32, e.g. a max over tp) when given. Triton in eager on CUDA
-    (per dispatch.use_triton), the reference on the CPU and while torch.compile traces (inductor fuses it)."""
+    (per dispatch.use_triton, fp32 or bf16 x, a card of compute capability >= 8.9), else the reference: on the
+    CPU, an older card, and while torch.compile traces (inductor fuses it)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_tensorwise: x must be 2-D (N, D), got {tuple(x.shape)}")
-    if not use_triton(x) or torch.compiler.is_compiling():
+    if not _takes_triton(x, _INPUT_DTYPES):
         return quantize_ref(x, dtype, reduce_amax, rows, columns)
-    check_dtype("quantize_tensorwise", x)
     x = x.detach().contiguous()
     amax = fp8_amax(x)
     if reduce_amax is not None:
@@ -188,6 +205,6 @@ def fp8_columns(q: torch.Tensor) -> torch.Tensor:
     transpose; torch's copy reads one byte per row at a time)."""
     if q.t().is_contiguous():
         return q
-    if not use_triton(q) or torch.compiler.is_compiling() or not q.is_contiguous():
+    if not _takes_triton(q, (torch.float8_e4m3fn, torch.float8_e5m2)) or not q.is_contiguous():
         return _columns(q)
     return fp8_cast(q, torch.full((1,), fp8_max(q.dtype), device=q.device), q.dtype, rows=False, columns=True)[2]

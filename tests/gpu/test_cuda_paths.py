@@ -81,22 +81,80 @@ def test_fp8_eager_training_on_cuda_takes_the_triton_casts_and_follows_bf16(tmp_
     keys = [k for k in FP8_KEYS if k != "train.compile=true"]
     proc, metrics = run_train(str(tmp_path / "fp8-eager"), keys, cuda=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "without train.compile runs each amax and cast as a kernel of its own" in proc.stderr  # eager it was
     assert step_losses(metrics) == pytest.approx(bf16_on_cuda, rel=2e-2)
 
 
-def test_fp8_triton_casts_equal_the_torch_reference_bit_for_bit_on_cuda():
-    from pipetrain.kernels.fp8_quant import fp8_columns, quantize_ref, quantize_tensorwise
-    torch.manual_seed(0)
+_FP8_CASTS = """
+import torch
+from pipetrain.kernels import fp8_quant
+from pipetrain.kernels.fp8_quant import fp8_cast, fp8_columns, fp8_max, quantize_ref, quantize_tensorwise
+assert type(fp8_quant._cast_kernel).__name__ == "JITFunction", type(fp8_quant._cast_kernel)  # compiled, not interpreted
+bits = lambda t: t.contiguous().view(torch.uint8)
+def same(got, want, what, nan=False):
+    for a, b in ((got[0], want[0]), (got[2], want[2])):
+        if a is None:
+            assert b is None, what
+            continue
+        assert a.t().is_contiguous() == b.t().is_contiguous(), what
+        if nan:
+            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0, equal_nan=True, msg=what)
+        else:
+            assert torch.equal(bits(a), bits(b)), what
+    assert torch.equal(got[1], want[1]) or (got[1].isnan() and want[1].isnan()), (what, got[1], want[1])
+torch.manual_seed(0)
+for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+    values = torch.arange(256, dtype=torch.uint8).view(fmt).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    mids = (values[1:] + values[:-1]) / 2  # ties, and a hair either side of each
+    grid = torch.cat([values, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), values[:1] + 2.0**-30])
+    x = torch.cat([grid, -grid, torch.tensor([-0.0, fp8_max(fmt)])]).reshape(1, -1).cuda()
+    same(quantize_tensorwise(x, fmt, columns=True), quantize_ref(x, fmt, columns=True), ("grid", fmt))
     for dtype in (torch.float32, torch.bfloat16):
-        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
-            x = (torch.randn(1000, 344, device="cuda") * 3).to(dtype)
-            x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 2.0 ** -12])
-            got = quantize_tensorwise(x, fmt, rows=True, columns=True)
-            want = quantize_ref(x, fmt, rows=True, columns=True)
-            assert torch.equal(got[1], want[1]), (dtype, fmt, got[1], want[1])
-            for a, b in ((got[0], want[0]), (got[2], want[2]), (fp8_columns(got[0]), want[2])):
-                assert a.t().is_contiguous() == b.t().is_contiguous()
-                assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (dtype, fmt)
+        for shape in ((1000, 344), (3, 200), (130, 70)):
+            x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
+            for rows, columns in ((True, False), (False, True), (True, True)):
+                same(quantize_tensorwise(x, fmt, rows=rows, columns=columns),
+                     quantize_ref(x, fmt, rows=rows, columns=columns), (fmt, dtype, shape, rows, columns))
+            q = quantize_ref(x, fmt)[0]
+            assert torch.equal(bits(fp8_columns(q)), bits(q)) and fp8_columns(q).t().is_contiguous()
+    for name, x in {"zeros": torch.zeros(4, 8), "inf": torch.tensor([[1.0, float("inf"), -2.0]]),
+                    "nan": torch.tensor([[1.0, float("nan"), -2.0]])}.items():
+        same(quantize_tensorwise(x.cuda(), fmt), quantize_ref(x.cuda(), fmt), (name, fmt), nan=True)
+    for k in (0, 3, 7):  # an amax an ulp above fp8_max / 2^k: the scale is 2^(k - 1)
+        amax = torch.tensor([fp8_max(fmt) / 2**k]).nextafter(torch.tensor([float("inf")])).cuda()
+        assert fp8_cast(torch.ones(1, 1, device="cuda"), amax, fmt)[1].item() == 2.0 ** (k - 1), (fmt, k)
+print("the compiled float8 casts equal the reference bit for bit")
+"""
+
+
+def test_fp8_triton_casts_compiled_for_this_card_equal_the_torch_reference_bit_for_bit():
+    """kernels/fp8_quant.py's kernels as eager fp8 runs them (compiled: a process without TRITON_INTERPRET)
+    against the torch reference on the card: every float8 value of both formats, the ties between them, random
+    fp32 and bf16 tensors in both layouts and the byte transpose, zeros, inf, NaN, and the scale's edge."""
+    _skip_without_fp8_hardware()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _FP8_CASTS], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the compiled float8 casts equal the reference bit for bit" in proc.stdout, proc.stdout
+
+
+def test_fp8_bias_in_the_scaled_mm_epilogue_matches_the_emulation_under_bf16_autocast_on_cuda():
+    """Under bf16 autocast a bias goes into torch._scaled_mm's epilogue (fp8.scaled_mm), where the emulation adds
+    it before its rounding to bf16; within the bound of the test below (cuBLASLt may add it after rounding
+    under some split-K algorithms: an ulp of bf16, inside that bound)."""
+    _skip_without_fp8_hardware()
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64, device="cuda") * 3
+    w, b = torch.randn(48, 64, device="cuda"), torch.randn(48, device="cuda") * 5
+    outs = []
+    for hardware in (True, False):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs.append(Fp8Linear(hardware=hardware)(x, w, b))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=0.0,
+                               atol=2 ** -7 * outs[1].float().abs().max().item())
 
 
 def test_fp8_scaled_mm_matches_its_emulation_on_cuda():

@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from pipetrain.kernels import compile_ops  # noqa: E402
+from pipetrain.kernels import fp8_quant  # noqa: E402
 from pipetrain.kernels.fp8_quant import fp8_amax, fp8_cast  # noqa: E402
 from pipetrain.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd  # noqa: E402
 from pipetrain.kernels.rope import rope_bwd, rope_fwd  # noqa: E402
@@ -107,7 +108,15 @@ def run_launchers() -> None:
         for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
             for columns in (False, True):
                 fp8_cast(x, torch.ones(1), fmt, rows=True, columns=columns)
-    fp8_cast(torch.zeros(70, 40, dtype=torch.float8_e5m2), torch.ones(1), torch.float8_e5m2, rows=False, columns=True)
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fp8_cast(torch.zeros(70, 40, dtype=fmt), torch.ones(1), fmt, rows=False, columns=True)
+    # sizes past 2**31 elements, which Triton's launcher types i64
+    x, big = torch.randn(70, 40, dtype=b16), 2**31 + 64
+    fp8_quant._amax_kernel[(1,)](x, torch.empty(1), big, BLOCK=fp8_quant._AMAX_BLOCK, num_warps=8)
+    out = torch.empty(70, 40, dtype=torch.uint8)
+    fp8_quant._cast_kernel[(1, 1)](x, torch.ones(1), torch.empty(()), out, out, big, 64, E5M2=False, FMAX=448.0,
+                                   EPS=fp8_quant.AMAX_EPS, ROWS=True, COLUMNS=True, COPY=False, BM=64, BD=64,
+                                   num_warps=4)
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from pipetrain.kernels import fp8_quant
 from pipetrain.kernels.fp8_quant import (fp8_cast, fp8_columns, fp8_max, quantize_ref, quantize_tensorwise,
                                          scale_from_amax)
 from tests.kernels.common import fresh_seed, randn
@@ -95,12 +96,37 @@ def test_quantize_triton_reduces_the_amax_through_the_callers_function(force_tri
     assert seen[0].tolist() == [1.0] and scale == 4.0 and q.float().tolist() == [[2.0, -4.0]]
 
 
-def test_quantize_takes_the_reference_on_cpu_tensors_without_the_triton_switch():
+def _no_kernels(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a float8 kernel was launched")
+    monkeypatch.setattr(fp8_quant, "fp8_amax", refuse)
+    monkeypatch.setattr(fp8_quant, "fp8_cast", refuse)
+
+
+def test_quantize_takes_the_reference_without_the_triton_switch_for_fp16_and_below_sm89(monkeypatch):
+    _no_kernels(monkeypatch)
     x = torch.randn(5, 6)
+    q = torch.randn(5, 6).to(torch.float8_e4m3fn)
     _assert_same(quantize_tensorwise(x, torch.float8_e5m2, columns=True),
-                 quantize_ref(x, torch.float8_e5m2, columns=True))
+                 quantize_ref(x, torch.float8_e5m2, columns=True))  # a CPU tensor, PIPETRAIN_KERNELS unset
+    assert torch.equal(_bits(fp8_columns(q)), _bits(q)) and fp8_columns(q).t().is_contiguous()
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "triton")  # the Triton path asked for, but:
+    half = torch.randn(5, 6, dtype=torch.float16)  # fp16: not a dtype of the cast kernel
+    _assert_same(quantize_tensorwise(half, torch.float8_e4m3fn), quantize_ref(half, torch.float8_e4m3fn))
+    monkeypatch.setattr(fp8_quant, "kernels_build_on", lambda device: False)  # a card older than sm_89
+    _assert_same(quantize_tensorwise(x, torch.float8_e4m3fn), quantize_ref(x, torch.float8_e4m3fn))
+    assert torch.equal(_bits(fp8_columns(q)), _bits(q))
     with pytest.raises(ValueError, match="2-D"):
         quantize_tensorwise(torch.randn(2, 3, 4), torch.float8_e5m2)
+
+
+def test_float8_kernels_build_from_compute_capability_8_9(monkeypatch):
+    # Triton has float8e4nv only from sm_89: an A100 under train.fp8_emulate takes the reference
+    cuda = torch.device("cuda", 0)
+    for capability, builds in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_quant.kernels_build_on(cuda) == builds, capability
+    assert fp8_quant.kernels_build_on(torch.device("cpu"))  # the interpreter
 
 
 @pytest.mark.triton
@@ -122,7 +148,6 @@ def test_fp8_training_through_the_triton_casts_gives_the_reference_losses_bit_fo
     its Triton path (interpreted) against the torch reference: every amax, scale and float8 value is the same, so
     the losses are equal. hardware: torch._scaled_mm forced (it runs on the CPU too), where the casts write dy's
     column-major copy and the tiled transposes give xq's and the weights'."""
-    from pipetrain.kernels import fp8_quant
     from pipetrain.parallel.tensor import fp8
     from tests.unit.common import GPT2, build_trainer
 

@@ -102,7 +102,8 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     fast_accum: the hardware's fp8 accumulation without its periodic promotion to fp32 (faster on Hopper,
     with an error that grows with K); the emulation sums in fp32 either way.
     bias (N,), in out_dtype: added in fp32 before the one rounding to out_dtype, by the GEMM's epilogue on the
-    hardware for a bf16 / fp16 result (no pass of its own over the output), as the emulation does."""
+    hardware for a bf16 / fp16 result (no pass of its own over the output), as the emulation does (cuBLASLt may
+    add it after the rounding under some split-K algorithms: an ulp apart)."""
     if hardware and _hardware_shapes_ok(a, b):
         in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
         # a row-major, b column-major, scales as the multipliers that dequantise
