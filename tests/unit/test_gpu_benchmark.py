@@ -273,3 +273,37 @@ def test_the_clocks_of_the_timed_steps_come_from_nvidia_smi_beside_them(tmp_path
     with clocks.ClockSampler("0") as missing:
         pass
     assert none.summary is None and missing.summary is None and clocks.format_clocks([{"implementation": "x"}]) == []
+
+
+
+def test_every_gpu_session_command_names_rows_and_models_gpu_py_knows(tmp_path, monkeypatch):
+    """benchmarks/gpu_session.sh in each mode on the CPU, with a stand-in python (and nvidia-smi: an H200's memory)
+    that records its gpu.py commands; each is then given to gpu.py's own argument parsing, where an --only label
+    or a --model it does not know exits 2. A lent GPU's session would lose that step's rows to a typo."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls.txt"
+    shim = bin_dir / "python"
+    shim.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/gpu.py ]; then shift; printf '%s\\n' "$@" >> {record}; echo '<end>' >> {record}; fi
+exit 0
+""")
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\ncase \"$*\" in *noheader*) echo 143771 ;; *) echo 'NVIDIA H200' ;; esac\n")
+    for f in (shim, smi):
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    for mode in ("", "vocab", "all", "check"):
+        env["OUT"] = str(tmp_path / f"out-{mode or 'default'}")
+        proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    calls = [c.strip("\n").split("\n") for c in record.read_text().split("<end>\n") if c.strip()]
+    assert len(calls) == 3 + 1 + 1 + 1, calls  # default: gpt-1b, llama-1b, llama-1b5; vocab; all; check
+    assert calls[1][:2] == ["--model", "llama-1b"] and "pipetrain, train.precision=fp8" in calls[1], calls[1]
+    bench = _load("gpu", monkeypatch)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # parse, then stop: no GPU here
+    for argv in calls:
+        assert bench.main(argv) == 0, argv
+    with pytest.raises(SystemExit):  # what a typo'd label does
+        bench.main(["--only", "pipetrain, train.precision=fp9"])
