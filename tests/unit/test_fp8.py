@@ -9,7 +9,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.tensor import fp8
 from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, dequantize, fp8_problem, quantize,
                                            scale_from_amax, tensor_scale)
-from tests.unit.common import LLAMA, build_trainer, patch_torch_op
+from tests.unit.common import GPT2, LLAMA, build_trainer, patch_torch_op
 
 EXACT = dict(rtol=0.0, atol=0.0)
 
@@ -180,10 +180,11 @@ def test_fp8_converts_the_block_linears_and_leaves_embedding_head_and_norms(tmp_
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
 
 
-def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_blocks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cfg", [LLAMA, pytest.param(GPT2, marks=pytest.mark.slow)], ids=["llama", "gpt2"])
+def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_blocks(tmp_path, monkeypatch, cfg):
     """The hardware path forced on the CPU, where torch._scaled_mm runs too: every block linear's three GEMMs
     take it and the run equals the emulated one (the CPU's _scaled_mm sums as the emulation does); compiled
-    blocks (one graph) take it too."""
+    blocks (one graph) take it too. gpt2: biases, in _scaled_mm's epilogue under the bf16 autocast."""
     from torch._dynamo.utils import counters
 
     from pipetrain.models.compile import BACKEND_ENV
@@ -192,16 +193,19 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
     def losses(name, hardware, **keys):
         monkeypatch.setattr(fp8, "uses_hardware", lambda device, emulate: hardware)
         (tmp_path / name).mkdir()
-        trainer = build_trainer(LLAMA, str(tmp_path / name), steps=3, microbatches=2, precision="fp8", **keys)
-        shapes.update(tuple(m.weight.shape) for m in trainer.model.modules() if getattr(m, "fp8", None) is not None)
+        trainer = build_trainer(cfg, str(tmp_path / name), steps=3, microbatches=2, precision="fp8", **keys)
+        linears = [m for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
+        shapes.update(tuple(m.weight.shape) for m in linears)
+        count[0] = len(linears)
         return [trainer.train_step()["loss"] for _ in range(3)]
 
-    calls, shapes = [], set()
+    calls, shapes, count = [], set(), [0]
     patch_torch_op(monkeypatch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     emulated = losses("emulated", False)
     assert calls == []
     hardware = losses("hardware", True)
-    assert len(calls) == 3 * LLAMA.n_layers * len(fp8.FP8_PLAN) * 2 * 3  # 3 GEMMs a linear, 2 microbatches, 3 steps
+    assert count[0] == cfg.n_layers * (7 if cfg is LLAMA else 6)  # gpt2's MLP: up, down
+    assert len(calls) == 3 * count[0] * 2 * 3  # 3 GEMMs a linear, 2 microbatches, 3 steps
     assert hardware == pytest.approx(emulated, rel=1e-5)
     # a traced graph cannot count calls (a side effect), so the marker is a _scaled_mm whose results are halved:
     # the compiled run follows the eager run that halves them, not the plain hardware run
