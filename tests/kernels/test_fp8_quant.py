@@ -141,13 +141,15 @@ def test_fp8_columns_copies_the_bytes_column_major(force_triton, poisoned, shape
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["per-call-weights", "weight-cache"])
 @pytest.mark.parametrize("hardware", [False, True], ids=["emulated", "scaled_mm"])
 def test_fp8_training_through_the_triton_casts_gives_the_reference_losses_bit_for_bit(tmp_path, monkeypatch,
-                                                                                     hardware):
-    """Eager fp8 training (a GPT-2 block: biases; 2 microbatches; clipping) with only the fp8 quantisation on
-    its Triton path (interpreted) against the torch reference: every amax, scale and float8 value is the same, so
-    the losses are equal. hardware: torch._scaled_mm forced (it runs on the CPU too), where the casts write dy's
-    column-major copy and the tiled transposes give xq's and the weights'."""
+                                                                                     hardware, microbatches):
+    """Eager fp8 training (a GPT-2 block: biases; clipping) with only the fp8 quantisation on its Triton path
+    (interpreted) against the torch reference: every amax, scale and float8 value is the same, so the losses are
+    equal. hardware: torch._scaled_mm forced (it runs on the CPU too), where the casts write dy's column-major
+    copy and the tiled transposes give xq's (and, without the weight cache, the weights'). One microbatch: each
+    linear quantises its fp32 weight in its call (the benchmark rows' case); two: fp8.Fp8WeightCache does."""
     from pipetrain.parallel.tensor import fp8
     from tests.unit.common import GPT2, build_trainer
 
@@ -156,7 +158,7 @@ def test_fp8_training_through_the_triton_casts_gives_the_reference_losses_bit_fo
     real_cast = fp8_quant.fp8_cast
 
     def counting_cast(x, amax, dtype, rows=True, columns=False):
-        launches.append((x.dtype == dtype, rows, columns))
+        launches.append((x.dtype == dtype, rows, columns, x.dtype))
         return real_cast(x, amax, dtype, rows, columns)
 
     def losses(name, triton_casts: bool):
@@ -164,7 +166,7 @@ def test_fp8_training_through_the_triton_casts_gives_the_reference_losses_bit_fo
             m.setattr(fp8_quant, "use_triton", lambda x: triton_casts)
             m.setattr(fp8_quant, "fp8_cast", counting_cast)
             (tmp_path / name).mkdir()
-            trainer = build_trainer(GPT2, str(tmp_path / name), precision="fp8", steps=3, microbatches=2,
+            trainer = build_trainer(GPT2, str(tmp_path / name), precision="fp8", steps=3, microbatches=microbatches,
                                     learnable=True)
             return [trainer.train_step()["loss"] for _ in range(3)]
 
@@ -174,7 +176,8 @@ def test_fp8_training_through_the_triton_casts_gives_the_reference_losses_bit_fo
     assert got == want, f"Triton casts {got} against the reference {want}"
     assert got[-1] < got[0]  # it trains
     quantise = [k for k in launches if not k[0]]
-    assert quantise and any(rows and not columns for _, rows, columns in quantise)  # x and the weights
+    assert quantise and any(rows and not columns for _, rows, columns, _ in quantise)  # x, and the weights
+    assert any(dtype == torch.float32 for *_, dtype in quantise) == (microbatches == 1)  # fp32 masters per call
     # dy: column-major too on the scaled_mm path (dW's operand); xq's and the weights' transposes: copies
-    assert any(columns for _, _, columns in quantise) == hardware
-    assert any(copy for copy, _, _ in launches) == hardware
+    assert any(columns for _, _, columns, _ in quantise) == hardware
+    assert any(copy for copy, *_ in launches) == hardware
