@@ -168,8 +168,9 @@ class _Fp8LinearsFn(torch.autograd.Function):
                 dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
                 need_dw = ctx.needs_input_grad[2 + 2 * i]
                 # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
+                columns = need_dw and hardware_dw and dy2.shape[1] % 16 == 0  # (else dW is emulated)
                 gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, _amax_reducer(spec.tp_group),
-                                                              columns=need_dw and hardware_dw)
+                                                              columns=columns)
                 if ctx.needs_input_grad[0]:
                     part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
                     dx = part if dx is None else dx + part
