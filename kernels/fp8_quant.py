@@ -165,8 +165,8 @@ def fp8_cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, rows: bool
     return q, scale, (qt.t() if columns else None)
 
 
-# Triton builds float8e4nv only from compute capability 8.9 (Ada, Hopper): older cards (an A100 under
-# train.fp8_emulate) take the reference
+# float8 on NVIDIA needs compute capability 8.9 (Ada, Hopper, newer): Triton builds float8e4nv only from there
+# (older cards, an A100 under train.fp8_emulate, take the reference), as torch._scaled_mm runs only from there
 MIN_CAPABILITY = (8, 9)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)  # the cast kernel's; others (fp16) take the reference
 

@@ -60,7 +60,8 @@ import torch.nn as nn
 
 from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels.dispatch import autocast_dtype
-from pipetrain.kernels.fp8_quant import fp8_columns, quantize, quantize_tensorwise, scale_from_amax, tensorwise_scale
+from pipetrain.kernels.fp8_quant import (MIN_CAPABILITY, fp8_columns, quantize,  # _scaled_mm's floor too
+                                         quantize_tensorwise, scale_from_amax, tensorwise_scale)
 from pipetrain.parallel.mesh.comm import all_reduce_max_
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
@@ -70,7 +71,6 @@ GRAD_DTYPE = torch.float8_e5m2        # dy
 # The forward GEMM (y = x W^T) accumulates fast on the hardware, the two gradient GEMMs in full: torchao's
 # float8 training defaults (what torchtitan's fp8 figures used); gradients need the precision more.
 FORWARD_FAST_ACCUM = True
-MIN_CAPABILITY = (8, 9)               # torch._scaled_mm: Ada, Hopper and newer
 FP8_PLAN = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
