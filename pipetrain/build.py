@@ -133,7 +133,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     t = recipe.train
     apply_grad_accumulation_fusion(model, t.grad_accumulation_fusion_min_numel if t.grad_accumulation_fusion else None)
     if t.precision == "fp8":  # after both: it sets the fp8 of the modules they made
-        apply_fp8(model, dims, recipe.model, t.fp8_emulate)
+        apply_fp8(model, dims, recipe.model, t.fp8_emulate, t.fp8_recipe)
         slow = eager_fp8_warning(dims.device, t.fp8_emulate, t.compile)
         if slow and dims.rank == 0:
             print(slow, file=sys.stderr)
@@ -191,9 +191,11 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
 
 def fp8_weights_once_a_run(recipe: Recipe) -> bool:
     """Whether the fp8 weights are quantised once per executor run (fp8.Fp8WeightCache): train.precision=fp8 with
-    several microbatches a step (each quantised every weight again), below ZeRO-3 (which gathers them quantised)."""
+    several microbatches a step (each quantised every weight again), below ZeRO-3 (which gathers them quantised),
+    with tensorwise scales (the holders keep one tensorwise quantisation of each weight; rowwise needs two)."""
     p = recipe.parallel
-    return recipe.train.precision == "fp8" and p.zero != 3 and (p.microbatches > 1 or p.dynamic_batch)
+    return (recipe.train.precision == "fp8" and recipe.train.fp8_recipe == "tensorwise" and p.zero != 3
+            and (p.microbatches > 1 or p.dynamic_batch))
 
 
 def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:

@@ -1,6 +1,7 @@
 """FP8 training (emulated on CPU) under tensor parallelism (pipetrain/parallel/tensor/fp8.py): a tp rank
 quantises with the scale of the full tensor (its amax reduced over tp), so tp=2's fp8 operands are bitwise
-tp=1's and the results differ by fp32 summation order only."""
+tp=1's and the results differ by fp32 summation order only. The same for rowwise scales
+(train.fp8_recipe=rowwise, fp8_rowwise.py), whose per-row amaxes are reduced over tp where tp splits the row."""
 import json
 import os
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.parallel.mesh.dims import ParallelDims
-from pipetrain.parallel.tensor.fp8 import Fp8Linear
+from pipetrain.parallel.tensor.fp8 import Fp8Linear, apply_fp8
 from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from tests.harness import TP_FP32, rank_results, run_ranks
 from tests.unit.common import LLAMA, build_trainer
@@ -28,11 +29,13 @@ def _check(got, want, what, dims):
     torch.testing.assert_close(got, want, **TP_FP32, msg=lambda m: f"{dims.coords} {what}: {m}")
 
 
-def _layers_worker(rank, world_size):
+def _layers_worker(rank, world_size, rowwise):
     """Column- and row-parallel fp8 linears against one process's fp8 linear. Rank 0's shards of x, W and
     dy hold values 2^12 (dy: 2^20) times larger than rank 1's, so under the full tensor's scale many of rank
     1's values are fp8 subnormals. (A power-of-two scale changes only which values saturate or fall to
-    subnormals; a scale taken per shard would give rank 1 all-normal values, and results tp=1 does not.)"""
+    subnormals; a scale taken per shard would give rank 1 all-normal values, and results tp=1 does not.)
+    rowwise: the same holds for the rows that tp splits (x's and W's rows of a row-parallel linear, dy's rows and
+    W's columns of a column-parallel one): a scale per row taken from one shard's part of it is not tp=1's."""
     dims = ParallelDims.from_degrees(tp=world_size)
     half = slice(0, D // 2)
     mine = slice(dims.tp_rank * D // 2, (dims.tp_rank + 1) * D // 2)
@@ -45,13 +48,19 @@ def _layers_worker(rank, world_size):
         with torch.no_grad():
             lin.weight[half, half] *= 2 ** 12  # rank 0's weight shard, by rows (column) or by columns (row)
         xr = x.clone().requires_grad_()
-        y_ref = Fp8Linear()(xr, lin.weight, lin.bias)
+        y_ref = Fp8Linear(rowwise=rowwise)(xr, lin.weight, lin.bias)
         (y_ref * g).sum().backward()
         if kind == "column":
             layer, xp, out, dy = ColumnParallelLinear.from_linear(lin, dims), x.clone(), mine, g[..., mine]
         else:
             layer, xp, out, dy = RowParallelLinear.from_linear(lin, dims), x[..., mine].clone(), slice(None), g
-        layer.fp8 = Fp8Linear(tp_group=dims.tp_group)
+        # the spec as apply_fp8 gives it to a block's wq (column-parallel) or wo (row-parallel)
+        block = nn.Module()
+        block.attn = nn.Module()
+        name = "wq" if kind == "column" else "wo"
+        setattr(block.attn, name, layer)
+        assert apply_fp8(nn.ModuleDict({"layers": nn.ModuleList([block])}), dims, LLAMA, emulate=True,
+                         recipe="rowwise" if rowwise else "tensorwise") == [f"layers.0.attn.{name}"]
         xp.requires_grad_()
         y = layer(xp)
         (y * dy).sum().backward()
@@ -62,8 +71,9 @@ def _layers_worker(rank, world_size):
         _check(layer.bias.grad, lin.bias.grad[out], f"{kind} bias grad", dims)
 
 
-def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2():
-    run_ranks(2, _layers_worker)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2(rowwise):
+    run_ranks(2, _layers_worker, rowwise)
 
 
 def _losses(out: str, dims: ParallelDims | None = None, **keys) -> list[float]:
@@ -96,9 +106,10 @@ def _check_curve(losses, reference):
     assert losses == pytest.approx(reference, **FP8_TP_CURVE), f"{losses} against tp=1's {reference}"
 
 
-def test_fp8_trainer_at_tp2_follows_the_single_process_run(tmp_path):
-    reference = _losses(str(tmp_path / "single"))
-    _check_curve(rank_results(2, _trainer_worker, str(tmp_path), 2, 1, {})[0], reference)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_trainer_at_tp2_follows_the_single_process_run(tmp_path, recipe):
+    reference = _losses(str(tmp_path / "single"), fp8_recipe=recipe)
+    _check_curve(rank_results(2, _trainer_worker, str(tmp_path), 2, 1, dict(fp8_recipe=recipe))[0], reference)
 
 
 @pytest.mark.slow

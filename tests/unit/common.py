@@ -26,17 +26,18 @@ BF16_LOSS = dict(rtol=2e-2, atol=0.0)  # bf16 keeps 8 mantissa bits: ~0.4% per o
 def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | None = None, *, zero: int = 0,
                   bucket_bytes: int | None = None, learnable: bool = False, steps: int = 4, lr: float = 1e-2,
                   global_batch: int = 8, seq_len: int = 16, precision: str = "fp32", grad_clip: float = 1.0,
-                  fused_loss="auto", compile: bool = False, fusion_min_numel: int = 0,
-                  resume: str | None = None, val_fraction: float = 0.0, **parallel) -> Trainer:
+                  fused_loss="auto", compile: bool = False, fusion_min_numel: int = 0, fp8_recipe: str = "tensorwise",
+                  resume: str | None = None, val_fraction: float = 0.0, ignore_every: int = 0, **parallel) -> Trainer:
     """pipetrain.build.build_trainer on synthetic tokens (random, or a fixed cycle a model learns in a
     few steps), with ZeRO buckets of bucket_bytes when given; linears of at least fusion_min_numel weights use
     gradient accumulation fusion (pipetrain/parallel/pipeline/weight_grads.py); val_fraction of the windows held
-    out for evaluate() (2 batches of it)."""
+    out for evaluate() (2 batches of it); ignore_every k > 0: every k-th token is not trained (loss mask 0, as
+    SFT masks its prompts: those targets are IGNORE_INDEX)."""
     dims = dims or ParallelDims()
     recipe = Recipe(model=model_cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero=zero, **parallel),
                     train=TrainConfig(steps=steps, global_batch=global_batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
                                       warmup_steps=1, grad_clip=grad_clip, precision=precision, fused_loss=fused_loss,
-                                      compile=compile,
+                                      compile=compile, fp8_recipe=fp8_recipe,
                                       grad_accumulation_fusion_min_numel=fusion_min_numel),  # 0: fuse tiny weights too
                     run=RunConfig(output_dir=out_dir, progress=False, eval_batches=2))
     rng = np.random.default_rng(0)
@@ -45,7 +46,8 @@ def build_trainer(model_cfg: ModelConfig, out_dir: str, dims: ParallelDims | Non
               else rng.integers(0, model_cfg.vocab_size, num)).astype(np.int32)
     # data seed 2: the 8-step learning check in test_memory is a seed lottery (ratios 0.49-0.77 over seeds 1-6
     # with either sample order); seed 1 misses 0.65 under the O(1) window order of pipetrain/data/order.py
-    data = PackedData(tokens, np.ones(num, dtype=bool), seq_len, val_fraction, 2)
+    mask = np.arange(num) % ignore_every != 0 if ignore_every else np.ones(num, dtype=bool)
+    data = PackedData(tokens, mask, seq_len, val_fraction, 2)
     loader = Loader(data, global_batch, dims.dp_rank, dims.dp)
     factory = None
     if zero and bucket_bytes is not None:

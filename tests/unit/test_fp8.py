@@ -7,11 +7,15 @@ import torch.nn.functional as F
 from pipetrain.config import ConfigError
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.tensor import fp8
-from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, dequantize, fp8_problem, quantize,
+from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, fp8_problem, quantize,
                                            scale_from_amax, tensor_scale)
 from tests.unit.common import GPT2, LLAMA, build_trainer, patch_torch_op
 
 EXACT = dict(rtol=0.0, atol=0.0)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() / scale
 
 
 def test_scale_is_the_largest_power_of_two_that_keeps_amax_in_range():
@@ -251,3 +255,18 @@ def test_inductor_compiles_the_scaled_mm_path_to_eager_values():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = F.linear(torch.relu(F.linear(x, w1, b1)), w2).detach()
     assert eager[0].dtype == bf16.dtype and not torch.equal(eager[0], bf16)  # it did quantise
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_evaluation_under_no_grad_computes_the_training_forward_bit_for_bit(tmp_path, recipe):
+    """Under no_grad (evaluation, sampling) the fp8 linears run without their autograd Function (fp8._apply):
+    the same quantisation and GEMMs, so the logits equal the training forward's on the same weights."""
+    trainer = build_trainer(LLAMA, str(tmp_path), precision="fp8", fp8_recipe=recipe, steps=2)
+    trainer.train_step()
+    ids = torch.arange(16).reshape(1, 16) % LLAMA.vocab_size
+    with torch.autocast("cpu", torch.bfloat16):
+        with torch.no_grad():
+            evaluated = trainer.model(ids)
+        trained = trainer.model(ids)
+    assert trained.requires_grad and not evaluated.requires_grad
+    assert torch.equal(evaluated, trained.detach())

@@ -36,11 +36,13 @@ def _train(cfg, out, fused, **kw):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], params
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT2, LORA], ids=["llama", "gpt2-tied", "llama-lora"])
-def test_fused_loss_matches_the_unfused_run_at_every_step(tmp_path, cfg, monkeypatch):
+@pytest.mark.parametrize("cfg, ignore_every", [(LLAMA, 0), (GPT2, 0), (LORA, 0), (LLAMA, 3)],
+                         ids=["llama", "gpt2-tied", "llama-lora", "llama-a-third-of-the-targets-ignored"])
+def test_fused_loss_matches_the_unfused_run_at_every_step(tmp_path, cfg, ignore_every, monkeypatch):
+    """ignore_every 3: a loss mask (as SFT's) leaves a third of the targets untrained: the mean is over the others."""
     monkeypatch.setattr(LCE, "MIN_CHUNK_ROWS", 1)  # several chunks per microbatch (22 rows of 64)
-    want_losses, want_norms, want_params = _train(cfg, tmp_path / "unfused", False)
-    got_losses, got_norms, got_params = _train(cfg, tmp_path / "fused", True)
+    want_losses, want_norms, want_params = _train(cfg, tmp_path / "unfused", False, ignore_every=ignore_every)
+    got_losses, got_norms, got_params = _train(cfg, tmp_path / "fused", True, ignore_every=ignore_every)
     assert want_losses[-1] != want_losses[0]
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **EXACT_FP32)
     torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), **EXACT_FP32)

@@ -16,14 +16,15 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
         "pipetrain, train.fused_loss=true", "the same model in a plain PyTorch loop",
         "torch.compile of the plain loop", "transformers (sdpa)",
         "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch",
-        "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"]
+        "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
+        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true"]  # --full's
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     out = tmp_path / "gpu.md"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--cpu-smoke", "--diagnose",
-                           "--out", str(out), "--work-dir", str(tmp_path / "runs")], capture_output=True, text=True,
-                          timeout=600, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
+                           "--full", "--out", str(out), "--work-dir", str(tmp_path / "runs")], capture_output=True,
+                          text=True, timeout=600, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "| model | implementation | tokens/s |" in text
@@ -37,7 +38,7 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     # would leave the PIPETRAIN_KERNELS=torch row running the Triton ops' graph), and an eager row none
     graphs = {line.split("|")[2].strip(): int(line.split("|")[7]) for line in measured}
     compiled = [row for row in graphs if "compile" in row]
-    assert len(compiled) == 5 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert len(compiled) == 6 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text

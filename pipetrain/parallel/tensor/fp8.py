@@ -43,6 +43,9 @@ once per executor run into an Fp8Weight the linear reads (the weights do not cha
 values are the same), where each call quantised it again. Under no_grad (evaluation) the linears run without
 the autograd Function (_apply).
 
+train.fp8_recipe=rowwise takes a scale per row of each GEMM operand instead (fp8_rowwise.py: the same Function,
+Fp8Linear.rowwise); this docstring is the tensorwise recipe, the default.
+
 The weight gradient goes through autograd (not fused into .grad, not deferred by the split backward): the
 fp8 dW needs the quantised dy of the same call, and split backward still works, with dW computed in B.
 
@@ -62,15 +65,15 @@ from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.kernels.fp8_quant import (MIN_CAPABILITY, fp8_columns, quantize,  # _scaled_mm's floor too
                                          quantize_tensorwise, scale_from_amax, tensorwise_scale)
+from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, hardware_shapes_ok, scaled_mm
+from pipetrain.parallel.tensor.fp8_rowwise import rowwise_backward, rowwise_forward
+from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from pipetrain.parallel.mesh.comm import all_reduce_max_
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.weight_grads import WeightGradModule
 
 FORWARD_DTYPE = torch.float8_e4m3fn   # x and W
 GRAD_DTYPE = torch.float8_e5m2        # dy
-# The forward GEMM (y = x W^T) accumulates fast on the hardware, the two gradient GEMMs in full: torchao's
-# float8 training defaults (what torchtitan's fp8 figures used); gradients need the precision more.
-FORWARD_FAST_ACCUM = True
 FP8_PLAN = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
@@ -85,39 +88,10 @@ def _amax_reducer(tp_group):
     return None if tp_group is None else (lambda amax: all_reduce_max_(amax, tp_group))
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() / scale).to(dtype)
-
-
-def _hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # torch._scaled_mm wants every dim a multiple of 16
-    return all(s % 16 == 0 for s in (*a.shape, b.shape[1]))
-
-
-def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, hardware: bool, fast_accum: bool = False,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) (+ bias) for fp8 a (M, K), b (K, N): fp32 accumulation, out_dtype result.
-    hardware: torch._scaled_mm (sm_89+; shapes that are not multiples of 16 fall back to the emulation).
-    fast_accum: the hardware's fp8 accumulation without its periodic promotion to fp32 (faster on Hopper,
-    with an error that grows with K); the emulation sums in fp32 either way.
-    bias (N,), in out_dtype: added in fp32 before the one rounding to out_dtype, by the GEMM's epilogue on the
-    hardware for a bf16 / fp16 result (no pass of its own over the output), as the emulation does (cuBLASLt may
-    add it after the rounding under some split-K algorithms: an ulp apart)."""
-    if hardware and _hardware_shapes_ok(a, b):
-        in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-        # a row-major, b column-major, scales as the multipliers that dequantise
-        y = torch._scaled_mm(fp8_columns(a.t()).t(), fp8_columns(b), scale_a=a_scale.reciprocal(),
-                             scale_b=b_scale.reciprocal(), bias=bias if in_epilogue else None, out_dtype=out_dtype,
-                             use_fast_accum=fast_accum)
-        return y if bias is None or in_epilogue else y + bias
-    y = torch.mm(a.float(), b.float()) * (a_scale.reciprocal() * b_scale.reciprocal())  # exact: powers of two
-    return (y if bias is None else y + bias.float()).to(out_dtype)
-
-
-def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
+def _forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True) -> tuple[list, list]:
     """The outputs of linears (specs, then each one's weight and bias or None in params) on x, and the tensors
-    their backward needs: xq and its scale, then each linear's float8 weight (as dx = dy W reads it) and scale."""
+    their backward needs: xq and its scale, then each linear's float8 weight (as dx = dy W reads it) and scale.
+    (backward: rowwise_forward's; here the saved tensors are those the forward makes anyway.)"""
     device = x.device.type
     out_dtype = autocast_dtype(x) or x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
@@ -139,47 +113,54 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[list, list]:
     return outputs, saved
 
 
+def _backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
+    """(dx or None, [dW, db] of each linear) from _forward's saved tensors in ctx and the outputs' dys."""
+    xq, x_scale, *weights = ctx.saved_tensors
+    dx, grads = None, []
+    # dW = dyq^T xq: torch._scaled_mm wants xq column-major, transposed here once for all the linears (the
+    # emulation takes it as it is: a column-major operand can change the CPU GEMM's summation order)
+    hardware_dw = ctx.specs[0].hardware and hardware_shapes_ok(xq.t(), xq)
+    xq_columns = fp8_columns(xq) if hardware_dw and any(ctx.needs_input_grad[2::2]) else xq
+    for i, (spec, dy) in enumerate(zip(ctx.specs, dys)):
+        wq, w_scale = weights[2 * i], weights[2 * i + 1]
+        dw = db = None
+        if dy is not None:
+            dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
+            need_dw = ctx.needs_input_grad[2 + 2 * i]
+            # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
+            columns = need_dw and hardware_dw and dy2.shape[1] % 16 == 0  # (else dW is emulated)
+            gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, _amax_reducer(spec.tp_group),
+                                                          columns=columns)
+            if ctx.needs_input_grad[0]:
+                part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
+                dx = part if dx is None else dx + part
+            if need_dw:
+                dw = scaled_mm((gq if gq_columns is None else gq_columns).t(), g_scale, xq_columns, x_scale,
+                               ctx.w_dtypes[i], spec.hardware)
+            if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
+                db = dy2.sum(0, dtype=torch.float32)  # on CUDA: fp32 sums of bf16 reads, no fp32 copy
+        grads += [dw, db]
+    return dx, grads
+
+
 class _Fp8LinearsFn(torch.autograd.Function):
     """y_i = x W_i^T + b_i for linears i of one input x, with float8 operands (module docstring): x is
     quantised once for all of them and saved once (1 byte an element), as is each W_i. One linear is the case
-    of one. Inputs: x, the linears' Fp8Linear specs, then each linear's weight and bias (None: none)."""
+    of one. Inputs: x, the linears' Fp8Linear specs, then each linear's weight and bias (None: none).
+    Tensorwise scales (_forward, _backward), or rowwise (fp8_rowwise.py) where the specs say so."""
 
     @staticmethod
     def forward(ctx, x, specs: tuple, *params):
         ctx.set_materialize_grads(False)  # an output nothing uses gives its weight no gradient, as its own call did
-        outputs, saved = _forward(x, specs, params)
+        outputs, saved = (rowwise_forward if specs[0].rowwise else _forward)(x, specs, params)
         ctx.save_for_backward(*saved)
-        ctx.specs, ctx.x_dtype, ctx.x_shape = specs, x.dtype, x.shape
+        ctx.specs, ctx.x_dtype, ctx.x_shape, ctx.out_dtype = specs, x.dtype, x.shape, autocast_dtype(x) or x.dtype
         ctx.w_dtypes, ctx.has_bias = [w.dtype for w in params[0::2]], [b is not None for b in params[1::2]]
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *dys):
-        xq, x_scale, *weights = ctx.saved_tensors
-        dx, grads = None, []
-        # dW = dyq^T xq: torch._scaled_mm wants xq column-major, transposed here once for all the linears (the
-        # emulation takes it as it is: a column-major operand can change the CPU GEMM's summation order)
-        hardware_dw = ctx.specs[0].hardware and _hardware_shapes_ok(xq.t(), xq)
-        xq_columns = fp8_columns(xq) if hardware_dw and any(ctx.needs_input_grad[2::2]) else xq
-        for i, (spec, dy) in enumerate(zip(ctx.specs, dys)):
-            wq, w_scale = weights[2 * i], weights[2 * i + 1]
-            dw = db = None
-            if dy is not None:
-                dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
-                need_dw = ctx.needs_input_grad[2 + 2 * i]
-                # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
-                columns = need_dw and hardware_dw and dy2.shape[1] % 16 == 0  # (else dW is emulated)
-                gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, _amax_reducer(spec.tp_group),
-                                                              columns=columns)
-                if ctx.needs_input_grad[0]:
-                    part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
-                    dx = part if dx is None else dx + part
-                if need_dw:
-                    dw = scaled_mm((gq if gq_columns is None else gq_columns).t(), g_scale, xq_columns, x_scale,
-                                   ctx.w_dtypes[i], spec.hardware)
-                if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
-                    db = dy2.sum(0, dtype=torch.float32)  # on CUDA: fp32 sums of bf16 reads, no fp32 copy
-            grads += [dw, db]
+        dx, grads = (rowwise_backward if ctx.specs[0].rowwise else _backward)(ctx, dys)
         return None if dx is None else dx.view(ctx.x_shape), None, *grads
 
 
@@ -188,7 +169,7 @@ def _apply(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[torch.Tensor, 
     torch.compile (2.13) would pass the Function's forward its arguments shifted by one (tests/unit/test_fp8_cache.py
     evaluates compiled blocks)."""
     if not torch.is_grad_enabled():
-        return tuple(_forward(x, specs, params)[0])
+        return tuple((rowwise_forward if specs[0].rowwise else _forward)(x, specs, params, backward=False)[0])
     return _Fp8LinearsFn.apply(x, specs, *params)
 
 
@@ -300,10 +281,14 @@ class Fp8WeightCache:
 class Fp8Linear:
     """A module's fp8 setting (its `fp8` attribute, read by weight_grads.linear): callable as the linear.
     tp_group: amaxes are reduced over it (None at tp=1); hardware: torch._scaled_mm, else emulated;
-    gathered: the weight ZeRO-3 gathered in float8 (then the weight argument is not read), else None."""
+    gathered: the weight ZeRO-3 gathered in float8 (then the weight argument is not read), else None;
+    rowwise: train.fp8_recipe=rowwise (fp8_rowwise.py), where tp_split says which dim tp splits: "out"
+    (column-parallel), "in" (row-parallel), None at tp=1 (tensorwise reduces every amax, and needs no split)."""
     tp_group: object = None
     hardware: bool = False
     gathered: Fp8Weight | None = None
+    rowwise: bool = False
+    tp_split: str | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(x, (self,), (weight, bias))[0]
@@ -334,22 +319,27 @@ def uses_hardware(device: torch.device, emulate: bool) -> bool:
     return device.type == "cuda" and not emulate and fp8_problem(device, emulate) is None
 
 
-def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: bool) -> list[str]:
+def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: bool,
+              recipe: str = "tensorwise") -> list[str]:
     """Give the FP8_PLAN linears of model (after apply_tensor_parallel and apply_grad_accumulation_fusion)
-    their Fp8Linear, in place. Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe
-    rules (LoRA, replicated kv heads) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
+    their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise: fp8_rowwise.py).
+    Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rules (LoRA, replicated kv
+    heads, rowwise with ZeRO-3) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
     if problem:
         raise ConfigError(problem)
     assert cfg.lora_rank is None and (dims.tp == 1 or cfg.kv_heads % dims.tp == 0), \
         "apply_fp8: parallel_problems / layout_problems refuse LoRA and replicated kv heads under fp8"
-    spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate))
+    spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate),
+                     rowwise=recipe == "rowwise")
     names = []
     for name, module in model.named_modules():
         if _LAYER_PREFIX.sub("", name) in FP8_PLAN:
             assert isinstance(module, WeightGradModule), f"apply_fp8: {name} is a {type(module).__name__}; " \
                 "call apply_grad_accumulation_fusion first"
-            module.fp8 = spec
+            split = "out" if isinstance(module, ColumnParallelLinear) else \
+                "in" if isinstance(module, RowParallelLinear) else None
+            module.fp8 = spec if split is None else dataclasses.replace(spec, tp_split=split)
             names.append(name)
     for module in model.modules():  # linears of one input share its quantisation (fp8_linears)
         linears = [getattr(module, n, None) for n in getattr(module, "ONE_INPUT_LINEARS", ())]
