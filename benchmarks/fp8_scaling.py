@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 from pipetrain.parallel.tensor.fp8 import Fp8Linear  # noqa: E402
 
-FACTORS = (1, 2 ** 4, 2 ** 8, 2 ** 12)
+FACTORS = (1, 2 ** 4, 2 ** 8, 2 ** 12, 2 ** 16)
 # tests/e2e/common.py's SMALL, as the fp8 end-to-end tests run the tiny recipe
 SMALL = ["train.grad_accumulation_fusion_min_numel=0", "model.d_model=64", "model.n_layers=4", "model.n_heads=4",
          "model.n_kv_heads=2", "model.ffn_hidden=128", "model.max_seq_len=32", "train.seq_len=32",
