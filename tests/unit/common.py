@@ -94,3 +94,14 @@ def patch_torch_op(monkeypatch, name: str, stand_in: Callable) -> None:
     importlib.import_module("torch._inductor.kernel.mm")
     importlib.import_module("torch._inductor.kernel.mm_grouped")
     monkeypatch.setattr(torch, name, stand_in)
+
+
+def scaled_mm_takes_rowwise_scales_on_cpu() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes rowwise scales ((M, 1) and (1, N)): 2.13's does, 2.11's
+    takes tensorwise scales only (the fp8 rowwise tests of its hardware path need it)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True

@@ -9,7 +9,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.tensor import fp8
 from pipetrain.parallel.tensor.fp8 import (FORWARD_DTYPE, GRAD_DTYPE, Fp8Linear, fp8_problem, quantize,
                                            scale_from_amax, tensor_scale)
-from tests.unit.common import GPT2, LLAMA, build_trainer, patch_torch_op
+from tests.unit.common import GPT2, LLAMA, build_trainer, patch_torch_op, scaled_mm_takes_rowwise_scales_on_cpu
 
 EXACT = dict(rtol=0.0, atol=0.0)
 
@@ -226,12 +226,15 @@ def test_the_scaled_mm_path_trains_like_the_emulation_eager_and_in_compiled_bloc
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_scaled_mm_path_to_eager_values():
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_inductor_compiles_the_scaled_mm_path_to_eager_values(rowwise):
     """Inductor (not only aot_eager) with the hardware path: its fused amax / scale / cast kernels and the
     _scaled_mm extern call (with a bias, under bf16 autocast) give eager's output and gradients (about 10 s of
-    compiling on 2 cores)."""
+    compiling on 2 cores). rowwise: _scaled_mm with a scale per row (torch 2.13's CPU takes them; 2.11's not)."""
+    if rowwise and not scaled_mm_takes_rowwise_scales_on_cpu():
+        pytest.skip("this torch's CPU _scaled_mm takes tensorwise scales only (2.13's takes rowwise)")
     torch.manual_seed(0)
-    spec = Fp8Linear(hardware=True)
+    spec = Fp8Linear(hardware=True, rowwise=rowwise)
     w1 = torch.nn.Parameter(torch.randn(48, 64) * 0.02)
     w2 = torch.nn.Parameter(torch.randn(64, 48) * 0.02)
     b1 = torch.nn.Parameter(torch.randn(48))  # under bf16 autocast: in _scaled_mm's epilogue

@@ -13,7 +13,7 @@ from pipetrain.kernels.fp8_quant import scale_from_amax
 from pipetrain.parallel.mesh.rules import parallel_problems
 from pipetrain.parallel.tensor.fp8 import Fp8Linear
 from pipetrain.parallel.tensor.fp8_rowwise import ROWWISE_DTYPE, quantize_along
-from tests.unit.common import LLAMA, build_trainer, patch_torch_op
+from tests.unit.common import LLAMA, build_trainer, patch_torch_op, scaled_mm_takes_rowwise_scales_on_cpu
 
 EXACT = dict(rtol=0.0, atol=0.0)
 E4M3_MAX = 448.0
@@ -98,16 +98,7 @@ def test_under_bf16_autocast_the_three_gemms_round_to_bf16_and_dw_is_cast_to_the
     torch.testing.assert_close(dw.double(), _q(g.float(), 0).t() @ _q(x, 0), rtol=1e-2, atol=1e-2)
 
 
-def _scaled_mm_takes_rowwise_scales_on_cpu() -> bool:
-    a = torch.ones(16, 16).to(ROWWISE_DTYPE)
-    try:  # torch 2.13's CPU _scaled_mm takes them; 2.11's takes tensorwise scales only
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _scaled_mm_takes_rowwise_scales_on_cpu(),
+@pytest.mark.skipif(not scaled_mm_takes_rowwise_scales_on_cpu(),
                     reason="this torch's CPU _scaled_mm takes tensorwise scales only (2.13's takes rowwise)")
 def test_the_hardware_path_takes_rowwise_scales_in_scaled_mm_and_matches_the_emulation(monkeypatch):
     calls = []
