@@ -120,11 +120,12 @@ def test_fp8_trainer_at_pp2_x_tp2_with_sequence_parallel_follows_the_single_proc
 
 
 @pytest.mark.slow
-def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tmp_path, recipe):
     """pp changes no microbatch and no summation order: the fp8 losses are the single process's, bit for bit
     (the fp8 linears compute dW in B, so the split backward's W actions find nothing of theirs to do)."""
-    reference = _losses(str(tmp_path / "single"), microbatches=4)
-    keys = dict(microbatches=4, split_backward=True)
+    reference = _losses(str(tmp_path / "single"), microbatches=4, fp8_recipe=recipe)
+    keys = dict(microbatches=4, split_backward=True, fp8_recipe=recipe)
     assert rank_results(2, _trainer_worker, str(tmp_path), 1, 2, keys)[0] == reference
 
 
