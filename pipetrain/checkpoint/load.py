@@ -25,8 +25,11 @@ from pipetrain.config import ConfigError
 from pipetrain.models.init import param_layout, persistent_buffers
 from pipetrain.parallel.data.grads import tied_copy_names
 
+# Keys named in the refusal when they differ (lora_rank: adapters only load into adapters); every other key that
+# sets a tensor's shape (head_dim, moe_intermediate_size, gpt2's max_seq_len) is caught by the shapes themselves
+# (TensorReader.read's global_shape), which name the tensor.
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-              "tie_embeddings", "qkv_bias", "lora_rank")  # lora_rank: adapters only load into adapters
+              "tie_embeddings", "qkv_bias", "lora_rank", "num_experts", "shared_expert_intermediate_size")
 
 
 def check_resume_dir(path: str) -> None:
@@ -88,12 +91,13 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
         check_base(manifest, recipe.model.init_from, recipe.train.seed, ckpt_dir)
     if hasattr(optimizer, "load_param_items"):  # ZeRO-3: only this rank's rows of each weight are held
         optimizer.load_param_items(lambda name, global_shape, offsets, shape:
-                                   reader.read(f"model/{name}", offsets, shape), adapters_only)
+                                   reader.read(f"model/{name}", offsets, shape, global_shape=global_shape),
+                                   adapters_only)
     else:
         _load_params(model, params, reader, adapters_only)
     load_buffers(model, reader, manifest)
     optimizer.load_state_items(lambda name, global_shape, offsets, shape:
-                               reader.read(f"optim/{name}", offsets, shape))
+                               reader.read(f"optim/{name}", offsets, shape, global_shape=global_shape))
     loader.load_state_dict(manifest["data"])
     layout = manifest["layout"]
     same = (layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1), layout.get("ps_servers", 0)) == \
@@ -116,7 +120,7 @@ def _load_params(model, params: dict, reader: TensorReader, adapters_only: bool)
                 continue
             saved_name = "model/embed.weight" if name in tied_copy_names(model) else f"model/{name}"
             p = params[name]
-            p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype))
+            p.copy_(reader.read(saved_name, slice_offsets(shape, slices), p.shape, p.dtype, global_shape=shape))
 
 
 def load_buffers(model, reader: TensorReader, manifest: dict) -> None:
@@ -126,4 +130,4 @@ def load_buffers(model, reader: TensorReader, manifest: dict) -> None:
     with torch.no_grad():
         for name, b in persistent_buffers(model).items():
             if f"buffer/{name}" in manifest["tensors"]:
-                b.copy_(reader.read(f"buffer/{name}", [0] * b.dim(), b.shape, b.dtype))
+                b.copy_(reader.read(f"buffer/{name}", [0] * b.dim(), b.shape, b.dtype, global_shape=b.shape))

@@ -148,11 +148,19 @@ class TensorReader:
                 by_box[box] = piece
         return list(by_box.values())
 
-    def read(self, name: str, offsets, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, name: str, offsets, shape, dtype: torch.dtype | None = None,
+             global_shape=None) -> torch.Tensor:
+        """The box offsets + shape of tensor name. global_shape: the whole tensor's shape in the model it is read
+        into; a checkpoint whose tensor has another shape is refused (ConfigError), where reading a box of it
+        would load part of a larger tensor (fewer experts, a smaller head_dim) or call a smaller one incomplete."""
         info = self.manifest["tensors"].get(name)
         if info is None:
             raise ConfigError(f"checkpoint {self.dir}: tensor {name} is not in the manifest; the checkpoint does "
                               "not match this model or optimizer")
+        if global_shape is not None and list(global_shape) != list(info["global_shape"]):
+            raise ConfigError(f"checkpoint {self.dir}: tensor {name} has shape {list(info['global_shape'])} there "
+                              f"and {list(global_shape)} in this recipe's model; set the model keys the checkpoint "
+                              "was saved with (its recipe.yaml)")
         out = torch.empty(list(shape), dtype=getattr(torch, info["dtype"]), device="cpu")  # read on the host
         covered = 0
         for piece in self._pieces(info):

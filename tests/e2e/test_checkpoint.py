@@ -180,6 +180,24 @@ def test_checkpoint_of_another_model_is_refused(reference_run, tmp_path, token_c
     assert "model.n_layers: checkpoint 4 vs recipe 2" in proc.stderr
 
 
+@pytest.mark.parametrize("head_dim", [8, 32], ids=["smaller", "larger"])
+def test_checkpoint_whose_tensors_have_other_shapes_is_refused_naming_the_tensor(reference_run, tmp_path,
+                                                                                  token_cache, head_dim):
+    """model.head_dim (saved 64 / 4 = 16) is not among the keys compared by name: the tensors' own shapes refuse
+    it. Smaller: reading the recipe's box would have loaded part of each saved tensor, silently; larger: it was
+    called an incomplete checkpoint. Neither run writes a checkpoint over the saved one."""
+    resumed = _resume_copy(reference_run[0], 4, tmp_path / "other")
+    saved = {f.name: f.read_bytes() for f in (resumed / "checkpoints" / "step-00000004").iterdir()}
+    proc, _ = run_train(str(resumed), CKPT + [f"model.head_dim={head_dim}"], cache_dir=token_cache,
+                        extra_args=["--resume", "auto"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "layers.0.attn.wq.weight has shape [64, 64] there and " in errors[0], errors
+    assert "set the model keys the checkpoint was saved with" in errors[0]
+    assert os.listdir(resumed / "checkpoints") == ["step-00000004"]
+    assert {f.name: f.read_bytes() for f in (resumed / "checkpoints" / "step-00000004").iterdir()} == saved
+
+
 # ---- crash and preemption -------------------------------------------------------------------------
 
 def _start(out, overrides, token_cache, nproc=1):
