@@ -50,9 +50,10 @@ def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _check_type(where, value, inner[0], problems)
-    if origin is Literal:
-        if value not in args:
-            problems.append(f"{where}={clip(repr(value))} is not one of {', '.join(map(str, args))}")
+    if origin is Literal:  # by type too: 1 == True and 0 == False, so `in` let fused_loss=1 pass as true
+        if not any(type(value) is type(a) and value == a for a in args):
+            options = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)  # as YAML writes
+            problems.append(f"{where}={clip(repr(value))} is not one of {options}")
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -117,3 +117,7 @@ def test_fused_loss_auto_follows_the_measured_devices_and_vocabularies_and_the_k
     assert fused_loss_on(on, torch.device("cpu"))
     with pytest.raises(ConfigError, match="train.fused_loss='yes' is not one of"):
         build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": "yes"}})
+    # 1 == True in Python: matched by value alone, 1 passed as true past the rules that test `is True`
+    for number in (1, 0, 1.0):
+        with pytest.raises(ConfigError, match=f"train.fused_loss={number!r} is not one of auto, true, false"):
+            build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": number}})
