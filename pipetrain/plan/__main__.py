@@ -18,7 +18,7 @@ from pipetrain.plan import format_plan_row, plan_header
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.plan.calibrate import calibrate, save_profile
 from pipetrain.plan.devices import load_profile
-from pipetrain.plan.search import nothing_fits, search, world_problem
+from pipetrain.plan.search import nothing_fits, refused_by_rules, search, world_problem
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     fixed = fixed_parallel_keys(args.recipe, args.set) if recipe.parallel.auto else \
         fixed_parallel_keys(None, args.set)
     result = search(recipe, world, profile, fixed, ranks_per_node=args.nproc)
+    refused = None if result.plans else refused_by_rules(result, world, fixed)
+    if refused:  # bad input (exit 2), where "nothing fits" (exit 1) would blame memory
+        raise ConfigError(refused)
     if args.json:
         json.dump({"world_size": world, "device": profile.as_dict(), "fixed": fixed,
                    "plans": [p.as_dict() for p in result.plans[:args.top]],

@@ -16,7 +16,7 @@ import yaml
 from pipetrain.config import ConfigError, Recipe, parse_override
 from pipetrain.parallel.mesh.comm import all_gather_object, process_count
 from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
-from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, search
+from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, refused_by_rules, search
 from pipetrain.shipped import recipe_file
 
 # torch.cuda.get_device_name substrings -> DEVICES entries (longest first)
@@ -71,11 +71,8 @@ def resolve_auto(recipe: Recipe, world_size: int, fixed: dict, profile: DevicePr
     """recipe with the best plan's layout; ConfigError naming the fix when nothing fits or divides."""
     result = search(recipe, world_size, profile, fixed, ranks_per_node)
     if not result.plans:
-        fits = [r for _, r in result.rejected if r.startswith("does not fit")]
-        if fits or not result.rejected:
-            raise ConfigError(f"parallel.auto: {nothing_fits(recipe, world_size, profile, fixed)}")
-        raise ConfigError(f"parallel.auto: no layout of {world_size} processes keeps the fixed keys {fixed}: "
-                          f"{result.rejected[0][1]}; drop a fixed parallel key or launch another world size")
+        refused = refused_by_rules(result, world_size, fixed)
+        raise ConfigError(f"parallel.auto: {refused or nothing_fits(recipe, world_size, profile, fixed)}")
     best = result.plans[0]
     return apply_layout(recipe, best.layout), best
 

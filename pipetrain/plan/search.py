@@ -195,6 +195,16 @@ def _fits(candidate: Recipe, world_size: int, profile: DeviceProfile) -> bool:
     return max(r.total for r in memory) <= profile.memory_bytes
 
 
+def refused_by_rules(result, world_size: int, fixed: dict) -> str | None:
+    """Why a search kept no layout when memory is not the reason (every layout broke a rule: a key that does not
+    combine with another, a degree that does not divide the world), in one line; None when some layout was
+    rejected for memory (nothing_fits says what would fit) or none was tried."""
+    if not result.rejected or any(reason.startswith("does not fit") for _, reason in result.rejected):
+        return None
+    return (f"no layout of {world_size} processes keeps the fixed keys {fixed}: {result.rejected[0][1]}; drop a "
+            "fixed parallel key or launch another world size")
+
+
 def nothing_fits(recipe: Recipe, world_size: int, profile: DeviceProfile, fixed: dict | None = None,
                  max_world: int = 4096) -> str:
     """One line for when no layout fits: the smallest world size that would (at the leanest layout: ZeRO 2,

@@ -72,6 +72,17 @@ def test_plan_names_the_world_size_and_the_model_size(nothing_is_built, capsys):
     assert "even spread over all 2 ranks" in line
 
 
+@pytest.mark.parametrize("keys, reason", [
+    (["--recipe", "moe-tiny", "--set", "parallel.cp=2"], "does not combine with model.num_experts=8"),
+    (["--recipe", TINY, "--set", "parallel.cp=4"], "world size 2 is not divisible by"),
+], ids=["cp-with-experts", "cp-does-not-divide"])
+def test_plan_names_the_rule_that_refused_every_layout_not_memory(nothing_is_built, capsys, keys, reason):
+    """Where every layout breaks a rule, plan says which (exit 2, as the dry run does), where it said no layout
+    fits in memory (exit 1) and advised a shorter sequence."""
+    line = _one_error(capsys, plan_main(keys + ["--nproc", "2"]))
+    assert reason in line and "no layout of 2 processes" in line and "GiB" not in line, line
+
+
 def _bomb(levels: int) -> str:
     lines = ["run:", "  trackers:", '    a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for i in range(1, levels):
