@@ -103,6 +103,10 @@ def _own_problems(r: Recipe) -> list[str]:
     else:
         need(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1; use e.g. 8, or remove it "
              "for full fine-tuning")
+        # every adapted projection has d_model on one side, and an update B A has rank <= min(in, out): a larger
+        # rank adds nothing but adapter memory (a rank of 1e9 asked for terabytes, a traceback at the first step)
+        need(m.lora_rank <= m.d_model, f"model.lora_rank={clip(str(m.lora_rank))} must be <= model.d_model="
+             f"{m.d_model} (an adapter's update has rank at most min(in, out) of its projection); use e.g. 8 to 64")
         need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0 (the scale is alpha / rank)")
         need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
         known = lora_projections(m.family, m.is_moe)

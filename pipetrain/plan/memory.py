@@ -37,7 +37,8 @@ from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_f
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
-from pipetrain.plan.shapes import expert_shapes, kv_rows, numel, param_shapes, rank_stages, rows_numel
+from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stages,
+                                   rows_numel)
 
 FP32 = 4
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
@@ -116,8 +117,11 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     layers, first, last, copy = rank_stages(recipe, pp_rank)
     ends = param_shapes(m, p.tp, [], first, last, copy, servers=p.ps_servers > 0)
     block = param_shapes(m, p.tp, [0], False, False, False, ep=p.ep)
-    full = sum(map(numel, ends)) + len(layers) * sum(map(numel, block))
-    shard = sum(rows_numel(s, shards) for s in ends) + len(layers) * sum(rows_numel(s, shards) for s in block)
+    # LoRA's adapters on top, unsharded: an upper bound (its frozen base has no gradient or moments, counted here)
+    adapters = len(layers) * lora_elements(m)
+    full = sum(map(numel, ends)) + len(layers) * sum(map(numel, block)) + adapters
+    shard = sum(rows_numel(s, shards) for s in ends) + len(layers) * sum(rows_numel(s, shards) for s in block) \
+        + adapters
     if p.ep > 1 and shards > 1:  # experts shard over expert-dp (dp / ep ranks) instead of dp
         experts = expert_shapes(m, p.tp, p.ep)
         shard += len(layers) * sum(rows_numel(s, max(1, shards // p.ep)) - rows_numel(s, shards) for s in experts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from pipetrain.config import ModelConfig, ParallelConfig, Recipe
+from pipetrain.config import ModelConfig, ParallelConfig, Recipe, lora_projections
 from pipetrain.parallel.pipeline.schedules import placement_of, rank_chunk_of
 from pipetrain.parallel.pipeline.stage import stage_layout
 
@@ -24,6 +24,16 @@ def expert_shapes(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, ...]]
     """One block's stacked expert weights on one rank: E/ep experts, F-sharded over tp."""
     E, Fe, D = m.num_experts // ep, m.expert_ffn // tp, m.d_model
     return [(E, Fe, D), (E, Fe, D), (E, D, Fe)] if m.is_moe else []
+
+
+def lora_elements(m: ModelConfig) -> int:
+    """Elements of one block's LoRA adapters (A: rank x in, B: out x rank per adapted projection), counted whole
+    on every rank (an upper bound under tp); 0 without LoRA."""
+    if m.lora_rank is None:
+        return 0
+    D, q, kv, F = m.d_model, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
+    sides = {"wq": D + q, "wk": D + kv, "wv": D + kv, "wo": q + D, "gate": D + F, "up": D + F, "down": F + D}
+    return m.lora_rank * sum(sides[name] for name in m.lora_targets or lora_projections(m.family, m.is_moe))
 
 
 def param_shapes(m: ModelConfig, tp: int, layers: list[int], first: bool, last: bool,

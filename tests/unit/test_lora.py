@@ -83,6 +83,8 @@ def test_merge_gives_the_same_logits():
     (dataclasses.replace(LLAMA, lora_rank=4, lora_targets=["q_proj"]), "llama has no projection 'q_proj'"),
     (dataclasses.replace(LLAMA, lora_targets=["wq"]), "model.lora_rank is not"),
     (dataclasses.replace(LLAMA, lora_rank=4, lora_dropout=1.0), "model.lora_dropout=1.0"),
+    (dataclasses.replace(LLAMA, lora_rank=33), "model.lora_rank=33 must be <= model.d_model=32"),
+    (dataclasses.replace(LLAMA, lora_rank=10 ** 20), f"model.lora_rank={10 ** 20} must be <= model.d_model=32"),
 ])
 def test_bad_lora_keys(cfg, needle):
     recipe = Recipe(model=cfg, data=DataConfig(path="x", tokenizer="y"))

@@ -200,3 +200,13 @@ def test_zero3_fp8_units_hold_fp8_weights_at_one_byte(model):
     embed, block, head, _ = zero3_unit_bytes(recipe, 0)
     assert (embed, block, head) == (units[0], units[1], units[-1]), ((embed, block, head), units)
     assert model_state_bytes(recipe, 2, 0)[0] == 4 * full // 2 + max(a + b for a, b in zip(units, units[1:]))
+
+
+def test_lora_adapters_are_counted_as_trainable_state():
+    """Each adapted projection adds rank x (in + out) elements a block, held with a gradient and two moments in
+    fp32 (an upper bound: the frozen base's gradient and moments stay counted)."""
+    def state(rank):
+        model = dataclasses.replace(LLAMA, lora_rank=rank, lora_targets=["wq", "down"])
+        return sum(model_state_bytes(Recipe(model=model), 1, 0))
+    # wq: d 32 in, 4 heads x 8 out; down: ffn 64 in, 32 out
+    assert state(16) - state(8) == 8 * ((32 + 32) + (64 + 32)) * LLAMA.n_layers * 4 * (1 + 1 + 2)
