@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from pipetrain.config.schema import SECTIONS, Recipe, clip, lora_projections
+from pipetrain.config.schema import SECTIONS, ModelConfig, Recipe, clip, lora_projections
 
 SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy take seeds in [0, 2**63)
 
@@ -49,7 +49,7 @@ def _own_problems(r: Recipe) -> list[str]:
         need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
         need(m.n_heads % m.kv_heads == 0,
              f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.kv_heads}")
-        need(m.family == "gpt2" or m.head_dim % 2 == 0,
+        need(m.family == "gpt2" or m.head_dim % 2 == 0 or m.head_dim_ is not None,  # head_dim: _moe_problems
              f"model head dim d_model/n_heads={m.head_dim} must be even for RoPE")
         need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     problems += _moe_problems(m)
@@ -117,6 +117,9 @@ def _own_problems(r: Recipe) -> list[str]:
     need(0 <= t.momentum < 1, f"train.momentum: must be in [0, 1), got {t.momentum}; use 0 or 0.9")
     need(t.optimizer == "sgd" or t.momentum == 0, f"train.momentum: applies to train.optimizer=sgd only, got "
          f"{t.momentum} with {t.optimizer}; set train.optimizer=sgd or drop train.momentum")
+    for key, on in (("fp8_emulate", t.fp8_emulate), ("fp8_recipe", t.fp8_recipe != "tensorwise")):
+        need(t.precision == "fp8" or not on, f"train.{key}: applies to train.precision=fp8 only, got "
+             f"{str(getattr(t, key)).lower()} with {t.precision}; set train.precision=fp8 or drop train.{key}")
     need(all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f.slow_ranks),
          f"faults.slow_ranks: must list global ranks (integers >= 0), got {f.slow_ranks}")
     need(f.slow_factor >= 1, f"faults.slow_factor: must be >= 1 (a slow step takes f times its compute), "
@@ -144,6 +147,10 @@ def _non_finite(r: Recipe) -> list[str]:
     return out
 
 
+_EXPERT_KEYS = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+                "router_aux_loss_coef", "router_bias_update_rate")
+
+
 def _moe_problems(m) -> list[str]:
     """The mixture-of-experts keys (pipetrain.models.moe): one line per problem."""
     out = []
@@ -153,7 +160,12 @@ def _moe_problems(m) -> list[str]:
         out.append(f"model.head_dim: must be an even number >= 2 for RoPE, got {m.head_dim_}")
     if m.num_experts < 0:
         out.append(f"model.num_experts: must be >= 0 (0 = dense MLP), got {m.num_experts}")
-    if m.num_experts == 0:
+    if m.num_experts == 0:  # a dense model: an expert key set for it would be ignored, so it is refused
+        dense = ModelConfig()  # (with init_from the HF config's num_experts counts: checked again once read)
+        ignored = [f"model.{k}={getattr(m, k)}" for k in _EXPERT_KEYS if getattr(m, k) != getattr(dense, k)]
+        if ignored and not m.init_from:
+            out.append(f"{', '.join(ignored)}: expert keys, but model.num_experts=0 (a dense model); set "
+                       "model.num_experts (e.g. 8) or drop them")
         return out
     if m.family == "gpt2":
         out.append("model.num_experts: gpt2 has a GELU MLP; experts are SwiGLU, got family gpt2; use llama, "

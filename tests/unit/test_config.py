@@ -211,6 +211,21 @@ def test_out_of_range_and_non_finite_values_are_refused_at_load(section, key, va
         build_recipe(_with(**{section: {key: value}}))
 
 
+@pytest.mark.parametrize("section,key,value,message", [
+    ("train", "fp8_emulate", True, "train.fp8_emulate: applies to train.precision=fp8 only, got true with fp32"),
+    ("train", "fp8_recipe", "rowwise", "train.fp8_recipe: applies to train.precision=fp8 only, got rowwise"),
+    ("parallel", "reshard_after_forward", False,
+     "parallel.reshard_after_forward=false: applies to parallel.zero=3 only"),
+    ("model", "num_experts_per_tok", 7, r"model.num_experts_per_tok=7: expert keys, but model.num_experts=0"),
+    ("model", "router_aux_loss_coef", 3.0, r"model.router_aux_loss_coef=3.0: expert keys, but model.num_experts=0"),
+])
+def test_a_key_that_would_be_ignored_beside_the_others_is_refused(section, key, value, message):
+    """A key whose feature the recipe leaves off (fp8's keys without fp8, zero 3's without zero 3, an expert key
+    on a dense model) changed nothing and said nothing: refused in one line, as train.momentum without sgd is."""
+    with pytest.raises(ConfigError, match=message):
+        build_recipe(_with(**{section: {key: value}}), rules=parallel_problems)
+
+
 def test_keys_that_are_not_strings_and_recipes_that_are_not_utf8_get_one_line(tmp_path):
     for text, message in [("1: 2\n", "unknown section '1'"), ("model:\n  null: 2\n", "unknown key 'model.None'")]:
         path = tmp_path / "keys.yaml"

@@ -111,8 +111,10 @@ def _moe_refusals(r: Recipe, refused: list) -> list[str]:
 def zero3_problems(r: Recipe) -> list[str]:
     """parallel.zero=3 (pipetrain.parallel.data.zero3): the compositions it does not support yet, one line each."""
     p = r.parallel
-    if p.zero != 3:
-        return []
+    if p.zero != 3:  # its one key of its own would be ignored
+        return [] if p.reshard_after_forward else [
+            "parallel.reshard_after_forward=false: applies to parallel.zero=3 only (its gathered weights kept for "
+            f"backward), got parallel.zero={p.zero}; set parallel.zero=3 or drop it"]
     why = "parallel.zero=3"
     refused = [
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync}", "use parallel.dp_sync=bsp or parallel.zero=2"),
