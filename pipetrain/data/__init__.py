@@ -58,7 +58,7 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, *, prepare_missing: boo
                         progress=True, out_dir=out, where=where)
             else:
                 _wait_for(out)
-        corpus = open_prepared(out, tokenizer, verify=cfg.verify and prepare_missing)
+        corpus = open_prepared(out, tokenizer, verify=cfg.verify and prepare_missing, sources=out != path)
         seed = cfg.seed if d == 0 else cfg.seed + 1_000_003 * d  # sources hold out different documents
         parts.append(PackedData(corpus.tokens, corpus.mask, seq_len, cfg.val_fraction, seed, corpus.documents,
                                 cfg.document_mask, name=where))

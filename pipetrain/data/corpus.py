@@ -105,6 +105,7 @@ def source_files(path: str, where: str = "data.path") -> tuple[str, list[str]]:
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                        if os.path.splitext(f)[1] in _EXTENSIONS)
         _refuse_links_outside(path, files, where)
+        _refuse_non_files(files, where)
         if not files:
             raise ConfigError(f"{where}: folder {path!r} has no .txt, .jsonl or .parquet files; "
                               "point it at a data folder or a prepared directory")
@@ -128,6 +129,16 @@ def _refuse_links_outside(folder: str, files: list[str], where: str) -> None:
         if target != root and not target.startswith(root + os.sep):
             raise ConfigError(f"{where}: {f} links outside the folder {folder!r} (to {target}); copy the file into "
                               "the folder, or point data.path (or data.sources) at it")
+
+
+def _refuse_non_files(files: list[str], where: str) -> None:
+    """Every entry read must be a regular file: a pipe would block its read forever, a folder named x.txt or a
+    broken link fails deep in a reader."""
+    for f in files:
+        if not os.path.isfile(f):
+            kind = "a broken link" if os.path.islink(f) and not os.path.exists(f) else \
+                "a folder" if os.path.isdir(f) else "not a regular file (a pipe, a socket or a device)"
+            raise ConfigError(f"{where}: {f} is {kind}; remove it from the folder or rename it")
 
 
 def prepared_dir_for(path: str, text_field: str, tokenizer, cache_dir: Optional[str]) -> str:
@@ -381,8 +392,11 @@ class Corpus:
     manifest: dict
 
 
-def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
-    """Open a prepared directory, checking it against the tokenizer and (verify) its file hashes."""
+def open_prepared(path: str, tokenizer=None, verify: bool = False, sources: bool = False) -> Corpus:
+    """Open a prepared directory, checking it against the tokenizer and (verify) its file hashes; sources: also
+    that the raw files it was prepared from, where still present, are unchanged (only for a directory this
+    cache made from data.path: a prepared folder handed over stands alone, and its manifest may name any path,
+    which must not be read)."""
     if not is_prepared(path):
         raise ConfigError(f"data.path: {path!r} has no {MANIFEST}; run python -m pipetrain.data prepare --recipe R")
     manifest_path = os.path.join(path, MANIFEST)
@@ -410,21 +424,25 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False) -> Corpus:
     expected = {"tokens.bin": n_tok * dtype.itemsize, "documents.bin": (n_doc + 1) * 8}
     if manifest["has_mask"]:
         expected["mask.bin"] = n_tok
+    _refuse_links_outside(path, [os.path.join(path, n) for n in expected], "data.path")
     for name, size in expected.items():
         file = os.path.join(path, name)
-        actual = os.path.getsize(file) if os.path.exists(file) else None
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
         if actual != size or manifest["files"][name]["size"] != size:
             raise ConfigError(f"data.path: {file} is truncated or damaged ({actual} bytes, manifest says {size}); "
                               f"delete {path} and prepare again")
         if verify and _sha256(file) != manifest["files"][name]["sha256"]:
             raise ConfigError(f"data.path: {file} does not match the sha256 in {manifest_path}; "
                               f"delete {path} and prepare again")
-    if verify:
+    if verify and sources:
         _check_sources(manifest, manifest_path, path)
     if n_tok < 2:
         raise ConfigError(f"data.path: {path} holds {n_tok} tokens; add data")
     tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n_tok,))
     documents = np.memmap(os.path.join(path, "documents.bin"), dtype=np.int64, mode="r", shape=(n_doc + 1,))
+    if documents[0] != 0 or documents[-1] != n_tok or (n_doc and bool((np.diff(documents) < 0).any())):
+        raise ConfigError(f"data.path: {os.path.join(path, 'documents.bin')} does not hold document offsets from 0 "
+                          f"to num_tokens={n_tok}, rising; delete {path} and prepare again")
     mask = (np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tok,))
             if manifest["has_mask"] else None)
     return Corpus(path, tokens, documents, mask, manifest)
@@ -450,8 +468,12 @@ def _manifest_damage(manifest: dict) -> str | None:
                                               isinstance(files[n].get("sha256"), str) for n in names):
         return f"files must give the size and sha256 of {', '.join(names)}"
     sources = manifest.get("sources", [])
-    if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
-        return "sources must be a list of mappings"
+    def source(s) -> bool:  # a file (what _check_sources reads) or a dataset's name
+        return isinstance(s, dict) and (isinstance(s.get("name"), str) if "path" not in s else
+                                        isinstance(s["path"], str) and count(s.get("size")) and
+                                        isinstance(s.get("mtime_ns"), int) and isinstance(s.get("sha256"), str))
+    if not isinstance(sources, list) or not all(source(s) for s in sources):
+        return "sources must be a list of mappings of path, size, mtime_ns and sha256 (or a dataset's name)"
     return None
 
 
@@ -459,7 +481,7 @@ def _check_sources(manifest: dict, manifest_path: str, path: str) -> None:
     """Sources still present must be what was tokenised (hashed only when size or mtime moved)."""
     for src in manifest["sources"]:
         file = src.get("path")
-        if not file or not os.path.exists(file):
+        if file is None or not os.path.isfile(file):
             continue  # prepared elsewhere or raw data removed: the prepared files stand alone
         st = os.stat(file)
         if st.st_size == src["size"] and st.st_mtime_ns == src["mtime_ns"]:

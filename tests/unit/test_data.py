@@ -259,3 +259,20 @@ def test_links_leading_out_of_a_data_folder_are_refused_and_links_inside_it_are_
     (inside / "a.txt").write_text("text\n")
     os.symlink("a.txt", inside / "b.txt")
     assert source_files(str(inside)) == ("text", [str(inside / "a.txt"), str(inside / "b.txt")])
+
+
+@pytest.mark.parametrize("kind", ["pipe", "folder", "broken-link"])
+def test_an_entry_of_a_data_folder_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, kind):
+    """A pipe named x.txt blocked its first read forever; a folder named x.txt and a broken link failed deep in a
+    reader with a traceback."""
+    (tmp_path / "a.txt").write_text("text\n")
+    odd = tmp_path / "b.txt"
+    if kind == "pipe":
+        os.mkfifo(odd)
+    elif kind == "folder":
+        odd.mkdir()
+    else:
+        os.symlink("nothere.txt", odd)
+    words = {"pipe": r"not a regular file \(a pipe", "folder": "a folder;", "broken-link": "a broken link;"}[kind]
+    with pytest.raises(ConfigError, match=f"data.path: {odd} is {words}.* remove it from the folder or rename it"):
+        source_files(str(tmp_path))

@@ -185,7 +185,7 @@ def test_source_changed_after_prepare_is_refused(tmp_path, tokenizer):
     out = prepare(raw, tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
     (tmp_path / "raw" / "doc1.txt").write_text("something else entirely")
     with pytest.raises(ConfigError, match="doc1.txt changed since"):
-        open_prepared(out, tokenizer, verify=True)
+        open_prepared(out, tokenizer, verify=True, sources=True)
 
 
 def test_empty_source_is_refused(tmp_path, tokenizer):
@@ -338,3 +338,57 @@ def test_damaged_raw_files_are_refused_in_one_line_naming_the_source(tmp_path, t
     (raw / name).write_bytes(content)
     with pytest.raises(ConfigError, match=r"data.sources\[1\]: .*" + message):
         prepare(str(raw), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False, where="data.sources[1]")
+
+
+def _edited_copy(out, folder, edit):
+    """A copy of the prepared directory out, with edit(path of the copy, its manifest) applied and resealed."""
+    copy = folder / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    edit(copy, manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return str(copy)
+
+
+def test_a_prepared_folder_handed_over_reads_nothing_outside_itself(tmp_path, tokenizer):
+    """A prepared folder given as data.path stands alone: its manifest's sources (a pipe named there blocked the
+    run forever) are not read, and its files may not be links out of it."""
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    def name_the_pipe(copy, manifest):
+        manifest["sources"] = [{"path": str(pipe), "size": 0, "mtime_ns": 1, "sha256": "0" * 64}]
+    copy = _edited_copy(out, tmp_path / "a", name_the_pipe)
+    data = build_data(DataConfig(path=copy, tokenizer=TOKENIZER, cache_dir=str(tmp_path / "cache")), tokenizer, 16)
+    assert data.num_train_windows > 0
+
+    def link_out(copy, manifest):
+        outside = tmp_path / "outside.bin"
+        shutil.move(copy / "tokens.bin", outside)
+        os.symlink(outside, copy / "tokens.bin")
+    copy = _edited_copy(out, tmp_path / "b", link_out)
+    with pytest.raises(ConfigError, match="tokens.bin links outside the folder"):
+        open_prepared(copy, tokenizer)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda m: m["sources"].append({"path": "x"}), "sources must be a list of mappings of path, size"),
+    (lambda m: m["sources"].append({"path": ["a"], "size": 1, "mtime_ns": 1, "sha256": "x"}), "sources must be"),
+], ids=["no-size", "path-a-list"])
+def test_a_hand_edited_source_entry_is_one_line_not_a_traceback(tmp_path, tokenizer, damage, needle):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    copy = _edited_copy(out, tmp_path, lambda c, m: damage(m))
+    with pytest.raises(ConfigError, match=needle):
+        open_prepared(copy, tokenizer, verify=True, sources=True)
+
+
+def test_document_offsets_that_do_not_rise_to_num_tokens_are_refused(tmp_path, tokenizer):
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+
+    def scramble(copy, manifest):
+        docs = np.fromfile(copy / "documents.bin", dtype=np.int64)
+        docs[1], docs[2] = docs[2], docs[1]
+        docs.tofile(copy / "documents.bin")
+    with pytest.raises(ConfigError, match="documents.bin does not hold document offsets from 0 to num_tokens"):
+        open_prepared(_edited_copy(out, tmp_path, scramble), tokenizer)
