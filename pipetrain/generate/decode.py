@@ -75,7 +75,8 @@ def choose_token(logits: torch.Tensor, temperature: float, top_p: float = 1.0, t
     """Next token from (V,) logits: argmax at temperature 0, else sampled after top-k and top-p (nucleus)."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu() / temperature
+    logits = logits.double().cpu()
+    logits = (logits - logits.max()) / temperature  # the max at 0 first: a tiny temperature overflowed to inf (NaN)
     if top_k and top_k < logits.numel():
         cutoff = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))

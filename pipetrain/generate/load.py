@@ -7,7 +7,7 @@ import os
 import torch
 import torch.nn as nn
 
-from pipetrain.checkpoint.load import load_buffers
+from pipetrain.checkpoint.load import find_resumable, load_buffers
 from pipetrain.checkpoint.read import TensorReader, read_manifest
 from pipetrain.config import ConfigError
 from pipetrain.data import load_tokenizer
@@ -19,16 +19,16 @@ from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build
 from pipetrain.models.init import param_layout
 from pipetrain.models.lora import merge_lora
+from pipetrain.plan.memory import FP32
+from pipetrain.plan.shapes import model_params
+from pipetrain.preflight import GB, device_memory, host_memory
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The checkpoint named by output_dir/checkpoints/latest, or None."""
-    latest = os.path.join(output_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        path = os.path.join(output_dir, "checkpoints", f.read().strip())
-    return path if os.path.isdir(path) else None
+    """The newest whole checkpoint under output_dir/checkpoints, as --resume auto picks it (by its step folder,
+    sealed and well formed), or None. Not the text of checkpoints/latest: that could name a folder anywhere
+    (an absolute path was joined as given and loaded), or hold anything."""
+    return find_resumable(output_dir)
 
 
 @torch.no_grad()
@@ -68,6 +68,7 @@ def load_for_generation(path: str, tokenizer_dir: str | None = None,
                               f"{tokenizer_dir!r}; pass --tokenizer DIR")
     elif os.path.isfile(os.path.join(path, "config.json")):
         cfg = model_config_from_hf(path)
+        _check_fits(cfg, path, torch.device(device))
         model = load_hf_weights(build(cfg, device="meta"), path, cfg, device=device).eval()
         tokenizer_dir = tokenizer_dir or path
     else:
@@ -76,3 +77,14 @@ def load_for_generation(path: str, tokenizer_dir: str | None = None,
     tokenizer = load_tokenizer(tokenizer_dir)
     check_tokenizer_vocab(tokenizer, model.cfg, where="generate --tokenizer")
     return model, tokenizer
+
+
+def _check_fits(cfg, path: str, device: torch.device) -> None:
+    """ConfigError where the model a config.json describes cannot be held (its fp32 weights, by arithmetic on the
+    config, before a layer is built: a million layers hung building, a vocabulary of 1e12 failed to allocate)."""
+    need = FP32 * model_params(cfg)
+    available, source = device_memory(1) if device.type == "cuda" else host_memory(1)
+    if need > available:
+        raise ConfigError(f"generate: {path}/config.json describes {model_params(cfg):,} parameters, "
+                          f"{need / GB:,.1f} GB in fp32, but {available / GB:,.1f} GB is available ({source}); "
+                          "check its sizes (num_hidden_layers, hidden_size, vocab_size, intermediate_size)")

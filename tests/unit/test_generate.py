@@ -1,5 +1,6 @@
 """Generation: the KV-cached decode equals the uncached decoder, greedy output equals transformers'
 greedy generate on tiny random Hugging Face models, and the command reads checkpoints and HF folders."""
+import json
 import os
 import shutil
 
@@ -9,6 +10,7 @@ import torch
 from pipetrain.config import ModelConfig
 from pipetrain.generate import KVCache, choose_token, forward_cached, generate_tokens, load_for_generation
 from pipetrain.generate.__main__ import main as generate_main
+from pipetrain.generate.load import latest_checkpoint
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build, materialize
@@ -145,3 +147,44 @@ def test_a_multi_process_run_samples_on_rank_0_from_its_final_checkpoint(tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = os.path.join(str(tmp_path), "checkpoints", "step-00000002")
     assert proc.stdout.count(f"--- sample after 2 steps (from {ckpt}) ---") == 1, proc.stdout[-2000:]
+
+
+def test_a_run_folder_means_its_own_newest_checkpoint_whatever_latest_says(tmp_path, capsys):
+    """checkpoints/latest naming a folder elsewhere (an absolute path) made generate load that one; random bytes
+    there were a decode error naming no file. The run folder's newest sealed step folder is read, as --resume auto
+    picks it."""
+    out, _, _ = short_run()
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(out, "checkpoints", "step-00000006"), run / "checkpoints" / "step-00000006")
+    expected = None
+    for latest in (b"/tmp/somewhere/else/step-00000009", b"\xc1\xff\x00garbage", None):
+        if latest is None:
+            os.remove(run / "checkpoints" / "latest")
+        else:
+            (run / "checkpoints" / "latest").write_bytes(latest)
+        assert latest_checkpoint(str(run)) == str(run / "checkpoints" / "step-00000006")
+        assert generate_main([str(run), "--prompt", "ROMEO:", "--max-new-tokens", "4"]) == 0
+        text = capsys.readouterr().out
+        assert expected is None or text == expected
+        expected = text
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_nan():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    for temperature in (1e-40, 1e-300):
+        assert choose_token(logits, temperature, generator=torch.Generator().manual_seed(0)) == 1
+
+
+def test_a_hf_config_too_large_to_hold_is_refused_before_a_layer_is_built(tmp_path, capsys):
+    """num_hidden_layers 1e6 hung building the model; vocab_size 1e12 failed to allocate with a traceback."""
+    import transformers
+    for key, value in (("num_hidden_layers", 1_000_000), ("vocab_size", 10 ** 12)):
+        hf_dir = tmp_path / key
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=64)
+        config.save_pretrained(hf_dir)
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        cfg[key] = value
+        (hf_dir / "config.json").write_text(json.dumps(cfg))
+        line = _one_error_line(capsys, [str(hf_dir), "--prompt", "x"])
+        assert "config.json describes" in line and "GB is available" in line, line
