@@ -245,25 +245,36 @@ def _numel(shape) -> int:
 MODEL_FILES = (CONFIG_FILE, INDEX_FILE, "pipetrain_model.json")  # beside *.safetensors: what a model folder holds
 
 
-def prepare_out_dir(out_dir: str, where: str, source_dir: str = "", overwrite: bool = False) -> None:
-    """Create out_dir for a model's files. Refused: an existing file, a folder inside source_dir (or it),
-    and (unless overwrite) a folder that already holds model files; with overwrite, the old model files
-    go first so no stale shard or index is left beside the new ones."""
+def prepare_out_dir(out_dir: str, where: str, source_dir: str = "", overwrite: bool = False,
+                    tokenizer_dir: str = "") -> None:
+    """Create out_dir for a model's files. Refused: an existing file, a folder inside source_dir (or it), a
+    pipetrain checkpoint (a folder holding manifest.json: never overwritten), the tokenizer folder being copied
+    from, and (unless overwrite) a folder that already holds model files, or tokenizer files where tokenizer_dir
+    will be copied in; with overwrite, the old ones go first so no stale shard or index is left beside the new."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"{where}: OUT {out_dir} is an existing file, got a file where a folder goes; "
                           "name a new folder")
-    if source_dir:
-        src, out = os.path.realpath(source_dir), os.path.realpath(out_dir)
-        if out == src or out.startswith(src + os.sep):
-            raise ConfigError(f"{where}: OUT {out_dir} is inside the checkpoint {source_dir}; write outside it")
-    held = [f for f in os.listdir(out_dir) if f in MODEL_FILES or f.endswith(".safetensors")] \
+    out = os.path.realpath(out_dir)
+    for inside, what in ((source_dir, "the checkpoint"), (tokenizer_dir, "the tokenizer folder")):
+        src = os.path.realpath(inside) if inside else None
+        if src and (out == src or out.startswith(src + os.sep)):
+            raise ConfigError(f"{where}: OUT {out_dir} is inside {what} {inside}; write outside it")
+    if os.path.isfile(os.path.join(out_dir, "manifest.json")):
+        raise ConfigError(f"{where}: OUT {out_dir} is a pipetrain checkpoint (it holds manifest.json), which is never "
+                          "overwritten; write into a new folder")
+    ours = MODEL_FILES + (TOKENIZER_FILES if tokenizer_dir else ())
+    held = [f for f in os.listdir(out_dir) if f in ours or f.endswith(".safetensors")] \
         if os.path.isdir(out_dir) else []
     if held and not overwrite:
         raise ConfigError(f"{where}: {out_dir} already holds a model, got {sorted(held)[:5]}; "
                           "write into a new folder" + (" or pass --overwrite" if source_dir else ""))
-    for f in held:
-        os.remove(os.path.join(out_dir, f))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        for f in held:
+            os.remove(os.path.join(out_dir, f))
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: OUT {out_dir} cannot be written ({exc.strerror or exc}); name a folder you "
+                          "can write") from None
 
 
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
@@ -322,7 +333,7 @@ def export_state(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
         parts[src.hf_name] = parts.get(src.hf_name, 0) + 1
     if model_cfg.tied:
         parts[sources["embed.weight"].hf_name] -= 1  # head.weight aliases the embedding
-    prepare_out_dir(out_dir, "export")
+    prepare_out_dir(out_dir, "export", tokenizer_dir=tokenizer_dir or "")
     writer = ShardedSafetensorsWriter(out_dir, shapes, dtype, max_shard_bytes)
     pending: dict[str, dict[int, torch.Tensor]] = {}
     try:

@@ -297,6 +297,14 @@ def test_consolidate_refuses_a_file_a_model_folder_and_the_checkpoint_itself(ref
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and pattern in err[0], err
     assert sorted(os.listdir(out)) == sorted(big + ["model.safetensors.index.json", "pipetrain_model.json"])
+    # another checkpoint is never a target, --overwrite or not (it deleted that checkpoint's rank files)
+    other = tmp_path / "other-step"
+    shutil.copytree(reference_run[0] / "checkpoints" / "step-00000004", other)
+    kept = {f.name: f.read_bytes() for f in other.iterdir()}
+    assert ckpt_main(["consolidate", ckpt, str(other), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a pipetrain checkpoint (it holds manifest.json), which is never overwritten" in err[0]
+    assert {f.name: f.read_bytes() for f in other.iterdir()} == kept
     one = consolidate(ckpt, str(out), overwrite=True)  # one file now: no stale shard or index is left
     assert sorted(os.listdir(out)) == sorted(one + ["pipetrain_model.json"]) and len(one) == 1
     # a damaged checkpoint is refused before OUT is touched: the model there (even with --overwrite) stays, and a

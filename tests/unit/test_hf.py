@@ -5,6 +5,7 @@ mapping mistake (two norms swapped, q/k/v out of order, a missing transpose) cha
 The multi-process layouts (tp 2, pp 2) are in tests/dist/test_hf_parallel.py; both build their
 tiny models with tests/harness.py.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -279,6 +280,23 @@ def test_export_rejects_bad_input(tmp_path):
     (tmp_path / "f").write_text("a file")
     with pytest.raises(ConfigError, match=r"OUT .*/f is an existing file"):
         export_model(model, cfg, str(tmp_path / "f"))
+    # the user's own tokenizer files are model files too when a tokenizer is copied in; the tokenizer folder
+    # itself (a SameFileError traceback, with model.safetensors left in it) and unwritable places are refused
+    cfg = dataclasses.replace(cfg, vocab_size=8192)  # the shipped tokenizer's
+    model = random_model(cfg)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("my own")
+    with pytest.raises(ConfigError, match=r"already holds a model, got \['tokenizer.json'\]"):
+        export_model(model, cfg, str(mine), tokenizer_dir=TOKENIZER)
+    assert (mine / "tokenizer.json").read_text() == "my own" and os.listdir(mine) == ["tokenizer.json"]
+    tokenizer_copy = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tokenizer_copy)
+    with pytest.raises(ConfigError, match=r"is inside the tokenizer folder"):
+        export_model(model, cfg, str(tokenizer_copy), tokenizer_dir=str(tokenizer_copy))
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tokenizer_copy))
+    with pytest.raises(ConfigError, match=r"OUT .*/f/sub cannot be written"):
+        export_model(model, cfg, str(tmp_path / "f" / "sub"))
     gqa_gpt2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
     with pytest.raises(ConfigError, match=r"gpt2 has no grouped-query attention"):
         export_model(random_model(gqa_gpt2), gqa_gpt2, str(tmp_path / "e"))
