@@ -17,7 +17,14 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 
 def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    if not messages:  # an assistant turn first: its prompt is the empty conversation, which transformers refuses
+        return []      # to render; the turn is then trained whole, its opening marker too
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # the template's own raise_exception, or jinja's sandbox refusing what it asks for
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"data: the tokenizer's chat template cannot render a conversation ({first}); fix the "
+                          "record or use a tokenizer whose template renders it") from None
     return _ids(tokenizer, text)
 
 

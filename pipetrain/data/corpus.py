@@ -54,7 +54,8 @@ def load_tokenizer(path: str):
         # never run code shipped in the folder: with False, transformers neither asks on stdin nor imports
         # an auto_map module, and a folder whose auto_map names a class it ships still loads with that class
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a malformed folder fails anywhere in transformers / tokenizers (KeyError, TypeError,
+        # their bare Exception): whatever it is, the folder is the input at fault
         custom = _custom_code_file(path)
         if custom:
             raise ConfigError(f"data.tokenizer: {custom} names custom code (auto_map) that pipetrain will not run; "

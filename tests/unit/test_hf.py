@@ -356,6 +356,26 @@ def test_chat_records_train_only_the_assistant_turns(chat_tokenizer):
     assert trained == "Paris<|end|>\nRome<|end|>\n<|endoftext|>"  # not the "<|assistant|>\n" that opens a turn
 
 
+def test_a_conversation_opening_with_the_assistant_trains_its_turn_and_a_refusing_template_is_one_line(
+        chat_tokenizer, monkeypatch):
+    """The assistant's first turn has the empty conversation as its prompt, which templates refuse (a ValueError
+    traceback); a template that raises (its own raise_exception, or jinja's sandbox) is the data's fault: one line."""
+    ids, mask = encode_record({"messages": [{"role": "assistant", "content": "hello"}]}, chat_tokenizer)
+    assert chat_tokenizer.decode([i for i, m in zip(ids, mask) if m]) == chat_tokenizer.decode(ids)
+    monkeypatch.setattr(chat_tokenizer, "chat_template", "{{ raise_exception('no system turns here') }}")
+    with pytest.raises(ConfigError, match=r"chat template cannot render a conversation \(no system turns here\)"):
+        encode_record({"messages": CHAT}, chat_tokenizer)
+
+
+@pytest.mark.parametrize("content", ["{}", "[1, 2]", '{"added_tokens": [], "model": 5}'])
+def test_a_tokenizer_json_of_the_wrong_structure_is_one_line(tmp_path, content):
+    """Valid JSON, wrong structure: KeyError, TypeError or tokenizers' bare Exception, each a traceback before."""
+    shutil.copytree(TOKENIZER, tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").write_text(content)
+    with pytest.raises(ConfigError, match=r"data.tokenizer: cannot load .* use a local directory with tokenizer.json"):
+        load_tokenizer(str(tmp_path / "tok"))
+
+
 def _sft_jsonl(path, n: int = 40) -> None:
     """Chat and prompt/completion records of varied lengths (one file holds one record shape)."""
     rows = [{"messages": [{"role": "user", "content": f"Count to {i}."},
