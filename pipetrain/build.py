@@ -393,9 +393,9 @@ def _truncate_metrics(path: str, step: int) -> int:
             continue
         try:
             record = json.loads(raw)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, float)):
+                raise ValueError("not a JSON object with a numeric step")
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             print(f"warning: {path} line {number} is not a complete JSON record (a torn write?); "
                   f"cutting the file back to the {len(keep)} complete line(s) before it", file=sys.stderr)
             break

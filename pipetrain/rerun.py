@@ -86,13 +86,14 @@ def finished_report(saved: SavedRun, recipe: Recipe) -> str:
             for line in f:
                 try:
                     record = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line of a killed run
-                if not isinstance(record, dict) or record.get("step", 0) > saved.step:
+                except (ValueError, RecursionError):
+                    continue  # a torn last line of a killed run, or a damaged one
+                if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or \
+                        record.get("step", 0) > saved.step:
                     continue
-                if "loss" in record:
+                if isinstance(record.get("loss"), (int, float)):
                     last_step = record
-                elif "eval_loss" in record:
+                elif isinstance(record.get("eval_loss"), (int, float)):
                     last_eval = record
     line = (f"run.output_dir={recipe.run.output_dir} already finished: its checkpoint {saved.ckpt_dir} is at step "
             f"{saved.step} of train.steps={recipe.train.steps}")

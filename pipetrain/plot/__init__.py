@@ -6,13 +6,20 @@ the learning rate. matplotlib is an optional extra (pip install -e ".[plot]").
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from pipetrain.config import ConfigError, clip
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A number a figure can place: finite as a float (an integer of 400 digits overflowed in matplotlib)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
@@ -29,15 +36,17 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else \
+                    "nested too deep" if isinstance(exc, RecursionError) else "not UTF-8 text"
                 raise ConfigError(f"plot: {path} line {number} is not JSON ({why}); the file is damaged") from None
             kind = "loss" if isinstance(record, dict) and "loss" in record else "eval_loss"
             if not isinstance(record, dict) or kind not in record:
                 continue  # a line of another kind (a banner, a tracker's record): nothing to plot
-            if not (_number(record.get("step")) and _number(record[kind]) and _number(record.get("lr", 0.0))):
-                raise ConfigError(f"plot: {path} line {number} has step={clip(repr(record.get('step')))} and "
-                                  f"{kind}={clip(repr(record[kind]))}, not numbers; the file is damaged")
+            bad = [key for key in ("step", kind, "lr") if not _number(record.get(key, 0.0))]
+            if bad:
+                values = ", ".join(f"{key}={clip(repr(record.get(key)))}" for key in bad)
+                raise ConfigError(f"plot: {path} line {number} has {values}, not a finite number; the file is damaged")
             (steps if kind == "loss" else evals)[record["step"]] = record
     if not steps and not evals:
         raise ConfigError(f"plot: {path} holds no step or eval records, got an empty file; train a few steps first")
@@ -70,6 +79,12 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     ax_lr.set_xlabel("step")
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    except (OSError, ValueError) as exc:  # a missing folder, a folder in the way, an extension with no format
+        why = clip(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise ConfigError(f"plot: cannot write {out} ({why}); pass --out a .png (or .pdf, .svg) path in a folder "
+                          "that exists") from None
+    finally:
+        plt.close(fig)
     return out

@@ -29,6 +29,18 @@ def test_torn_metrics_line_is_cut_back_with_a_warning(tmp_path, capsys):
     assert "line 4 is not a complete JSON record" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ['{"step": "x"}', '{"a": ' * 100_000 + "1" + "}" * 100_000],
+                         ids=["string-step", "nested-deep"])
+def test_a_damaged_metrics_line_is_cut_back_like_a_torn_one(tmp_path, capsys, bad):
+    """A string step was a TypeError and a deeply nested line a RecursionError: the resume stopped there."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2)]
+    path.write_text("\n".join(lines) + "\n" + bad + "\n")
+    assert _truncate_metrics(str(path), 2) == 2
+    assert path.read_text() == "\n".join(lines) + "\n"
+    assert "line 3 is not a complete JSON record" in capsys.readouterr().err
+
+
 def test_complete_metrics_lines_past_the_step_are_dropped_silently(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))

@@ -37,10 +37,29 @@ def test_missing_metrics_or_matplotlib_exit_2_with_one_line(tmp_path, capsys, mo
 
 @pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary", b'{"step": "1", "loss": 2.0, "lr": 0.1}\n',
                                      b'{"step": 1, "loss": null, "lr": 0.1}\n', b'{"step": 1, "eval_loss": "x"}\n',
-                                     b'{"step": 1, "loss": 2.0, "lr": "high"}\n'],
-                         ids=["binary", "string-step", "null-loss", "string-eval", "string-lr"])
+                                     b'{"step": 1, "loss": 2.0, "lr": "high"}\n',
+                                     b'{"step": 1, "loss": 1' + b"0" * 400 + b', "lr": 0.1}\n',
+                                     b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"\n"],
+                         ids=["binary", "string-step", "null-loss", "string-eval", "string-lr", "huge-int",
+                              "nested-deep"])
 def test_a_damaged_metrics_file_exits_2_with_one_line(tmp_path, capsys, content):
+    """huge-int: an integer of 401 digits overflowed in matplotlib; nested-deep: a RecursionError in json."""
     (tmp_path / "metrics.jsonl").write_bytes(content)
     assert plot_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: plot:") and "damaged" in err[0], err
+    if b"high" in content:  # the field at fault is named, not the good ones
+        assert "lr='high', not a finite number" in err[0] and "loss=" not in err[0], err
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "no-such-format", "a-folder"])
+def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1}\n')
+    out = {"missing-folder": tmp_path / "no" / "x.png", "no-such-format": tmp_path / "x.xyz",
+           "a-folder": tmp_path / "loss.png"}[where]
+    if where == "a-folder":  # the default RUN_DIR/loss.png is a folder
+        out.mkdir()
+    assert plot_main([str(tmp_path)] + ([] if where == "a-folder" else ["--out", str(out)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"plot: cannot write {out}" in err[0], err
