@@ -80,6 +80,13 @@ def _own_problems(r: Recipe) -> list[str]:
         need(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf"),
              f"data.sources[{i}].weight={clip(repr(w))} must be a positive finite number; give every source a "
              "weight > 0")
+    weights = [src.get("weight", 1.0) for src in d.sources or [] if isinstance(src, dict)]
+    if weights and all(isinstance(w, (int, float)) and 0 < w < float("inf") for w in weights):
+        # shares are weight / sum: a sum that overflows, or a share that rounds to nothing, trained as another blend
+        total = sum(float(w) for w in weights)
+        need(total < float("inf") and min(weights) / total >= 1e-9,
+             f"data.sources: weights {clip(repr(weights))} give a share of {min(weights) / total:.3g} to one source "
+             "(or overflow their sum); give weights within a factor of 1e9 of each other, e.g. 1 to 100")
     need(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     need(bool(d.tokenizer) or bool(m.init_from),
          "data.tokenizer is empty; set it to a tokenizer directory (or set model.init_from)")

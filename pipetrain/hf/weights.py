@@ -237,8 +237,15 @@ class HFWeights:
                 raise ConfigError(f"model.init_from: tensor {key} in {path} must have shape "
                                   f"{tuple(expected_shape)} (from config.json), got {shape}; the weights do "
                                   "not match the config")
+            if view.get_dtype() not in WEIGHT_DTYPES:  # an int, bool, complex or float8 tensor was cast silently
+                raise ConfigError(f"model.init_from: tensor {key} in {path} is {view.get_dtype()}, where a model's "
+                                  f"weights are one of {', '.join(WEIGHT_DTYPES)}; the weights are not this model's")
             part = view[tuple(slices[::-1])].t() if src.transpose else view[tuple(slices)]  # a copy
         return part
+
+
+# safetensors' names of the dtypes a model's weights may be stored in (each casts exactly to the fp32 masters)
+WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _retie(model: nn.Module, cfg: ModelConfig) -> None:

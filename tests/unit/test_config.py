@@ -205,6 +205,10 @@ def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
     ("run", "sample_tokens", -5, "run.sample_tokens=-5 must be >= 0"),
     ("run", "eval_batches", -1, r"run.eval_batches=-1 must be >= 1 \(run.eval_every=0 turns evaluation off\)"),
     ("run", "peak_tflops", 0.0, "run.peak_tflops=0.0 must be > 0"),
+    # a share that rounds to nothing, or a sum that overflows: another blend than the one asked for, silently
+    ("data", "sources", [{"path": "a", "weight": 1e-300}, {"path": "b", "weight": 1}],
+     "give a share of 1e-300 to one source"),
+    ("data", "sources", [{"path": "a", "weight": 1e308}, {"path": "b", "weight": 1e308}], "overflow their sum"),
 ])
 def test_out_of_range_and_non_finite_values_are_refused_at_load(section, key, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -173,6 +173,15 @@ def test_tensor_shape_mismatch_and_missing_tensor_name_the_tensor_and_file(hf_mo
     save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(missing / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"tensor lm_head.weight is missing from .*missing/model.safetensors"):
         load_hf_weights(build(cfg), str(missing), cfg)
+    # a weight stored as an integer, bool, complex or float8 tensor was cast into the fp32 masters silently
+    for dtype in (torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn):
+        odd = tmp_path / f"dtype-{str(dtype).split('.')[1]}"
+        shutil.copytree(hf_dir, odd)
+        norm = state["model.norm.weight"]
+        save_file({**state, "model.norm.weight": norm.to(dtype)}, str(odd / "model.safetensors"))
+        with pytest.raises(ConfigError, match=r"tensor model.norm.weight in .* is [A-Z0-9_]+, where a model's weights "
+                                              r"are one of F32, F16, BF16, F64"):
+            load_hf_weights(build(cfg), str(odd), cfg)
 
 
 def test_tokenizer_larger_than_the_model_vocab_is_rejected():
