@@ -5,7 +5,7 @@ import dataclasses
 import sys
 
 from pipetrain.config import ArgumentParser, ConfigError, load_recipe
-from pipetrain.data import load_tokenizer, prepare_sources
+from pipetrain.data import load_tokenizer, open_prepared, prepare_sources
 from pipetrain.parallel.mesh.rules import parallel_problems
 
 
@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_proc < 1:
                 raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
             data = dataclasses.replace(data, num_proc=args.num_proc)
-        for out in prepare_sources(data, load_tokenizer(data.tokenizer)):
+        tokenizer = load_tokenizer(data.tokenizer)
+        for out in prepare_sources(data, tokenizer):
+            open_prepared(out, tokenizer, verify=data.verify)  # one made earlier may be damaged: say so here
             print(out, flush=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -293,6 +293,11 @@ def test_prepare_command_prepares_a_recipes_sources_and_exits_2_on_bad_input(tmp
     assert os.path.isfile(os.path.join(out, "manifest.json"))
     assert main(["prepare", "--recipe", recipe, "--set", f"data.path={tmp_path / 'missing'}"]) == 2
     assert capsys.readouterr().err.startswith("error: data.path:")
+    # a prepared directory found damaged (here: truncated) is reported, where prepare printed its path, exit 0
+    with open(os.path.join(out, "tokens.bin"), "r+b") as f:
+        f.truncate(10)
+    assert main(["prepare", "--recipe", recipe] + sets) == 2
+    assert "tokens.bin is truncated or damaged" in capsys.readouterr().err
 
 
 def test_data_sources_blend_prepared_corpora_and_report_each_share(tmp_path, tokenizer, capsys):
