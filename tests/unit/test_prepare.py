@@ -1,4 +1,5 @@
 """Prepared corpora: atomic and idempotent prepare, memory maps, manifest checks, blends, bad input."""
+import hashlib
 import json
 import multiprocessing
 import os
@@ -397,3 +398,16 @@ def test_document_offsets_that_do_not_rise_to_num_tokens_are_refused(tmp_path, t
         docs.tofile(copy / "documents.bin")
     with pytest.raises(ConfigError, match="documents.bin does not hold document offsets from 0 to num_tokens"):
         open_prepared(_edited_copy(out, tmp_path, scramble), tokenizer)
+
+
+def test_token_ids_past_the_tokenizer_are_refused_when_verified(tmp_path, tokenizer):
+    """Edited tokens (with the hashes sealed again) reached the embedding as an IndexError traceback."""
+    out = prepare(_corpus(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+
+    def edit(copy, manifest):
+        tokens = np.fromfile(copy / "tokens.bin", dtype=manifest["dtype"])
+        tokens[3] = len(tokenizer)
+        tokens.tofile(copy / "tokens.bin")
+        manifest["files"]["tokens.bin"]["sha256"] = hashlib.sha256((copy / "tokens.bin").read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match=f"tokens.bin holds token id {len(tokenizer)}, past the tokenizer's"):
+        open_prepared(_edited_copy(out, tmp_path, edit), tokenizer, verify=True)
