@@ -12,6 +12,7 @@ from pipetrain.checkpoint.read import read_manifest, verify_files
 from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.checkpoint.writer import CheckpointSaveError
 from pipetrain.config import ConfigError, DataConfig, Recipe, RunConfig, TrainConfig, load_recipe
+from pipetrain.rerun import SavedRun, finished_report
 from pipetrain.data import Loader, PackedData
 from pipetrain.models import build, materialize
 from pipetrain.optim.build import build_optimizer
@@ -96,3 +97,14 @@ def test_a_corpus_without_validation_windows_skips_evaluation_and_refuses_eval_o
     assert [r["step"] for r in records if "loss" in r] == [1, 2] and not any("eval_loss" in r for r in records)
     with pytest.raises(ConfigError, match=r"--eval-only: the data holds no validation window.*raise data.val_fraction"):
         build_trainer(recipe, loader=Loader(data, 2, 0, 1), eval_only=True)
+
+
+def test_a_finished_runs_report_skips_damaged_metrics_lines(tmp_path):
+    """Launching a finished run again reports its final loss from metrics.jsonl; a line with a string step or a
+    string loss, or nested 100k deep, was a TypeError or RecursionError there, and is passed over now."""
+    lines = [json.dumps({"step": 1, "loss": 2.5}), json.dumps({"step": "x", "loss": 1.0}),
+             json.dumps({"step": 2, "loss": "low"}), '{"a": ' * 100_000 + "1" + "}" * 100_000]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = Recipe(run=RunConfig(output_dir=str(tmp_path)))
+    line = finished_report(SavedRun(str(tmp_path / "checkpoints" / "step-00000002"), 2, {}), recipe)
+    assert "final loss 2.5000 at step 1" in line
