@@ -440,8 +440,9 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False, sources: bool
     if n_tok < 2:
         raise ConfigError(f"data.path: {path} holds {n_tok} tokens; add data")
     tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n_tok,))
-    if verify and tokenizer is not None and int(tokens.max()) >= len(tokenizer):  # a pass, cheaper than the hash
-        raise ConfigError(f"data.path: {os.path.join(path, 'tokens.bin')} holds token id {int(tokens.max())}, past "
+    top = int(tokens.max()) if verify and tokenizer is not None else None  # one pass, cheaper than the hash
+    if top is not None and top >= len(tokenizer):
+        raise ConfigError(f"data.path: {os.path.join(path, 'tokens.bin')} holds token id {top}, past "
                           f"the tokenizer's {len(tokenizer)} tokens; delete {path} and prepare again")
     documents = np.memmap(os.path.join(path, "documents.bin"), dtype=np.int64, mode="r", shape=(n_doc + 1,))
     if documents[0] != 0 or documents[-1] != n_tok or (n_doc and bool((np.diff(documents) < 0).any())):
