@@ -14,7 +14,8 @@ transformers' model (sdpa). A pipetrain row whose override the recipe refuses (a
 reads "unsupported: <the recipe's error>"; a row that runs out of memory says so. Data: synthetic tokens drawn on
 the device (no dataset, no network). Default: the llama 1.0B model of issue 34 at seq 2048, 16 sequences a step
 (under 5 minutes on one H100/H200); --full adds the gpt-1b recipe's model and a llama 1.5B with vocab 128,256,
-and a row of fp8 with rowwise scales (train.fp8_recipe=rowwise) and compile (an --only naming it runs it too).
+and rows of fp8 with rowwise scales (train.fp8_recipe=rowwise, and rowwise_with_gw_hp) and compile (an --only
+naming one runs it too).
 With nvidia-smi on PATH each row also gets the card's SM clock, board power and temperature during its timed
 steps (benchmarks/clocks.py). MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
 pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
@@ -97,11 +98,12 @@ ROWS = [
     ("pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain-torch", []),
     ("transformers (sdpa)", "hf", None),
 ]
-# --full's rows too (or one an --only names): rowwise fp8 scales (train.fp8_recipe=rowwise, docs/fp8.md), whose
-# cost against tensorwise no target names, left out of the default's 5 minutes
+# --full's rows too (or one an --only names): rowwise fp8 scales (train.fp8_recipe=rowwise and rowwise_with_gw_hp,
+# docs/fp8.md), whose cost against tensorwise no target names, left out of the default's 5 minutes
 FULL_ROWS = [
-    ("pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true", "pipetrain",
-     ["train.precision=fp8", "train.fp8_recipe=rowwise", "train.compile=true"]),
+    (f"pipetrain, train.precision=fp8 + train.fp8_recipe={recipe} + train.compile=true", "pipetrain",
+     ["train.precision=fp8", f"train.fp8_recipe={recipe}", "train.compile=true"])
+    for recipe in ("rowwise", "rowwise_with_gw_hp")
 ]
 BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
 FP8_COMPILE_TORCH = ROWS[6][0]
@@ -312,6 +314,7 @@ RATIOS = [("pipetrain, train.compile=true", "pipetrain Trainer (Triton kernels)"
            "pipetrain, train.compile=true", None),
           ("pipetrain, train.precision=fp8", "pipetrain Trainer (Triton kernels)", None),
           (FULL_ROWS[0][0], "pipetrain, train.precision=fp8 + train.compile=true", None),
+          (FULL_ROWS[1][0], FULL_ROWS[0][0], None),
           ("pipetrain Trainer (Triton kernels)", "the same model in a plain PyTorch loop", None)]
 
 
@@ -389,7 +392,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
                         help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k, and the rowwise "
-                             "fp8 row")
+                             "fp8 rows")
     parser.add_argument("--model", action="append", default=[], choices=list(MODELS),
                         help="run this model's rows (repeatable, in the order given); default: llama-1b "
                              "(--full: all three)")

@@ -171,7 +171,7 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # fp8: block linears in float8 (parallel/tensor/fp8.py)
     fp8_emulate: bool = False        # fp8 through the fp32 emulation even on CUDA (a GPU older than sm_89 needs it)
-    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # fp8 scales per tensor or per row (fp8_rowwise.py)
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"  # fp8 scales (fp8_rowwise.py)
     grad_accumulation_fusion: bool = True  # add weight grads into .grad in place (pipetrain.parallel.pipeline.weight_grads)
     grad_accumulation_fusion_min_numel: int = 1 << 20  # smallest weight fused; smaller ones cost more than they save
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # after warmup (pipetrain.lr_schedule)

@@ -1,7 +1,8 @@
 """FP8 training (emulated on CPU) under tensor parallelism (pipetrain/parallel/tensor/fp8.py): a tp rank
 quantises with the scale of the full tensor (its amax reduced over tp), so tp=2's fp8 operands are bitwise
 tp=1's and the results differ by fp32 summation order only. The same for rowwise scales
-(train.fp8_recipe=rowwise, fp8_rowwise.py), whose per-row amaxes are reduced over tp where tp splits the row."""
+(train.fp8_recipe=rowwise, fp8_rowwise.py), whose per-row amaxes are reduced over tp where tp splits the row, and for
+rowwise_with_gw_hp (dx's weight under one scale: its amax reduced over tp whichever dim tp splits)."""
 import json
 import os
 
@@ -29,13 +30,14 @@ def _check(got, want, what, dims):
     torch.testing.assert_close(got, want, **TP_FP32, msg=lambda m: f"{dims.coords} {what}: {m}")
 
 
-def _layers_worker(rank, world_size, rowwise):
+def _layers_worker(rank, world_size, recipe):
     """Column- and row-parallel fp8 linears against one process's fp8 linear. Rank 0's shards of x, W and
     dy hold values 2^12 (dy: 2^20) times larger than rank 1's, so under the full tensor's scale many of rank
     1's values are fp8 subnormals. (A power-of-two scale changes only which values saturate or fall to
     subnormals; a scale taken per shard would give rank 1 all-normal values, and results tp=1 does not.)
     rowwise: the same holds for the rows that tp splits (x's and W's rows of a row-parallel linear, dy's rows and
-    W's columns of a column-parallel one): a scale per row taken from one shard's part of it is not tp=1's."""
+    W's columns of a column-parallel one): a scale per row taken from one shard's part of it is not tp=1's.
+    rowwise_with_gw_hp: dx's weight scale is the whole weight's, from both shards."""
     dims = ParallelDims.from_degrees(tp=world_size)
     half = slice(0, D // 2)
     mine = slice(dims.tp_rank * D // 2, (dims.tp_rank + 1) * D // 2)
@@ -48,7 +50,8 @@ def _layers_worker(rank, world_size, rowwise):
         with torch.no_grad():
             lin.weight[half, half] *= 2 ** 12  # rank 0's weight shard, by rows (column) or by columns (row)
         xr = x.clone().requires_grad_()
-        y_ref = Fp8Linear(rowwise=rowwise)(xr, lin.weight, lin.bias)
+        y_ref = Fp8Linear(rowwise=recipe != "tensorwise", weight_grad_hp=recipe == "rowwise_with_gw_hp")(
+            xr, lin.weight, lin.bias)
         (y_ref * g).sum().backward()
         if kind == "column":
             layer, xp, out, dy = ColumnParallelLinear.from_linear(lin, dims), x.clone(), mine, g[..., mine]
@@ -60,7 +63,7 @@ def _layers_worker(rank, world_size, rowwise):
         name = "wq" if kind == "column" else "wo"
         setattr(block.attn, name, layer)
         assert apply_fp8(nn.ModuleDict({"layers": nn.ModuleList([block])}), dims, LLAMA, emulate=True,
-                         recipe="rowwise" if rowwise else "tensorwise") == [f"layers.0.attn.{name}"]
+                         recipe=recipe) == [f"layers.0.attn.{name}"]
         xp.requires_grad_()
         y = layer(xp)
         (y * dy).sum().backward()
@@ -71,9 +74,9 @@ def _layers_worker(rank, world_size, rowwise):
         _check(layer.bias.grad, lin.bias.grad[out], f"{kind} bias grad", dims)
 
 
-@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
-def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2(rowwise):
-    run_ranks(2, _layers_worker, rowwise)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2(recipe):
+    run_ranks(2, _layers_worker, recipe)
 
 
 def _losses(out: str, dims: ParallelDims | None = None, **keys) -> list[float]:
@@ -106,7 +109,8 @@ def _check_curve(losses, reference):
     assert losses == pytest.approx(reference, **FP8_TP_CURVE), f"{losses} against tp=1's {reference}"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise",
+                                    pytest.param("rowwise_with_gw_hp", marks=pytest.mark.slow)])
 def test_fp8_trainer_at_tp2_follows_the_single_process_run(tmp_path, recipe):
     reference = _losses(str(tmp_path / "single"), fp8_recipe=recipe)
     _check_curve(rank_results(2, _trainer_worker, str(tmp_path), 2, 1, dict(fp8_recipe=recipe))[0], reference)
@@ -120,7 +124,7 @@ def test_fp8_trainer_at_pp2_x_tp2_with_sequence_parallel_follows_the_single_proc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_fp8_trainer_at_pp2_with_split_backward_equals_the_single_process_run(tmp_path, recipe):
     """pp changes no microbatch and no summation order: the fp8 losses are the single process's, bit for bit
     (the fp8 linears compute dW in B, so the split backward's W actions find nothing of theirs to do)."""

@@ -50,14 +50,17 @@ def test_fp8_resume_is_bitwise_identical(fp8_run, tmp_path, token_cache):
     assert [{k: m[k] for k in keys} for m in resumed if "loss" in m] == after
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_fp8_loss_curve_differs_from_tensorwise_and_bf16_but_stays_within_tolerance(fp8_run, bf16_losses,
-                                                                                            tmp_path, token_cache):
-    """train.fp8_recipe=rowwise (a scale per row of each GEMM operand; e4m3 gradients): its own curve, within
-    FP8_CURVE of bf16's as tensorwise is; a scale per row that is wrong (too large: rows saturate) leaves it."""
-    proc, metrics = run_train(str(tmp_path), ["train.precision=fp8", "train.fp8_recipe=rowwise"],
+                                                                                            tmp_path, token_cache,
+                                                                                            recipe):
+    """train.fp8_recipe=rowwise (a scale per row of each GEMM operand; e4m3 gradients) and rowwise_with_gw_hp
+    (dW in bf16): each its own curve, within FP8_CURVE of bf16's as tensorwise is; a scale per row that is wrong
+    (too large: rows saturate) leaves it."""
+    proc, metrics = run_train(str(tmp_path), ["train.precision=fp8", f"train.fp8_recipe={recipe}"],
                               cache_dir=token_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rowwise = step_losses(metrics)
     assert len(rowwise) == STEPS and rowwise != step_losses(fp8_run[1]) and rowwise != bf16_losses
-    assert rowwise == pytest.approx(bf16_losses, **FP8_CURVE), f"rowwise {rowwise}\nbf16 {bf16_losses}"
+    assert rowwise == pytest.approx(bf16_losses, **FP8_CURVE), f"{recipe} {rowwise}\nbf16 {bf16_losses}"
     assert rowwise[-1] < 0.9 * rowwise[0]

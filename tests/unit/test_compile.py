@@ -71,7 +71,8 @@ def test_steady_state_is_the_median_after_the_warm_up_steps():
     assert steady_tokens_per_sec(rates[:2]) is None
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise",
+                                    pytest.param("rowwise_with_gw_hp", marks=pytest.mark.slow)])
 def test_fp8_linears_stay_fp8_inside_compiled_blocks(tmp_path, monkeypatch, recipe):
     """linear() hands fp8 modules to Fp8Linear before the compiled shortcut to F.linear, so a compiled fp8
     run's first loss is eager fp8's bit for bit (a bf16 forward gives another); later steps follow eager fp8

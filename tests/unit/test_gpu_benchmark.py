@@ -17,7 +17,8 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
         "torch.compile of the plain loop", "transformers (sdpa)",
         "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch",
         "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
-        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true"]  # --full's
+        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true",  # --full's
+        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise_with_gw_hp + train.compile=true"]
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
@@ -38,7 +39,7 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     # would leave the PIPETRAIN_KERNELS=torch row running the Triton ops' graph), and an eager row none
     graphs = {line.split("|")[2].strip(): int(line.split("|")[7]) for line in measured}
     compiled = [row for row in graphs if "compile" in row]
-    assert len(compiled) == 6 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert len(compiled) == 7 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text

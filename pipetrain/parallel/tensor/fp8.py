@@ -43,8 +43,9 @@ once per executor run into an Fp8Weight the linear reads (the weights do not cha
 values are the same), where each call quantised it again. Under no_grad (evaluation) the linears run without
 the autograd Function (_apply).
 
-train.fp8_recipe=rowwise takes a scale per row of each GEMM operand instead (fp8_rowwise.py: the same Function,
-Fp8Linear.rowwise); this docstring is the tensorwise recipe, the default.
+train.fp8_recipe=rowwise takes a scale per row of each GEMM operand instead, and rowwise_with_gw_hp also computes
+dW in high precision (fp8_rowwise.py: the same Function, Fp8Linear.rowwise); this docstring is the tensorwise
+recipe, the default.
 
 The weight gradient goes through autograd (not fused into .grad, not deferred by the split backward): the
 fp8 dW needs the quantised dy of the same call, and split backward still works, with dW computed in B.
@@ -65,7 +66,7 @@ from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.kernels.fp8_quant import (MIN_CAPABILITY, fp8_columns, quantize,  # _scaled_mm's floor too
                                          quantize_tensorwise, scale_from_amax, tensorwise_scale)
-from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, hardware_shapes_ok, scaled_mm
+from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, amax_over, hardware_shapes_ok, scaled_mm
 from pipetrain.parallel.tensor.fp8_rowwise import rowwise_backward, rowwise_forward
 from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from pipetrain.parallel.mesh.comm import all_reduce_max_
@@ -80,12 +81,7 @@ _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype, tp_group=None) -> torch.Tensor:
     """Scale of the whole tensor: its amax, reduced (max) over tp_group when x is one rank's part of it."""
-    return tensorwise_scale(x, dtype, _amax_reducer(tp_group))
-
-
-def _amax_reducer(tp_group):
-    """quantize_tensorwise's reduce_amax: the max over tp_group (None at tp=1)."""
-    return None if tp_group is None else (lambda amax: all_reduce_max_(amax, tp_group))
+    return tensorwise_scale(x, dtype, amax_over(tp_group))
 
 
 def _forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True) -> tuple[list, list]:
@@ -95,7 +91,7 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True
     device = x.device.type
     out_dtype = autocast_dtype(x) or x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-    xq, x_scale, _ = quantize_tensorwise(x2, FORWARD_DTYPE, _amax_reducer(specs[0].tp_group))  # one tp group
+    xq, x_scale, _ = quantize_tensorwise(x2, FORWARD_DTYPE, amax_over(specs[0].tp_group))  # one tp group
     outputs, saved = [], [xq, x_scale]
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
         wq_backward = None  # dx = dy W's operand: wq, or its column-major copy for the hardware's GEMM
@@ -104,7 +100,7 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True
             if spec.gathered.columns is not None and all(n % 16 == 0 for n in (x2.shape[0], *wq.shape)):
                 wq_backward = spec.gathered.columns  # (else scaled_mm emulates dx, from wq as it is)
         else:
-            wq, w_scale, _ = quantize_tensorwise(weight, FORWARD_DTYPE, _amax_reducer(spec.tp_group))
+            wq, w_scale, _ = quantize_tensorwise(weight, FORWARD_DTYPE, amax_over(spec.tp_group))
         with torch.autocast(device, enabled=False):
             y = scaled_mm(xq, x_scale, wq.t(), w_scale, out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM,
                           bias=None if bias is None else bias.to(out_dtype))
@@ -129,7 +125,7 @@ def _backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
             need_dw = ctx.needs_input_grad[2 + 2 * i]
             # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
             columns = need_dw and hardware_dw and dy2.shape[1] % 16 == 0  # (else dW is emulated)
-            gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, _amax_reducer(spec.tp_group),
+            gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, amax_over(spec.tp_group),
                                                           columns=columns)
             if ctx.needs_input_grad[0]:
                 part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
@@ -283,12 +279,14 @@ class Fp8Linear:
     tp_group: amaxes are reduced over it (None at tp=1); hardware: torch._scaled_mm, else emulated;
     gathered: the weight ZeRO-3 gathered in float8 (then the weight argument is not read), else None;
     rowwise: train.fp8_recipe=rowwise (fp8_rowwise.py), where tp_split says which dim tp splits: "out"
-    (column-parallel), "in" (row-parallel), None at tp=1 (tensorwise reduces every amax, and needs no split)."""
+    (column-parallel), "in" (row-parallel), None at tp=1 (tensorwise reduces every amax, and needs no split);
+    weight_grad_hp (with rowwise): train.fp8_recipe=rowwise_with_gw_hp, dW in high precision (fp8_rowwise.py)."""
     tp_group: object = None
     hardware: bool = False
     gathered: Fp8Weight | None = None
     rowwise: bool = False
     tp_split: str | None = None
+    weight_grad_hp: bool = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(x, (self,), (weight, bias))[0]
@@ -322,7 +320,8 @@ def uses_hardware(device: torch.device, emulate: bool) -> bool:
 def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: bool,
               recipe: str = "tensorwise") -> list[str]:
     """Give the FP8_PLAN linears of model (after apply_tensor_parallel and apply_grad_accumulation_fusion)
-    their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise: fp8_rowwise.py).
+    their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise and
+    rowwise_with_gw_hp: fp8_rowwise.py).
     Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rules (LoRA, replicated kv
     heads, rowwise with ZeRO-3) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
@@ -331,7 +330,7 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
     assert cfg.lora_rank is None and (dims.tp == 1 or cfg.kv_heads % dims.tp == 0), \
         "apply_fp8: parallel_problems / layout_problems refuse LoRA and replicated kv heads under fp8"
     spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate),
-                     rowwise=recipe == "rowwise")
+                     rowwise=recipe != "tensorwise", weight_grad_hp=recipe == "rowwise_with_gw_hp")
     names = []
     for name, module in model.named_modules():
         if _LAYER_PREFIX.sub("", name) in FP8_PLAN:

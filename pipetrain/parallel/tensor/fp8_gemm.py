@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 
 from pipetrain.kernels.fp8_quant import fp8_columns
+from pipetrain.parallel.mesh.comm import all_reduce_max_
 
 # The forward GEMM (y = x W^T) accumulates fast on the hardware, the two gradient GEMMs in full: torchao's
 # float8 training defaults (what torchtitan's fp8 figures used); gradients need the precision more.
 FORWARD_FAST_ACCUM = True
+
+
+def amax_over(tp_group):
+    """An amax reduction for the quantisers (quantize_tensorwise's reduce_amax): the max over tp_group, or None
+    (no reduction) at tp=1."""
+    return None if tp_group is None else (lambda amax: all_reduce_max_(amax, tp_group))
 
 
 def hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:

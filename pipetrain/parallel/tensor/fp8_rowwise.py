@@ -32,6 +32,14 @@ reference, which inductor fuses under train.compile), the once-a-run weight cach
 (both hold one tensorwise quantisation of each weight): the cache stays off (build.fp8_weights_once_a_run) and
 parallel/mesh/rules.py refuses rowwise with parallel.zero=3.
 
+train.fp8_recipe=rowwise_with_gw_hp (torchao's and torchtitan's recipe of that name; Fp8Linear.weight_grad_hp):
+  y  = x W^T   as rowwise
+  dx = dy W    dy per token, W with one scale (tensorwise, its amax reduced over tp)
+  dW = dy^T x  in high precision: the autocast dtype's GEMM (bf16), from x saved in that dtype
+Each of x and dy is then quantised once (along the dimension the next GEMM sums), W twice, and the weight
+gradient keeps bf16's 8 mantissa bits where rowwise gives it e4m3's 3, at the cost of a bf16 GEMM (a third of
+the linear's FLOPs at half fp8's peak) and x saved in two bytes an element instead of one.
+
 Shapes: x (..., D_in) flattened to (N, D_in), W (D_out, D_in), dy (N, D_out).
 """
 from __future__ import annotations
@@ -41,9 +49,8 @@ from typing import Callable
 import torch
 
 from pipetrain.kernels.dispatch import autocast_dtype
-from pipetrain.kernels.fp8_quant import quantize, scale_from_amax
-from pipetrain.parallel.mesh.comm import all_reduce_max_
-from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, scaled_mm
+from pipetrain.kernels.fp8_quant import quantize, quantize_tensorwise, scale_from_amax
+from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, amax_over, scaled_mm
 
 ROWWISE_DTYPE = torch.float8_e4m3fn  # every operand: x, W and dy
 TOKENS, FEATURES = 0, 1  # the dim of a 2-D operand an amax runs along
@@ -62,19 +69,19 @@ def quantize_along(t: torch.Tensor, dim: int, reduce: Callable | None = None) ->
 def _reduce(spec, split: str) -> Callable | None:
     """The amax reduction of an operand whose summed dim is `split` ("in": D_in, "out": D_out) for spec's linear:
     the max over its tp group where tp splits that dim, else None."""
-    if spec.tp_group is None or spec.tp_split != split:
-        return None
-    return lambda amax: all_reduce_max_(amax, spec.tp_group)
+    return amax_over(spec.tp_group) if spec.tp_split == split else None
 
 
 def rowwise_forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True) -> tuple[list, list]:
     """fp8.py's _forward with rowwise scales: the outputs of linears (specs; each one's weight and bias or None in
     params) on x, and what the backward needs (backward: False under no_grad, which skips those casts): x
-    quantised per input channel and its scales, then each weight quantised per input channel and its scales."""
+    quantised per input channel and its scales, then each weight quantised per input channel and its scales;
+    under weight_grad_hp x in the autocast dtype, then each weight quantised with one scale, and that scale."""
     out_dtype = autocast_dtype(x) or x.dtype
+    hp = specs[0].weight_grad_hp
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
     xq, x_scale = quantize_along(x2, FEATURES, _reduce(specs[0], "in"))  # one input: one tp split for all
-    saved = list(quantize_along(x2, TOKENS)) if backward else []
+    saved = ([x2.to(out_dtype)] if hp else list(quantize_along(x2, TOKENS))) if backward else []
     outputs = []
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
         wq, w_scale = quantize_along(weight, FEATURES, _reduce(spec, "in"))
@@ -82,7 +89,10 @@ def rowwise_forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool
             y = scaled_mm(xq, x_scale, wq.t(), w_scale.t(), out_dtype, spec.hardware, fast_accum=FORWARD_FAST_ACCUM,
                           bias=None if bias is None else bias.to(out_dtype))
         outputs.append(y.view(*x.shape[:-1], weight.shape[0]))
-        if backward:
+        if backward and hp:
+            wq, w_scale, _ = quantize_tensorwise(weight, ROWWISE_DTYPE, amax_over(spec.tp_group))
+            saved += [wq, w_scale]
+        elif backward:
             saved += quantize_along(weight, TOKENS, _reduce(spec, "out"))  # W (D_out, D_in): per input channel
     return outputs, saved
 
@@ -90,7 +100,11 @@ def rowwise_forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool
 def rowwise_backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
     """fp8.py's _backward with rowwise scales: (dx or None, [dW, db] of each linear), from ctx (the saved tensors
     of rowwise_forward; specs, x_dtype, out_dtype, w_dtypes, has_bias, needs_input_grad) and the outputs' dys."""
-    xq, x_scale, *weights = ctx.saved_tensors
+    hp = ctx.specs[0].weight_grad_hp
+    if hp:
+        x_hp, *weights = ctx.saved_tensors
+    else:
+        xq, x_scale, *weights = ctx.saved_tensors
     dx, grads = None, []
     for i, (spec, dy) in enumerate(zip(ctx.specs, dys)):
         dw = db = None
@@ -98,10 +112,14 @@ def rowwise_backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
             dy2 = dy.reshape(-1, dy.shape[-1])  # (N, D_out)
             if ctx.needs_input_grad[0]:
                 gq, g_scale = quantize_along(dy2, FEATURES, _reduce(spec, "out"))
-                part = scaled_mm(gq, g_scale, weights[2 * i], weights[2 * i + 1], ctx.out_dtype,
-                                 spec.hardware).to(ctx.x_dtype)
+                wq, w_scale = weights[2 * i], weights[2 * i + 1]
+                if hp:  # the weight's one scale as the per-column scales (1, D_in) _scaled_mm's rowwise kernel takes
+                    w_scale = w_scale.reshape(1, 1).expand(1, wq.shape[1]).contiguous()
+                part = scaled_mm(gq, g_scale, wq, w_scale, ctx.out_dtype, spec.hardware).to(ctx.x_dtype)
                 dx = part if dx is None else dx + part
-            if ctx.needs_input_grad[2 + 2 * i]:
+            if ctx.needs_input_grad[2 + 2 * i] and hp:  # dy^T x in the autocast dtype, fp32 sums
+                dw = torch.mm(dy2.t().to(x_hp.dtype), x_hp).to(ctx.w_dtypes[i])
+            elif ctx.needs_input_grad[2 + 2 * i]:
                 gq, g_scale = quantize_along(dy2, TOKENS)  # (N, D_out), scales (1, D_out): dy^T per row
                 dw = scaled_mm(gq.t(), g_scale.t(), xq, x_scale, ctx.out_dtype, spec.hardware).to(ctx.w_dtypes[i])
             if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
