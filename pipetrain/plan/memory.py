@@ -147,10 +147,13 @@ def zero3_unit_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int, int, int]:
     norm + head, bytes the embedding and head units share). A tied head on the embedding's own stage is the
     embedding's table, gathered with either unit. Under train.precision=bf16 the linear weights are gathered
     and held in bf16 (parallel/data/zero3.py), the rest in fp32 (_fp32_matmul_weights among them); under fp8
-    a block's linears (all fp8 linears, parallel/tensor/fp8.FP8_PLAN) at one byte, the head in bf16."""
+    a block's linears (all fp8 linears, parallel/tensor/fp8.FP8_PLAN) at one byte, or in fp32 under a rowwise
+    train.fp8_recipe (no float8 gather holds a scale per row), the head in bf16."""
     p, m, precision = recipe.parallel, recipe.model, recipe.train.precision
     low = 2 if precision in ("bf16", "fp8") else FP32
-    block_low = 1 if precision == "fp8" else low  # fp8 refuses the replicated kv heads _fp32_matmul_weights counts
+    block_low = low
+    if precision == "fp8":  # fp8 refuses the replicated kv heads _fp32_matmul_weights counts
+        block_low = 1 if recipe.train.fp8_recipe == "tensorwise" else FP32
     layers, first, last, copy = rank_stages(recipe, pp_rank)
     kv, _ = _fp32_matmul_weights(recipe, pp_rank)
 

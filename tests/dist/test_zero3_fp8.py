@@ -8,7 +8,8 @@ slow-marked. Against one process with the same two microbatches (dp 2): the firs
 round-off, later ones within fp8's curve tolerance (the gradients are summed in another order, and e5m2
 rounding magnifies that). dp 2 also checks what a block holds as it starts (its fp8 weights at one byte),
 the bytes gathered in each dtype, that autograd saves the gathered fp8 weight itself where zero 1 saves a
-quantised copy of every weight, and a bitwise resume."""
+quantised copy of every weight, and a bitwise resume. Rowwise recipes (no float8 gather: their weights gathered
+in fp32) against zero 1 the same way, and the memory model's block unit against the bytes a block holds."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.plan.memory import zero3_unit_bytes
 from pipetrain.parallel.tensor.fp8 import FORWARD_DTYPE
 from tests.dist.test_fp8 import FP8_TP_CURVE
 from tests.harness import EXACT_FP32, rank_results
@@ -141,3 +143,54 @@ def test_zero3_fp8_dp2_equals_zero1_bit_for_bit_and_one_process(tmp_path):
 @pytest.mark.parametrize("name", ["dp2_tp2", "dp2_pp2_split_backward"])
 def test_zero3_fp8_layouts_equal_zero1(tmp_path, name):
     _check(rank_results(LAYOUTS[name][0], _worker, str(tmp_path), name), name)
+
+
+def _rowwise_worker(rank, world_size, out, name, recipe):
+    """Zero 3 under a rowwise fp8 recipe against zero 1 in the same layout: no float8 gather (a scale per row is
+    not one scale), the block linears' weights gathered in fp32 and quantised by the linear as at zero 1."""
+    _, tp, pp, extra = LAYOUTS[name]
+    dims = ParallelDims.from_degrees(tp=tp, pp=pp)
+    keys = dict(fp8_recipe=recipe, steps=STEPS, **extra)
+    z3 = _skewed(_trainer(os.path.join(out, "zero3"), dims, zero=3, **keys), dims)
+    opt = z3.optimizer
+    held = []
+    for block in z3.model.layers.values():  # storage of the parameters as each block starts
+        block.register_forward_pre_hook(lambda m, a: held.append(
+            sum(opt.gatherer.target(i).untyped_storage().nbytes() for i in range(len(opt.params)))))
+    res = {"fp8_weights": len(opt.fp8_weights), "losses": [], "evals": []}
+    for step in range(STEPS):
+        res["losses"].append(z3.train_step()["loss"])
+        res["evals"].append(z3.evaluate()["eval_loss"])
+        if step == STEPS - 2:
+            z3.checkpointer.save(z3)
+    res["held"] = sorted(set(held))
+    res["modelled"] = zero3_unit_bytes(z3.recipe, dims.pp_rank)[1]  # the memory model's block unit
+    res["gathered"] = {str(k) for k in opt.gatherer.gathered_bytes}
+    res["has_head"] = getattr(z3.model, "head", None) is not None
+    res["resumed"] = _trainer(os.path.join(out, "zero3"), dims, zero=3, resume="auto", **keys).train_step()["loss"]
+    z1 = _skewed(_trainer(os.path.join(out, "zero1"), dims, zero=1, **keys), dims)
+    res["zero1"], res["zero1_evals"] = [], []
+    for _ in range(STEPS):
+        res["zero1"].append(z1.train_step()["loss"])
+        res["zero1_evals"].append(z1.evaluate()["eval_loss"])
+    return res
+
+
+def _check_rowwise(results):
+    for rank, res in enumerate(results):
+        assert res["losses"] == res["zero1"] and res["evals"] == res["zero1_evals"], (rank, res)
+        assert res["resumed"] == res["losses"][-1], (rank, res["resumed"], res["losses"])
+        assert res["fp8_weights"] == 0, res  # nothing gathered in float8
+        head = {"torch.bfloat16"} if res["has_head"] else set()
+        assert res["gathered"] == {"torch.float32"} | head, res["gathered"]
+        assert res["held"] == [res["modelled"]], (rank, res["held"], res["modelled"])  # block weights at 4 bytes
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_zero3_rowwise_fp8_dp2_gathers_fp32_weights_and_equals_zero1_bit_for_bit(tmp_path, recipe):
+    _check_rowwise(rank_results(2, _rowwise_worker, str(tmp_path), "dp2", recipe))
+
+
+@pytest.mark.slow
+def test_zero3_rowwise_fp8_dp2_tp2_equals_zero1_bit_for_bit(tmp_path):
+    _check_rowwise(rank_results(4, _rowwise_worker, str(tmp_path), "dp2_tp2", "rowwise"))

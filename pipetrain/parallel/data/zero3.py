@@ -32,7 +32,11 @@ quantised weights, and so the losses, are zero 1's bit for bit. The linear's fp3
 model, holds no values, and receives its fp32 gradient as any other. The fp8 weight autograd saves for
 backward is the gathered one (freed with its unit, gathered again for backward) instead of a quantised copy.
 The other linears (an untied head) are bf16 as under train.precision=bf16, since fp8 runs them under bf16
-autocast.
+autocast. Rowwise recipes (train.fp8_recipe: rowwise, rowwise_with_gw_hp; fp8_rowwise.py) quantise each weight
+along its rows, with a scale per output (and input) channel, which no one-scale float8 gather holds: their
+weights are gathered in fp32, as zero 1 hands them to the linear, which quantises them itself (torchtitan
+gathers rowwise weights in high precision too, though in bf16: a bf16 rounding before the float8 one would
+change a value where the bf16 rounding lands on a tie of float8, and the losses would no longer be zero 1's).
 """
 from __future__ import annotations
 
@@ -109,15 +113,18 @@ class Zero3Optimizer(ZeroOptimizer):
         self.fp8_weights: dict[int, Fp8Weight] = {}
         self.fp8_tp_group = None
         index = {id(p): i for i, p in enumerate(self.params)}
+        rowwise = set()  # ids of the weights of rowwise fp8 linears: gathered and given to them in fp32
         for module in model.modules():
             spec = getattr(module, "fp8", None)
-            if spec is not None and index.get(id(module.weight)) is not None:
+            if spec is not None and spec.rowwise:
+                rowwise.add(id(module.weight))
+            elif spec is not None and index.get(id(module.weight)) is not None:
                 holder = Fp8Weight(module.weight.shape, module.weight.device)
                 module.fp8 = dataclasses.replace(spec, gathered=holder)
                 self.fp8_weights[index[id(module.weight)]] = holder
                 self.fp8_tp_group = spec.tp_group
         if cfg.precision in ("bf16", "fp8"):  # fp8: the other linears (the head) run under bf16 autocast
-            low = compute_in_bf16(model, dims)
+            low = compute_in_bf16(model, dims) - rowwise
             for i, p in enumerate(self.params):
                 if id(p) in low and i not in self.fp8_weights:
                     p.data = p.data.to(torch.bfloat16)

@@ -41,9 +41,6 @@ def parallel_problems(recipe: Recipe) -> list[str]:
     if recipe.train.precision == "fp8" and recipe.model.lora_rank is not None:
         problems.append(f"train.precision=fp8: LoRA (model.lora_rank={recipe.model.lora_rank}) is not supported "
                         "with fp8 yet; use train.precision=bf16")
-    if recipe.train.precision == "fp8" and recipe.train.fp8_recipe != "tensorwise" and p.zero == 3:
-        problems.append(f"train.fp8_recipe={recipe.train.fp8_recipe}: parallel.zero=3 gathers fp8 weights with one "
-                        "scale each (tensorwise); use train.fp8_recipe=tensorwise or parallel.zero<=2")
     return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
             + context_problems(recipe)
             + zero3_problems(recipe) + moe_problems(recipe) + expert_parallel_problems(recipe))

@@ -323,7 +323,7 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
     their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise and
     rowwise_with_gw_hp: fp8_rowwise.py).
     Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rules (LoRA, replicated kv
-    heads, rowwise with ZeRO-3) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
+    heads) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
     if problem:
         raise ConfigError(problem)

@@ -28,9 +28,9 @@ The others run along an axis each rank holds whole (sequence parallelism gathers
 so tp=2 quantises exactly as tp=1; the reductions are all-reduces of (N, 1) or (1, D) tensors, not scalars.
 
 Not with rowwise (yet): the Triton casts of kernels/fp8_quant.py (tensorwise kernels; rowwise runs the torch
-reference, which inductor fuses under train.compile), the once-a-run weight cache and ZeRO-3's float8 gather
-(both hold one tensorwise quantisation of each weight): the cache stays off (build.fp8_weights_once_a_run) and
-parallel/mesh/rules.py refuses rowwise with parallel.zero=3.
+reference, which inductor fuses under train.compile), the once-a-run weight cache (it holds one tensorwise
+quantisation of each weight: build.fp8_weights_once_a_run keeps it off) and ZeRO-3's float8 gather (ZeRO-3
+gathers these weights in fp32 instead, and the linear quantises them as at zero 1: parallel/data/zero3.py).
 
 train.fp8_recipe=rowwise_with_gw_hp (torchao's and torchtitan's recipe of that name; Fp8Linear.weight_grad_hp):
   y  = x W^T   as rowwise
