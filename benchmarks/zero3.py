@@ -1,6 +1,7 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
-    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16|fp8] [--timeline zero3-trace.json]
+    python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16|fp8|fp8-rowwise]
+                               [--timeline zero3-trace.json]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -21,6 +22,7 @@ MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the same split of dty
 --precision fp8: train.precision=fp8 (emulated on this CPU: the float8 values are multiplied in fp32), zero 3
 gathering the fp8 linears' weights in float8. FSDP2 is not run: its float8 all-gather is torchao's, whose
 CPU matmuls are not pipetrain's emulation, so a time ratio would compare the two matmuls, not the sharding.
+--precision fp8-rowwise: the same with train.fp8_recipe=rowwise, whose weights zero 3 gathers in fp32.
 
 --timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
 writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
@@ -61,7 +63,8 @@ def _reset_hwm() -> None:
 
 def _pipetrain(dims, zero: int, steps: int, out: str, precision: str, timeline: bool = False) -> tuple:
     trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
-                            seq_len=SEQ, grad_clip=1.0, precision=precision)
+                            seq_len=SEQ, grad_clip=1.0, precision=precision.split("-")[0],
+                            fp8_recipe="rowwise" if precision == "fp8-rowwise" else "tensorwise")
     gatherer = getattr(trainer.optimizer, "gatherer", None)
     times, events, gathered = [], [], 0
     for step in range(steps + 1):
@@ -167,7 +170,7 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
     try:
-        if mode == "fsdp2" and precision == "fp8":
+        if mode == "fsdp2" and precision.startswith("fp8"):
             results[rank] = {"error": "fp8 is compared on a GPU (torchao's float8 all-gather there; pipetrain's "
                                       "fp8 is emulated on the CPU)"}
             return
@@ -207,7 +210,7 @@ def main() -> None:
     parser.add_argument("--no-fsdp", action="store_true")
     parser.add_argument("--modes", nargs="+", default=None, help="a subset of zero0 zero1 zero2 zero3 fsdp2")
     parser.add_argument("--timeline", default=None, help="write zero 3's last step (rank 0) as a Chrome trace here")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp8", "fp8-rowwise"], default="fp32")
     args = parser.parse_args()
     params = count_params(build(MODEL, device="meta"))
     print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
