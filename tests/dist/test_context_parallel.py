@@ -38,7 +38,7 @@ def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask:
                seq_len: int = SEQ, resume: str | None = None, **parallel):
     """build_trainer on random tokens cut into documents of 3..20 tokens (several boundaries in every window
     and in every cp chunk), with data.document_mask when asked."""
-    train = {k: parallel.pop(k) for k in ("compile",) if k in parallel}  # train keys a case may set
+    train = {k: parallel.pop(k) for k in ("compile", "precision", "fp8_recipe") if k in parallel}  # train keys
     recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
                     train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
                                       warmup_steps=1, grad_clip=1.0, **train),

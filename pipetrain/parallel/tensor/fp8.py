@@ -33,6 +33,9 @@ others are replicated and the reduction returns their own amax): tp=2 quantises 
 are per microbatch, so layouts that put the same sequences in each microbatch (pp with the same
 parallel.microbatches; dp x microbatches constant) quantise alike. Replicated kv heads (n_kv_heads < tp) are
 refused: each rank's kv gradient is a partial sum there, and fp8 rounding of partial sums is not tp=1's.
+Context parallelism splits the tokens: x's and dy's amaxes are reduced over cp too (the weights are whole on
+every cp rank), so cp=2 quantises exactly as cp=1, and dW's sum over tokens is split over the cp ranks and
+summed with the other gradients (tests/dist/test_fp8_context_parallel.py).
 
 Linears of one input (the attention's wq, wk, wv; a gated MLP's gate and up) run as one autograd function
 (fp8_linears, models.decoder.linears_of_one_input): x is quantised and saved once for all of them, where a
@@ -91,7 +94,7 @@ def _forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool = True
     device = x.device.type
     out_dtype = autocast_dtype(x) or x.dtype
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-    xq, x_scale, _ = quantize_tensorwise(x2, FORWARD_DTYPE, amax_over(specs[0].tp_group))  # one tp group
+    xq, x_scale, _ = quantize_tensorwise(x2, FORWARD_DTYPE, amax_over(specs[0].tp_group, specs[0].cp_group))
     outputs, saved = [], [xq, x_scale]
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
         wq_backward = None  # dx = dy W's operand: wq, or its column-major copy for the hardware's GEMM
@@ -125,7 +128,7 @@ def _backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
             need_dw = ctx.needs_input_grad[2 + 2 * i]
             # dW = dyq^T xq takes dyq^T row-major on the hardware: the cast writes dyq column-major too
             columns = need_dw and hardware_dw and dy2.shape[1] % 16 == 0  # (else dW is emulated)
-            gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, amax_over(spec.tp_group),
+            gq, g_scale, gq_columns = quantize_tensorwise(dy2, GRAD_DTYPE, amax_over(spec.tp_group, spec.cp_group),
                                                           columns=columns)
             if ctx.needs_input_grad[0]:
                 part = scaled_mm(gq, g_scale, wq, w_scale, ctx.x_dtype, spec.hardware)
@@ -280,13 +283,16 @@ class Fp8Linear:
     gathered: the weight ZeRO-3 gathered in float8 (then the weight argument is not read), else None;
     rowwise: train.fp8_recipe=rowwise (fp8_rowwise.py), where tp_split says which dim tp splits: "out"
     (column-parallel), "in" (row-parallel), None at tp=1 (tensorwise reduces every amax, and needs no split);
-    weight_grad_hp (with rowwise): train.fp8_recipe=rowwise_with_gw_hp, dW in high precision (fp8_rowwise.py)."""
+    weight_grad_hp (with rowwise): train.fp8_recipe=rowwise_with_gw_hp, dW in high precision (fp8_rowwise.py);
+    cp_group: under context parallelism (None at cp=1) each rank holds a slice of the tokens, so an amax over
+    tokens (all of a tensorwise x or dy; rowwise's per-channel ones) is reduced over it too."""
     tp_group: object = None
     hardware: bool = False
     gathered: Fp8Weight | None = None
     rowwise: bool = False
     tp_split: str | None = None
     weight_grad_hp: bool = False
+    cp_group: object = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(x, (self,), (weight, bias))[0]
@@ -330,6 +336,7 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
     assert cfg.lora_rank is None and (dims.tp == 1 or cfg.kv_heads % dims.tp == 0), \
         "apply_fp8: parallel_problems / layout_problems refuse LoRA and replicated kv heads under fp8"
     spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate),
+                     cp_group=dims.cp_group if dims.cp > 1 else None,
                      rowwise=recipe != "tensorwise", weight_grad_hp=recipe == "rowwise_with_gw_hp")
     names = []
     for name, module in model.named_modules():

@@ -12,10 +12,18 @@ from pipetrain.parallel.mesh.comm import all_reduce_max_
 FORWARD_FAST_ACCUM = True
 
 
-def amax_over(tp_group):
-    """An amax reduction for the quantisers (quantize_tensorwise's reduce_amax): the max over tp_group, or None
-    (no reduction) at tp=1."""
-    return None if tp_group is None else (lambda amax: all_reduce_max_(amax, tp_group))
+def amax_over(*groups):
+    """An amax reduction for the quantisers (quantize_tensorwise's reduce_amax): the max over every group given
+    that is not None (tp's, and cp's for an amax over tokens, which cp splits), or None (no reduction)."""
+    groups = [g for g in groups if g is not None]
+    if not groups:
+        return None
+
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        for group in groups:
+            amax = all_reduce_max_(amax, group)
+        return amax
+    return reduce
 
 
 def hardware_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,6 +26,8 @@ Tensor parallelism: an amax is reduced (max) over tp exactly where its axis is s
 - row-parallel linears (wo, down; D_in split: tp_split "in"): x per token, W per output channel.
 The others run along an axis each rank holds whole (sequence parallelism gathers the tokens before the GEMM),
 so tp=2 quantises exactly as tp=1; the reductions are all-reduces of (N, 1) or (1, D) tensors, not scalars.
+Context parallelism splits the tokens: the amaxes over tokens (x and dy per channel, for rowwise's dW) are
+reduced over cp; the per-token ones and the weights' need nothing (rowwise_with_gw_hp reduces nothing over cp).
 
 Not with rowwise (yet): the Triton casts of kernels/fp8_quant.py (tensorwise kernels; rowwise runs the torch
 reference, which inductor fuses under train.compile), the once-a-run weight cache (it holds one tensorwise
@@ -81,7 +83,8 @@ def rowwise_forward(x: torch.Tensor, specs: tuple, params: tuple, backward: bool
     hp = specs[0].weight_grad_hp
     x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
     xq, x_scale = quantize_along(x2, FEATURES, _reduce(specs[0], "in"))  # one input: one tp split for all
-    saved = ([x2.to(out_dtype)] if hp else list(quantize_along(x2, TOKENS))) if backward else []
+    per_channel = [] if hp or not backward else quantize_along(x2, TOKENS, amax_over(specs[0].cp_group))
+    saved = ([x2.to(out_dtype)] if hp else list(per_channel)) if backward else []
     outputs = []
     for spec, weight, bias in zip(specs, params[0::2], params[1::2]):
         wq, w_scale = quantize_along(weight, FEATURES, _reduce(spec, "in"))
@@ -120,7 +123,7 @@ def rowwise_backward(ctx, dys: tuple) -> tuple[torch.Tensor | None, list]:
             if ctx.needs_input_grad[2 + 2 * i] and hp:  # dy^T x in the autocast dtype, fp32 sums
                 dw = torch.mm(dy2.t().to(x_hp.dtype), x_hp).to(ctx.w_dtypes[i])
             elif ctx.needs_input_grad[2 + 2 * i]:
-                gq, g_scale = quantize_along(dy2, TOKENS)  # (N, D_out), scales (1, D_out): dy^T per row
+                gq, g_scale = quantize_along(dy2, TOKENS, amax_over(spec.cp_group))  # scales (1, D_out): dy^T per row
                 dw = scaled_mm(gq.t(), g_scale.t(), xq, x_scale, ctx.out_dtype, spec.hardware).to(ctx.w_dtypes[i])
             if ctx.has_bias[i] and ctx.needs_input_grad[3 + 2 * i]:
                 db = dy2.sum(0, dtype=torch.float32)
