@@ -38,7 +38,7 @@ def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask:
                seq_len: int = SEQ, resume: str | None = None, **parallel):
     """build_trainer on random tokens cut into documents of 3..20 tokens (several boundaries in every window
     and in every cp chunk), with data.document_mask when asked."""
-    train = {k: parallel.pop(k) for k in ("compile", "precision", "fp8_recipe") if k in parallel}  # train keys
+    train = {k: parallel.pop(k) for k in ("compile", "precision", "fp8_recipe", "fused_loss") if k in parallel}
     recipe = Recipe(model=cfg, parallel=ParallelConfig(tp=dims.tp, pp=dims.pp, cp=dims.cp, **parallel),
                     train=TrainConfig(steps=steps, global_batch=BATCH, seq_len=seq_len, lr=1e-2, min_lr=1e-3,
                                       warmup_steps=1, grad_clip=1.0, **train),
@@ -85,6 +85,8 @@ def _cases_worker(rank, world_size, out, degrees, cases, expected):
         if parallel.get("zero") and dims.zero_shard_rank == 0 and model != "lora":
             predicted = model_state_bytes(trainer.recipe, dims.world_size, dims.pp_rank)[2]
             assert trainer.optimizer.state_bytes() == predicted, (dims.coords, name, predicted)
+        if parallel.get("fused_loss"):  # the head runs inside the loss: the last chunk stops at the final norm
+            assert all(getattr(chunk, "head", None) is None for chunk in trainer.executor.chunks), name
         if parallel.get("compile"):  # the blocks (and the cp core in them) ran compiled, one graph serving both
             # blocks in training and one the no-grad evaluation: no recompilation from step to step
             after = counters["stats"]["unique_graphs"]
@@ -155,6 +157,11 @@ def test_cp2_dp2_with_zero_and_lora_matches_single_process(tmp_path):
 def test_cp2_compiled_matches_single_process(tmp_path, monkeypatch, model, document_mask):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # spawned ranks inherit it
     check_cases(tmp_path, {"cp": 2}, [(model, document_mask, {"compile": True})])
+
+
+# ---- the fused head + loss (train.fused_loss): token-local, a loss sum over this rank's tokens as the unfused ----
+def test_cp2_with_the_fused_loss_matches_the_unfused_single_process(tmp_path):
+    check_cases(tmp_path, {"cp": 2}, [("llama", True, {"fused_loss": True})])
 
 
 # ---- activation memory falls with cp ----

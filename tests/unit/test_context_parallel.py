@@ -116,7 +116,7 @@ def test_compositions_not_built_with_cp_are_refused(keys, fragment):
         parallel_problems(_recipe(cp=2, **keys))
 
 
-def test_zero_lora_compile_and_fp8_are_accepted_with_cp():
+def test_zero_lora_compile_fp8_and_the_fused_loss_are_accepted_with_cp():
     lora = _recipe(cp=2, model=ModelConfig(**{**LLAMA.__dict__, "lora_rank": 4}))
     assert parallel_problems(lora) == []
     assert all(parallel_problems(_recipe(cp=2, zero=z)) == [] for z in (1, 2, 3))
@@ -124,6 +124,8 @@ def test_zero_lora_compile_and_fp8_are_accepted_with_cp():
     assert parallel_problems(compiled) == []
     fp8 = Recipe(model=LLAMA, parallel=ParallelConfig(cp=2), train=TrainConfig(seq_len=32, precision="fp8"))
     assert parallel_problems(fp8) == []  # its amaxes over tokens are reduced over cp (test_fp8_context_parallel)
+    fused = Recipe(model=LLAMA, parallel=ParallelConfig(cp=2), train=TrainConfig(seq_len=32, fused_loss=True))
+    assert parallel_problems(fused) == []  # a loss sum over this rank's tokens, as the unfused loss
 
 
 def test_cli_refuses_a_seq_len_cp_cannot_split_in_one_line_with_exit_2(capsys, tmp_path):

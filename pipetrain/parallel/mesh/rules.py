@@ -220,7 +220,6 @@ def context_problems(recipe: Recipe) -> list[str]:
         (p.ps_servers > 0, f"parallel.ps_servers={p.ps_servers}", "parameter servers are not built with cp; set 0"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}",
          "torchft replica groups are not built with cp; set fault_tolerance=none"),
-        (t.fused_loss is True, "train.fused_loss=true", "the fused loss is not tested with cp; set train.fused_loss=false"),
     ]
     out += [f"{key}: does not combine with {why} yet ({fix})" for used, key, fix in refused if used]
     return out
