@@ -66,7 +66,9 @@ def test_ep2_matches_single_process(tmp_path):
     (dict(dp=2, ep=2, tp=2), dict(sequence_parallel=True), TP_FP32),  # each tp rank dispatches all of T
     (dict(dp=2, ep=2, pp=2), dict(zero=1, microbatches=2, schedule="1f1b"), EXACT_FP32),  # router grads, aux on
     (dict(dp=2, ep=2), dict(recompute="full"), EXACT_FP32),  # the all-to-alls run again inside backward
-], ids=["ep4", "ep2-dp4", "ep2-dp4-zero2", "ep2-tp2", "ep2-tp2-sp", "ep2-pp2-1f1b-zero1", "ep2-recompute-full"])
+    (dict(dp=2, ep=2), dict(fused_loss=True), EXACT_FP32),  # the head applied inside the loss
+], ids=["ep4", "ep2-dp4", "ep2-dp4-zero2", "ep2-tp2", "ep2-tp2-sp", "ep2-pp2-1f1b-zero1", "ep2-recompute-full",
+        "ep2-fused-loss"])
 def test_ep_layouts_match_single_process(tmp_path, degrees, parallel, tol):
     expected = _run(str(tmp_path / "one"), **{k: v for k, v in parallel.items() if k != "zero"})
     world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1)

@@ -16,6 +16,7 @@ from pipetrain.build import fused_loss_on
 from pipetrain.config import ConfigError, build_recipe
 from tests.harness import EXACT_FP32
 from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer
+from tests.unit.test_moe import MOE
 
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
 DATA = {"path": "x", "tokenizer": "y"}
@@ -36,10 +37,12 @@ def _train(cfg, out, fused, **kw):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], params
 
 
-@pytest.mark.parametrize("cfg, ignore_every", [(LLAMA, 0), (GPT2, 0), (LORA, 0), (LLAMA, 3)],
-                         ids=["llama", "gpt2-tied", "llama-lora", "llama-a-third-of-the-targets-ignored"])
+@pytest.mark.parametrize("cfg, ignore_every", [(LLAMA, 0), (GPT2, 0), (LORA, 0), (LLAMA, 3), (MOE, 0)],
+                         ids=["llama", "gpt2-tied", "llama-lora", "llama-a-third-of-the-targets-ignored",
+                              "mixtral-experts"])
 def test_fused_loss_matches_the_unfused_run_at_every_step(tmp_path, cfg, ignore_every, monkeypatch):
-    """ignore_every 3: a loss mask (as SFT's) leaves a third of the targets untrained: the mean is over the others."""
+    """ignore_every 3: a loss mask (as SFT's) leaves a third of the targets untrained: the mean is over the others.
+    mixtral: the routers' aux loss reaches them through the experts' backward, whichever loss the head feeds."""
     monkeypatch.setattr(LCE, "MIN_CHUNK_ROWS", 1)  # several chunks per microbatch (22 rows of 64)
     want_losses, want_norms, want_params = _train(cfg, tmp_path / "unfused", False, ignore_every=ignore_every)
     got_losses, got_norms, got_params = _train(cfg, tmp_path / "fused", True, ignore_every=ignore_every)

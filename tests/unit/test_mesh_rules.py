@@ -191,10 +191,9 @@ def test_fp8_refuses_lora_at_load_and_replicated_kv_heads_in_the_layout():
 
 @pytest.mark.parametrize("parallel, expected", [
     ({"zero": 3}, []),  # both compose with zero 3 (tests/dist/test_compile.py, test_fused_loss.py)
-    ({"cp": 2}, ["train.fused_loss=true: does not combine with parallel.cp=2 yet (the fused loss is not tested with "
-                 "cp; set train.fused_loss=false)"]),
+    ({"cp": 2}, []),  # and with cp (tests/dist/test_context_parallel.py)
 ], ids=["zero3", "cp"])
-def test_compile_and_the_fused_loss_are_refused_where_their_composition_is_not_built(parallel, expected):
+def test_compile_and_the_fused_loss_compose_with_zero3_and_cp(parallel, expected):
     on = Recipe(model=LLAMA, parallel=ParallelConfig(**parallel),
                 train=TrainConfig(global_batch=8, seq_len=16, compile=True, fused_loss=True))
     assert [m for m in parallel_problems(on) if "compile" in m or "fused_loss" in m] == expected

@@ -78,7 +78,6 @@ def moe_problems(r: Recipe) -> list[str]:
     refused = [
         (t.precision == "fp8", "train.precision=fp8 (the experts are not float8 linears)", "use bf16 or fp32"),
         (t.compile, "train.compile (routing has data-dependent shapes)", "set train.compile=false"),
-        (t.fused_loss is True, "train.fused_loss=true (not tested with experts)", "set train.fused_loss=auto"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync} (the balancing bias reduces counts over all of dp "
          "every step)", "use parallel.dp_sync=bsp"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}", "set it to none"),
