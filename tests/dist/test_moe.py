@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from pipetrain.config import ModelConfig
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.plan.memory import model_state_bytes, zero3_unit_bytes
 from tests.dist.test_hf_parallel import _import_layout
 from tests.harness import EXACT_FP32, TP_FP32, hf_configs, moe_hf_configs, run_ranks, save_tiny_hf, tokens
 from tests.unit.common import build_trainer
@@ -75,3 +76,41 @@ def test_hf_moe_imports_into_tp2_or_pp2_at_transformers_logits(tmp_path, tp, pp)
         with torch.no_grad():
             references[name] = (str(tmp_path / name), model(tokens()).logits)
     run_ranks(2, _import_layout, tp, pp, references)
+
+
+
+def _zero3_worker(rank, world_size, out, expected, expected_bias):
+    """ZeRO-3 shards the stacked experts with the rest: a block holds its whole weights only while it runs (the
+    bytes plan.memory models for its unit), the rows, gradients and moments are the model's 1/dp, and a
+    checkpoint resumes bit for bit."""
+    dims = ParallelDims.from_degrees(dp=world_size)
+    trainer = build_trainer(MOE, out, dims, steps=STEPS, global_batch=4, seq_len=16, zero=3)
+    opt = trainer.optimizer
+    held = []
+    for block in trainer.model.layers.values():
+        block.register_forward_pre_hook(lambda m, a: held.append(
+            sum(opt.gatherer.target(i).untyped_storage().nbytes() for i in range(len(opt.params)))))
+    experts = [i for i, p in enumerate(opt.params) if p.dim() == 3]
+    assert experts and all(opt.gatherer.target(i).untyped_storage().nbytes() == 0 for i in experts), \
+        "the stacked experts are held whole between their unit's runs"
+    history = []
+    for step in range(STEPS):
+        history.append(trainer.train_step())
+        if step == STEPS - 2:
+            trainer.checkpointer.save(trainer)
+    resumed = build_trainer(MOE, out, dims, steps=STEPS, global_batch=4, seq_len=16, zero=3, resume="auto")
+    assert resumed.train_step()["loss"] == history[-1]["loss"], "a zero 3 checkpoint of experts resumes exactly"
+    assert sorted(set(held)) == [zero3_unit_bytes(trainer.recipe, 0)[1]], (held, zero3_unit_bytes(trainer.recipe, 0))
+    assert opt.state_bytes() == model_state_bytes(trainer.recipe, world_size, 0)[2]
+    for step, (got, want) in enumerate(zip(history, expected), 1):
+        for key in KEYS:
+            torch.testing.assert_close(got[key], want[key], **EXACT_FP32, msg=f"{dims.coords} step {step} {key}")
+        assert got["expert_load_max"] == want["expert_load_max"], f"{dims.coords} step {step} load"
+    for i, block in trainer.model.layers.items():
+        torch.testing.assert_close(block.mlp.router.expert_bias, expected_bias[i], rtol=0, atol=0)
+
+
+def test_moe_dp2_zero3_shards_the_experts_and_matches_single_process(tmp_path):
+    expected, bias = _run(str(tmp_path / "one"))
+    os.makedirs(tmp_path / "two")
+    run_ranks(2, _zero3_worker, str(tmp_path / "two"), expected, bias)

@@ -289,3 +289,15 @@ def test_a_moe_model_in_bf16_without_autocast_keeps_bf16():
     model = materialize(build(cfg), cfg, seed=0, device="cpu").to(torch.bfloat16)
     logits = model(torch.randint(0, 64, (2, 8)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_zero3_takes_experts_without_expert_parallelism_and_is_refused_with_it():
+    """ZeRO-3 gathers the stacked experts with their block (tests/dist/test_moe.py); under ep > 1 the experts
+    are sharded over ep already and their units are not built: refused in one line."""
+    def problems(**parallel):
+        recipe = Recipe(model=MOE, parallel=ParallelConfig(**parallel), train=TrainConfig(global_batch=8, seq_len=16))
+        return parallel_problems(recipe) + layout_problems(recipe, 2)
+    assert problems(zero=3) == []
+    (line,) = problems(zero=3, ep=2)
+    assert line.startswith("parallel.zero=3 (expert weights are not gathered per unit): does not combine with "
+                           "parallel.ep=2 yet"), line

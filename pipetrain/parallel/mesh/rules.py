@@ -95,7 +95,6 @@ def moe_layout_problems(r: Recipe) -> list[str]:
         return []
     return _moe_refusals(r, [
         (p.cp > 1, f"parallel.cp={p.cp} (the balance loss is per whole sequence)", "set parallel.cp=1"),
-        (p.zero == 3, "parallel.zero=3 (stacked expert weights are not gathered per unit)", "use parallel.zero=2"),
     ])
 
 
