@@ -22,6 +22,11 @@ for each sequence, balance = sum_e f_e * P_e, f_e = E / (k T) * (tokens of the s
 P_e = mean over its T tokens of the probability of e (1 when perfectly balanced). The aux loss is
 router_aux_loss_coef * sum over layers of the mean over the global batch's sequences. A sequence is never
 split by data or pipeline parallelism (microbatches split the batch by rows), so no layout changes it.
+Context parallelism does split it: a cp rank holds T/cp of each sequence's tokens. Its MoE layers then have a
+`token_split` (set by pipetrain.parallel.context: sum(t) sums t over the cp ranks, parts = cp): the counts are
+summed over cp into the whole sequence's f_e, and each rank's balance is its tokens' share of sum_e f_e * P_e
+(their probabilities summed, over the whole sequence's T). The shares sum to the sequence's balance, and each
+token's probability gets the gradient f_e / T it gets in one process.
 It reaches the gradient through AuxLossInjector on the layer output (Megatron's MoEAuxLossAutoScaler):
 forward returns the output unchanged; backward also gives the aux term its gradient, scaled by
 1 / aux_sequences (the global batch's sequence count, set by build like the LM loss's 1 / target tokens),
@@ -181,6 +186,9 @@ class MoE(nn.Module):
         # sequence parallelism x is this rank's T/tp slice: enter gathers it, leave reduce-scatters y back,
         # and the router's logits arrive gathered, so route / account always see the whole sequence)
         self.expert_region = None
+        # set by context parallelism (pipetrain.parallel.context): this rank holds 1/parts of each sequence's
+        # tokens and sum(t) sums t over the ranks holding the others (module docstring, balance loss)
+        self.token_split = None
 
     def route(self, x: torch.Tensor):
         """x (B, T, D) -> topk_idx (B*T, k), topk_w (B*T, k), stats (probs fp32 (B, T, E), idx). topk_w is in
@@ -216,8 +224,13 @@ class MoE(nn.Module):
         idx = topk_idx.reshape(B, T * self.top_k)
         counts = torch.zeros(B, E, device=probs.device, dtype=torch.float32)
         counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))  # (B, E) per sequence
-        f = counts * (E / (self.top_k * T))
-        balance = (f * probs.mean(1)).sum(-1)  # (B,): 1 when balanced
+        if self.token_split is None:
+            f = counts * (E / (self.top_k * T))
+            balance = (f * probs.mean(1)).sum(-1)  # (B,): 1 when balanced
+        else:  # this rank's share of each whole sequence's balance (module docstring)
+            whole = T * self.token_split.parts
+            f = self.token_split.sum(counts.clone()) * (E / (self.top_k * whole))
+            balance = (f * (probs.sum(1) / whole)).sum(-1)
         if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
             scale = self.aux_coef / (self.aux_sequences or B)
             y = AuxLossInjector.apply(y, balance.sum(), scale)

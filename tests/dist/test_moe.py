@@ -49,7 +49,9 @@ def _worker(rank, world_size, out, degrees, parallel, expected, expected_bias, t
     # the experts' output reduce-scattered back to T/tp, the router weight's gradient summed over tp
     (dict(tp=2), dict(sequence_parallel=True), TP_FP32),
     pytest.param(dict(pp=2), dict(microbatches=2), EXACT_FP32, marks=pytest.mark.slow),  # aux injected on stages
-], ids=["tp2", "tp2-sp", "pp2"])
+    # context parallelism: each rank holds half of every sequence; the balance loss sums its counts over cp
+    (dict(cp=2), {}, TP_FP32),
+], ids=["tp2", "tp2-sp", "pp2", "cp2"])
 def test_moe_training_matches_single_process(tmp_path, degrees, parallel, tol):
     expected, bias = _run(str(tmp_path / "one"), **parallel)
     run_ranks(2, _worker, str(tmp_path / "two"), degrees, parallel, expected, bias, tol)

@@ -73,9 +73,9 @@ def test_plan_names_the_world_size_and_the_model_size(nothing_is_built, capsys):
 
 
 @pytest.mark.parametrize("keys, reason", [
-    (["--recipe", "moe-tiny", "--set", "parallel.cp=2"], "does not combine with model.num_experts=8"),
+    (["--recipe", "moe-tiny", "--set", "parallel.cp=2", "--set", "parallel.ep=2"], "parallel.ep: must divide dp=1"),
     (["--recipe", TINY, "--set", "parallel.cp=4"], "world size 2 is not divisible by"),
-], ids=["cp-with-experts", "cp-does-not-divide"])
+], ids=["ep-with-cp-over-the-whole-world", "cp-does-not-divide"])
 def test_plan_names_the_rule_that_refused_every_layout_not_memory(nothing_is_built, capsys, keys, reason):
     """Where every layout breaks a rule, plan says which (exit 2, as the dry run does), where it said no layout
     fits in memory (exit 1) and advised a shorter sequence."""

@@ -15,7 +15,8 @@ keys up to its end. The mask and the attention of one chunk are transient (check
 is one (B, 1, c, L) mask and SDPA's working set for it, at most T/(2cp) x T per sequence; never T x T.
 
 The model stays blind: apply_context_parallel swaps each Attention's `core` (the parameter-free module
-selective recompute wraps) and sets its `rope_len`, as tensor parallelism swaps modules from a name table.
+selective recompute wraps) and sets its `rope_len`, as tensor parallelism swaps modules from a name table, and
+gives each mixture-of-experts layer a TokenSplit: its per-sequence balance loss sums expert counts over cp.
 
 Shapes: B batch, T sequence, T/cp this rank's slice, Hq / Hkv query / key-value heads, K head dim.
 """
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.decoder import Attention, AttentionCore
+from pipetrain.models.moe import moe_layers
 from pipetrain.parallel.context.slicing import gathered_index
-from pipetrain.parallel.mesh.comm import gather_over_cp
+from pipetrain.parallel.mesh.comm import all_reduce_, gather_over_cp
 
 
 def context_mask(query_index: torch.Tensor, key_index: torch.Tensor, positions: torch.Tensor,
@@ -89,6 +91,17 @@ class ContextParallelCore(AttentionCore):
         return torch.cat(outs, dim=1).flatten(2)
 
 
+class TokenSplit:
+    """A MoE layer's view of cp (pipetrain.models.moe, balance loss): parts ranks hold a sequence's tokens;
+    sum(t) sums a tensor of per-sequence counts over them, in place (no gradient: counts are integers)."""
+
+    def __init__(self, cp_group, cp: int):
+        self.group, self.parts = cp_group, cp
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_(t, self.group)
+
+
 def apply_context_parallel(model: nn.Module, dims, seq_len: int, document_mask: bool) -> list[str]:
     """Swap every Attention's core for the cp one and index RoPE by global positions up to seq_len, in
     place; returns the swapped module names. document_mask: data.document_mask (positions restart inside
@@ -104,4 +117,6 @@ def apply_context_parallel(model: nn.Module, dims, seq_len: int, document_mask: 
                                               document_mask)
             module.rope_len = seq_len
             names.append(f"{name}.core")
+    for moe in moe_layers(model).values():
+        moe.token_split = TokenSplit(dims.cp_group, dims.cp)
     return names

@@ -94,7 +94,8 @@ def moe_layout_problems(r: Recipe) -> list[str]:
     if r.model.num_experts <= 0:
         return []
     return _moe_refusals(r, [
-        (p.cp > 1, f"parallel.cp={p.cp} (the balance loss is per whole sequence)", "set parallel.cp=1"),
+        (p.cp > 1 and p.ep > 1, f"parallel.cp={p.cp} with parallel.ep={p.ep} (the experts' all-to-alls are not "
+         "built across cp)", "set parallel.ep=1 or parallel.cp=1"),
     ])
 
 
