@@ -15,6 +15,7 @@ from pipetrain.parallel.tensor.fp8 import Fp8Linear, apply_fp8
 from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from tests.harness import TP_FP32, rank_results, run_ranks
 from tests.unit.common import LLAMA, build_trainer
+from tests.unit.test_fp8_lora import LORA
 
 B, T, D = 2, 8, 32
 STEPS = 4
@@ -79,9 +80,9 @@ def test_fp8_column_and_row_parallel_linears_match_one_process_at_tp2(recipe):
     run_ranks(2, _layers_worker, recipe)
 
 
-def _losses(out: str, dims: ParallelDims | None = None, **keys) -> list[float]:
+def _losses(out: str, dims: ParallelDims | None = None, model=LLAMA, **keys) -> list[float]:
     os.makedirs(out, exist_ok=True)
-    trainer = build_trainer(LLAMA, out, dims, precision="fp8", steps=STEPS, learnable=True, **keys)
+    trainer = build_trainer(model, out, dims, precision="fp8", steps=STEPS, learnable=True, **keys)
     # every block linear of this stage is fp8, with its amaxes reduced over this rank's tp group
     specs = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
     layers = len(trainer.model.layers)
@@ -114,6 +115,33 @@ def _check_curve(losses, reference):
 def test_fp8_trainer_at_tp2_follows_the_single_process_run(tmp_path, recipe):
     reference = _losses(str(tmp_path / "single"), fp8_recipe=recipe)
     _check_curve(rank_results(2, _trainer_worker, str(tmp_path), 2, 1, dict(fp8_recipe=recipe))[0], reference)
+
+
+def _counting_fp8_calls(run, *args):
+    """run(*args), and how many times a projection's own forward called its Fp8Linear (the linears of one input
+    go through fp8_linears instead: wo and down are the ones counted)."""
+    calls = []
+    real = Fp8Linear.__call__
+    Fp8Linear.__call__ = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        return run(*args), len(calls)
+    finally:
+        Fp8Linear.__call__ = real
+
+
+def _lora_worker(rank, world_size, out, keys):
+    return _counting_fp8_calls(_trainer_worker, rank, world_size, out, world_size, 1, keys)
+
+
+def test_fp8_lora_at_tp2_follows_the_single_process_run(tmp_path):
+    """LoRA's frozen fp8 bases: the row-parallel ones (wo, down) add their adapter's partial sum before the tp
+    reduction (parallel/tensor/lora.py), the column-parallel ones after the fp8 base, as at tp=1: the same fp8
+    calls of wo and down per step, and the curve."""
+    keys = dict(model=LORA, sequence_parallel=True)
+    reference, reference_calls = _counting_fp8_calls(_losses, str(tmp_path / "single"), None, LORA)
+    losses, calls = rank_results(2, _lora_worker, str(tmp_path), keys)[0]
+    assert calls == reference_calls == 2 * LORA.n_layers * STEPS, (calls, reference_calls)
+    _check_curve(losses, reference)
 
 
 @pytest.mark.slow

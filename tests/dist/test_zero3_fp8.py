@@ -24,6 +24,7 @@ from pipetrain.parallel.tensor.fp8 import FORWARD_DTYPE
 from tests.dist.test_fp8 import FP8_TP_CURVE
 from tests.harness import EXACT_FP32, rank_results
 from tests.unit.common import LLAMA, build_trainer
+from tests.unit.test_fp8_lora import LORA
 
 STEPS = 3
 LLAMA4 = dataclasses.replace(LLAMA, n_layers=4)
@@ -194,3 +195,20 @@ def test_zero3_rowwise_fp8_dp2_gathers_fp32_weights_and_equals_zero1_bit_for_bit
 @pytest.mark.slow
 def test_zero3_rowwise_fp8_dp2_tp2_equals_zero1_bit_for_bit(tmp_path):
     _check_rowwise(rank_results(4, _rowwise_worker, str(tmp_path), "dp2_tp2", "rowwise"))
+
+
+def _lora_worker(rank, world_size, out):
+    dims = ParallelDims.from_degrees()
+    losses = {}
+    for zero in (1, 3):
+        os.makedirs(os.path.join(out, f"zero{zero}"), exist_ok=True)
+        trainer = build_trainer(LORA, os.path.join(out, f"zero{zero}"), dims, precision="fp8", learnable=True,
+                                microbatches=2, steps=STEPS, zero=zero)
+        losses[zero] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    return losses
+
+
+def test_zero3_fp8_lora_equals_zero1_bit_for_bit(tmp_path):
+    """LoRA's frozen fp8 bases under zero 3: gathered in float8 as any fp8 weight, the adapters in fp32."""
+    for rank, losses in enumerate(rank_results(2, _lora_worker, str(tmp_path))):
+        assert losses[3] == losses[1] and losses[1][-1] != losses[1][0], (rank, losses)

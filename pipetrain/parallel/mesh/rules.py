@@ -38,9 +38,6 @@ def parallel_problems(recipe: Recipe) -> list[str]:
     if not 0 < p.ft_connect_timeout_s < float("inf"):
         problems.append(f"parallel.ft_connect_timeout_s={p.ft_connect_timeout_s} must be a positive number of "
                         "seconds (torchft's default is 60)")
-    if recipe.train.precision == "fp8" and recipe.model.lora_rank is not None:
-        problems.append(f"train.precision=fp8: LoRA (model.lora_rank={recipe.model.lora_rank}) is not supported "
-                        "with fp8 yet; use train.precision=bf16")
     return (problems + _relaxed_key_problems(p) + _ps_problems(recipe) + _fault_tolerance_problems(p)
             + context_problems(recipe)
             + zero3_problems(recipe) + moe_problems(recipe) + expert_parallel_problems(recipe))

@@ -174,9 +174,11 @@ def _apply(x: torch.Tensor, specs: tuple, params: tuple) -> tuple[torch.Tensor, 
 
 def fp8_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """The fp8 linears of one input x together: x quantised and saved once (models.decoder.linears_of_one_input's
-    shared callable, which apply_fp8 gives the attention's wq, wk, wv and a gated MLP's gate, up)."""
+    shared callable, which apply_fp8 gives the attention's wq, wk, wv and a gated MLP's gate, up). A LoRA-adapted
+    linear (models.lora.LoRAAdapted) adds its adapter's output to its frozen fp8 base's, as its forward does."""
     params = tuple(t for linear in linears for t in (linear.weight, linear.bias))
-    return _apply(x, tuple(linear.fp8 for linear in linears), params)
+    outputs = _apply(x, tuple(linear.fp8 for linear in linears), params)
+    return tuple(y + linear.lora_delta(x) if hasattr(linear, "lora_delta") else y for y, linear in zip(outputs, linears))
 
 
 class Fp8Weight:
@@ -328,13 +330,13 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
     """Give the FP8_PLAN linears of model (after apply_tensor_parallel and apply_grad_accumulation_fusion)
     their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise and
     rowwise_with_gw_hp: fp8_rowwise.py).
-    Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rules (LoRA, replicated kv
-    heads) are parallel/mesh/rules.py's. Returns the names of the converted modules."""
+    Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rule (replicated kv heads) is
+    parallel/mesh/rules.py's. LoRA's frozen base projections run in fp8, their adapters in the autocast dtype. Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
     if problem:
         raise ConfigError(problem)
-    assert cfg.lora_rank is None and (dims.tp == 1 or cfg.kv_heads % dims.tp == 0), \
-        "apply_fp8: parallel_problems / layout_problems refuse LoRA and replicated kv heads under fp8"
+    assert dims.tp == 1 or cfg.kv_heads % dims.tp == 0, \
+        "apply_fp8: layout_problems refuses replicated kv heads under fp8"
     spec = Fp8Linear(tp_group=dims.tp_group if dims.tp > 1 else None, hardware=uses_hardware(dims.device, emulate),
                      cp_group=dims.cp_group if dims.cp > 1 else None,
                      rowwise=recipe != "tensorwise", weight_grad_hp=recipe == "rowwise_with_gw_hp")

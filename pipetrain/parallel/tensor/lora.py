@@ -34,8 +34,8 @@ from pipetrain.parallel.pipeline.weight_grads import linear
 class LoRARowAdapted(LoRAAdapted):
     """RowParallelLinear's forward with the adapter's partial sum added before the tp reduction."""
 
-    def forward(self, x):  # x (B, T, D_in/tp)
-        y = linear(x, self.weight, None, self.fuse, self.deferred) + self.lora_delta(x)  # this rank's partial sum
+    def forward(self, x):  # x (B, T, D_in/tp); y: this rank's partial sum, the base fp8 under train.precision=fp8
+        y = linear(x, self.weight, None, self.fuse, self.deferred, self.fp8, self.work_key) + self.lora_delta(x)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp_group)  # (B, T/tp, D_out)
         else:
