@@ -10,11 +10,12 @@ import codecs
 
 from pipetrain.config import ConfigError
 
-UTF8_SUFFIXES = (".txt", ".jsonl", ".json")
+UTF8_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json")  # every suffix corpus.py reads as text or json
 
 
 def check_utf8(files: list[str], where: str) -> None:
-    """ConfigError naming the file and offset when a .txt/.jsonl file is not UTF-8 (one streaming read each)."""
+    """ConfigError naming the file and offset when a text or json file (UTF8_SUFFIXES) is not UTF-8 (one
+    streaming read each)."""
     for file in files:
         if not file.endswith(UTF8_SUFFIXES):
             continue

@@ -336,6 +336,8 @@ def test_a_damaged_prepared_manifest_is_refused_in_one_line(tmp_path, tokenizer,
     ("a.jsonl", b"[1, 2]\n[3]\n", r"could not be read as json"),
     ("a.parquet", b"not parquet", r"could not be read as parquet \(ArrowInvalid: Parquet magic bytes"),
     ("a.txt", b"fine\nbad \xff\n", r"a.txt is not UTF-8 text \(byte 0xff at offset 9\)"),
+    ("a.md", b"# fine\nbad \xff\n", r"a.md is not UTF-8 text \(byte 0xff at offset 11\)"),  # read as text too
+    ("a.text", b"ends inside \xc3", r"a.text is not UTF-8 text \(it ends inside a multi-byte character\)"),
 ])
 def test_damaged_raw_files_are_refused_in_one_line_naming_the_source(tmp_path, tokenizer, name, content, message):
     """The datasets readers fail deep inside their own code on these; prepare names the source instead."""
@@ -344,6 +346,12 @@ def test_damaged_raw_files_are_refused_in_one_line_naming_the_source(tmp_path, t
     (raw / name).write_bytes(content)
     with pytest.raises(ConfigError, match=r"data.sources\[1\]: .*" + message):
         prepare(str(raw), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False, where="data.sources[1]")
+
+
+def test_every_suffix_read_as_text_or_json_is_checked_for_utf8():
+    from pipetrain.data.checks import UTF8_SUFFIXES
+    from pipetrain.data.corpus import _EXTENSIONS
+    assert set(UTF8_SUFFIXES) == {s for s, kind in _EXTENSIONS.items() if kind in ("text", "json")}
 
 
 def _edited_copy(out, folder, edit):
