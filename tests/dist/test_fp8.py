@@ -38,18 +38,23 @@ def _layers_worker(rank, world_size, recipe):
     subnormals; a scale taken per shard would give rank 1 all-normal values, and results tp=1 does not.)
     rowwise: the same holds for the rows that tp splits (x's and W's rows of a row-parallel linear, dy's rows and
     W's columns of a column-parallel one): a scale per row taken from one shard's part of it is not tp=1's.
-    rowwise_with_gw_hp: dx's weight scale is the whole weight's, from both shards."""
+    rowwise_with_gw_hp: dx's weight scale is the whole weight's, from both shards. A second pattern balances
+    dx = dy W (rank 0's dy and rank 1's weight rows 2^12 larger), where the first leaves rank 1's part of it
+    2^-20 of rank 0's: there a per-token dy scale taken from one shard (rowwise) would not show."""
     dims = ParallelDims.from_degrees(tp=world_size)
-    half = slice(0, D // 2)
+    half, other = slice(0, D // 2), slice(D // 2, D)
     mine = slice(dims.tp_rank * D // 2, (dims.tp_rank + 1) * D // 2)
-    torch.manual_seed(0)
-    x, g = torch.randn(B, T, D), torch.randn(B, T, D)
-    x[..., half] *= 2 ** 12  # row-parallel rank 0's input shard
-    g[..., half] *= 2 ** 20  # column-parallel rank 0's output gradient shard (e5m2 reaches 2^-16)
-    for kind in ("column", "row"):
-        lin = nn.Linear(D, D)
+    for pattern, kind in ((p, k) for p in ("x-and-dy", "dy-balanced") for k in ("column", "row")):
+        torch.manual_seed(0)
+        x, g, lin = torch.randn(B, T, D), torch.randn(B, T, D), nn.Linear(D, D)
         with torch.no_grad():
-            lin.weight[half, half] *= 2 ** 12  # rank 0's weight shard, by rows (column) or by columns (row)
+            if pattern == "x-and-dy":
+                x[..., half] *= 2 ** 12  # row-parallel rank 0's input shard
+                g[..., half] *= 2 ** 20  # column-parallel rank 0's output gradient shard (e5m2 reaches 2^-16)
+                lin.weight[half, half] *= 2 ** 12  # rank 0's weight shard, by rows (column) or by columns (row)
+            else:  # rank 0's dy 2^12 larger, rank 1's weight rows too: both ranks' parts of dx = dy W count, so
+                g[..., half] *= 2 ** 12  # a per-token dy scale from one shard (e4m3) shows in dx
+                lin.weight[other] *= 2 ** 12
         xr = x.clone().requires_grad_()
         y_ref = Fp8Linear(rowwise=recipe != "tensorwise", weight_grad_hp=recipe == "rowwise_with_gw_hp")(
             xr, lin.weight, lin.bias)
@@ -68,11 +73,12 @@ def _layers_worker(rank, world_size, recipe):
         xp.requires_grad_()
         y = layer(xp)
         (y * dy).sum().backward()
-        _check(y, y_ref[..., out].detach(), f"{kind} output", dims)
-        _check(xp.grad, xr.grad if kind == "column" else xr.grad[..., mine], f"{kind} input grad", dims)
+        what = f"{pattern} {kind}"
+        _check(y, y_ref[..., out].detach(), f"{what} output", dims)
+        _check(xp.grad, xr.grad if kind == "column" else xr.grad[..., mine], f"{what} input grad", dims)
         w_rows, w_cols = (mine, slice(None)) if kind == "column" else (slice(None), mine)
-        _check(layer.weight.grad, lin.weight.grad[w_rows, w_cols], f"{kind} weight grad", dims)
-        _check(layer.bias.grad, lin.bias.grad[out], f"{kind} bias grad", dims)
+        _check(layer.weight.grad, lin.weight.grad[w_rows, w_cols], f"{what} weight grad", dims)
+        _check(layer.bias.grad, lin.bias.grad[out], f"{what} bias grad", dims)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
