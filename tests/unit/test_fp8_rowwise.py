@@ -121,6 +121,7 @@ def test_under_bf16_autocast_the_three_gemms_round_to_bf16_and_dw_is_cast_to_the
     assert (y.dtype, dx.dtype, dw.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32, torch.float32)
     # dW came out of a bf16 GEMM (torch._scaled_mm's rowwise kernel writes bf16 only): bf16 values in fp32
     assert torch.equal(dw, dw.bfloat16().float()) and torch.equal(dx, dx.bfloat16().float())
+    assert torch.equal(db, g.sum(0, dtype=torch.float32))  # the bias gradient sums the bf16 dy in fp32
     torch.testing.assert_close(dw.double(), _q(g.float(), 0).t() @ _q(x, 0), rtol=1e-2, atol=1e-2)
 
 
