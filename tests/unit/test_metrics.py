@@ -32,6 +32,13 @@ def test_metrics_file_holds_every_step_and_the_console_every_log_every(tmp_path,
     assert printed[-1].startswith("eval at step 7: loss 2.0000 | perplexity 7.39")
 
 
+def test_a_diverged_eval_loss_prints_an_infinite_perplexity_not_an_overflow(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=1, progress=False, log_every=1)
+    logger.log({"step": 1, "eval_loss": 1000.0, "eval_tokens": 64})  # exp(1000) overflows a float
+    logger.close()
+    assert capsys.readouterr().out.splitlines()[-1].startswith("eval at step 1: loss 1000.0000 | perplexity inf")
+
+
 def test_a_real_run_reports_where_it_is():
     out, proc, metrics = short_run()
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1))
