@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.checkpoint.load import check_compatible, check_resume_dir, find_resumable, load as load_checkpoint
-from pipetrain.checkpoint.read import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, checkpoint_dirs, read_manifest
 from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, Recipe, validate
@@ -367,16 +367,33 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
     """The checkpoint to resume from: None (fresh), the newest intact one (auto), or DIR."""
     if resume is None:
         return None
+    root = os.path.join(recipe.run.output_dir, "checkpoints")
     if resume != "auto":
         check_resume_dir(resume)
+        _refuse_resume_over_other_checkpoints(resume, root)
         return resume
     # rank 0 checks the manifests, headers and sizes (no hashing) and chooses, so every rank starts from the
     # same checkpoint; the hashing happens per rank in load_agreed
-    choice = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too
-        find_resumable(recipe.run.output_dir) if dims.rank == 0 else None, dims.full_world_size)
+    choice, damaged = broadcast_object_from_rank0(  # servers (parallel.ps_servers) take part: they resume too
+        (find_resumable(recipe.run.output_dir), checkpoint_dirs(root)) if dims.rank == 0 else None,
+        dims.full_world_size)
+    if choice is None and damaged:  # a fresh run would overwrite their metrics and rotate them away
+        raise ConfigError(f"--resume auto: no intact checkpoint is left in {root} ({len(damaged)} failed "
+                          "verification, see the warnings); restore a good copy, or move the checkpoints away to "
+                          "start fresh")
     if choice is None and dims.rank == 0:
         print(f"--resume auto: no complete checkpoint in {recipe.run.output_dir}; starting fresh", flush=True)
     return choice
+
+
+def _refuse_resume_over_other_checkpoints(resume: str, root: str) -> None:
+    """--resume DIR of another run into a run.output_dir that holds checkpoints of its own: training on would
+    overwrite them (rotation, and the steps after DIR's) and cut its metrics back to DIR's step."""
+    own = checkpoint_dirs(root)
+    if own and os.path.realpath(os.path.dirname(os.path.normpath(resume))) != os.path.realpath(root):
+        raise ConfigError(f"--resume {resume}: run.output_dir {os.path.dirname(root)} already holds checkpoints of "
+                          f"its own (newest {os.path.basename(own[-1])}), which resuming another run there would "
+                          "overwrite; set run.output_dir to a new folder, or resume its own (--resume auto)")
 
 
 def _truncate_metrics(path: str, step: int) -> int:

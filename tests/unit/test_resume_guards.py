@@ -1,0 +1,59 @@
+"""Resuming never loses saved work: `--resume auto` over checkpoints that all fail verification refuses (it trained
+from step 0 and rotated them away), and `--resume DIR` of another run into a run.output_dir that holds checkpoints
+of its own refuses (training on overwrote them); a run's own older checkpoint may still be resumed (a rollback)."""
+import hashlib
+import os
+
+import pytest
+
+from pipetrain.config import ConfigError
+from tests.unit.common import LLAMA, build_trainer
+
+
+def _run_with_checkpoint(out, steps=2):
+    out.mkdir()
+    trainer = build_trainer(LLAMA, str(out), steps=4, learnable=True)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.wait()
+    return out / "checkpoints" / f"step-{steps:08d}"
+
+
+def _digest(folder):
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("damage", ["manifest-missing", "weights-truncated"])
+def test_auto_over_checkpoints_that_all_fail_verification_refuses_and_keeps_them(tmp_path, damage):
+    ckpt = _run_with_checkpoint(tmp_path / "run")
+    if damage == "manifest-missing":
+        (ckpt / "manifest.json").unlink()
+    else:
+        weights = next(ckpt.glob("rank-*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:-100])
+    before = _digest(ckpt)
+    with pytest.raises(ConfigError, match=r"--resume auto: no intact checkpoint is left in .*checkpoints \(1 failed "
+                                          r"verification"):
+        build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume="auto")
+    assert _digest(ckpt) == before
+
+
+def test_auto_with_no_checkpoint_at_all_starts_fresh(tmp_path):
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume="auto")
+    assert trainer.step == 0
+
+
+def test_resume_of_another_run_into_a_folder_with_checkpoints_of_its_own_refuses(tmp_path):
+    other = _run_with_checkpoint(tmp_path / "other")
+    mine = _run_with_checkpoint(tmp_path / "mine", steps=3)
+    before = _digest(mine)
+    with pytest.raises(ConfigError, match=r"--resume .*other.*: run.output_dir .*mine already holds checkpoints of "
+                                          r"its own \(newest step-00000003\)"):
+        build_trainer(LLAMA, str(tmp_path / "mine"), steps=4, learnable=True, resume=str(other))
+    assert _digest(mine) == before
+    # into a new folder it resumes; and a run's own older checkpoint may be resumed (a rollback)
+    (tmp_path / "new").mkdir()
+    assert build_trainer(LLAMA, str(tmp_path / "new"), steps=4, learnable=True, resume=str(other)).step == 2
+    assert build_trainer(LLAMA, str(tmp_path / "other"), steps=4, learnable=True, resume=str(other)).step == 2
