@@ -142,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
             print(elastic_note, flush=True)
         return dry_run(recipe, workers, int(os.environ.get("RANK", 0)))
     recipe, replica, problems = _replica_layout(recipe, workers)
-    if recipe.run.stop_timeout_s <= 0:
-        problems.append(f"run.stop_timeout_s={recipe.run.stop_timeout_s} must be > 0 (seconds from SIGTERM to exit)")
     if problems:
         raise ConfigError("; ".join(problems))
     _init_distributed(world_size)

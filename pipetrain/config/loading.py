@@ -128,9 +128,40 @@ def bounded_yaml(text: str, where: str) -> Any:
                 stack.extend((child, depth + 1) for child in item.value)
             elif isinstance(item, yaml.MappingNode):
                 stack.extend((child, depth + 1) for pair in item.value for child in pair)
+        _refuse_duplicate_keys(node, where)
         return loader.construct_document(node)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # int() past Python's digit limit, and the like: a value no key can hold
+        raise ConfigError(f"{where}: a value cannot be read ({clip(str(exc))}); write it as a plain number or "
+                          "string") from None
     finally:
         loader.dispose()
+
+
+def _refuse_duplicate_keys(node: Any, where: str) -> None:
+    """ConfigError for a key given twice in one mapping (a second `train:` section): YAML keeps the last one
+    silently, dropping every key of the first."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, yaml.MappingNode):
+            seen = set()
+            for key, value in item.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else None
+                if name is not None and name in seen:
+                    line = key.start_mark.line + 1
+                    raise ConfigError(f"{where}: key {clip(repr(name))} is given twice at line {line} (YAML would "
+                                      "keep the last one only); merge the two into one")
+                seen.add(name)
+                stack.append(value)
+        elif isinstance(item, yaml.SequenceNode):
+            stack.extend(item.value)
+
+
+def _one_line(problem: Any) -> str:
+    """A YAML error's problem as one line (a reader error's text names the position on a line of its own)."""
+    return clip(" ".join(str(problem).split()))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -144,7 +175,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     try:
         value = bounded_yaml(raw, f"--set {clip(key)}") if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {clip(repr(text))}: value is not a YAML scalar ({exc.problem})") from None
+        raise ConfigError(f"--set {clip(repr(text))}: value is not a YAML scalar "
+                          f"({_one_line(getattr(exc, 'problem', None) or exc)})") from None
     return parts[0], parts[1], value
 
 
@@ -205,8 +237,12 @@ def load_recipe(path: str, overrides: list[str] = (), rules: Rules | None = None
     if file is None:
         raise ConfigError(f"--recipe: not found as a file or a shipped recipe name, got {path!r}; pass a recipe "
                           f"file's path or a shipped name ({', '.join(shipped_names())})")
-    with open(file, "rb") as f:
-        data = f.read(MAX_RECIPE_BYTES + 1)
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"recipe {path}: cannot be read ({exc.strerror or exc}); check the path and its "
+                          "permissions") from None
     try:  # past MAX_RECIPE_BYTES the read may end inside a character: bounded_yaml refuses the size instead
         text = data.decode("utf-8", errors="strict" if len(data) <= MAX_RECIPE_BYTES else "replace")
     except UnicodeDecodeError as exc:
@@ -217,7 +253,8 @@ def load_recipe(path: str, overrides: list[str] = (), rules: Rules | None = None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"recipe {path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"recipe {path}: invalid YAML{where}: {_one_line(getattr(exc, 'problem', None) or exc)}") \
+            from None
     if file != path:  # found by name: shipped data stays in the package, output goes under the current directory
         return build_recipe(anchor_shipped_paths(raw, _PATH_KEYS), overrides, base_dir=os.getcwd(), rules=rules)
     return build_recipe(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)), rules=rules)

@@ -15,6 +15,9 @@ from typing import Callable
 from pipetrain.config.schema import SECTIONS, ModelConfig, Recipe, clip, lora_projections
 
 SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy take seeds in [0, 2**63)
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a float key past it overflows the tensor it scales
+MAX_STOP_TIMEOUT_S = 86400  # run.stop_timeout_s: a day (the stop guard's socket refuses a timeout past ~9e9 s)
+MAX_SLOW_FACTOR = 1000  # faults.slow_factor: a slow step sleeps (f - 1) x its compute; past this a run only hangs
 
 Rules = Callable[[Recipe], list[str]]  # more rules on a recipe: every problem found (empty when consistent)
 
@@ -93,6 +96,8 @@ def _own_problems(r: Recipe) -> list[str]:
     need(r.checkpoint.every >= 0, f"checkpoint.every={r.checkpoint.every} must be >= 0")
     need(r.checkpoint.keep >= 1, f"checkpoint.keep={r.checkpoint.keep} must be >= 1")
     need(r.run.log_every >= 1, f"run.log_every={r.run.log_every} must be >= 1")
+    need(0 < r.run.stop_timeout_s <= MAX_STOP_TIMEOUT_S, f"run.stop_timeout_s={r.run.stop_timeout_s:g} must be in "
+         f"(0, {MAX_STOP_TIMEOUT_S}] (seconds from SIGTERM to exit)")
     need(r.run.eval_every >= 0, f"run.eval_every={r.run.eval_every} must be >= 0")
     need(r.run.eval_batches >= 1, f"run.eval_batches={r.run.eval_batches} must be >= 1 (run.eval_every=0 turns "
          "evaluation off)")
@@ -129,8 +134,8 @@ def _own_problems(r: Recipe) -> list[str]:
              f"{str(getattr(t, key)).lower()} with {t.precision}; set train.precision=fp8 or drop train.{key}")
     need(all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f.slow_ranks),
          f"faults.slow_ranks: must list global ranks (integers >= 0), got {f.slow_ranks}")
-    need(f.slow_factor >= 1, f"faults.slow_factor: must be >= 1 (a slow step takes f times its compute), "
-         f"got {f.slow_factor}")
+    need(1 <= f.slow_factor <= MAX_SLOW_FACTOR, f"faults.slow_factor: must be in [1, {MAX_SLOW_FACTOR}] (a slow step "
+         f"takes f times its compute), got {f.slow_factor:g}")
     need(0 <= f.slow_prob <= 1, f"faults.slow_prob: must be in [0, 1], got {f.slow_prob}; 1 is persistent")
     if f.kill_rank is not None:
         need(f.kill_rank >= 0, f"faults.kill_rank: must be >= 0, got {f.kill_rank}")
@@ -151,6 +156,9 @@ def _non_finite(r: Recipe) -> list[str]:
             value = getattr(section, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 out.append(f"{name}.{field.name}={value} must be a finite number")
+            elif isinstance(value, float) and abs(value) > FLOAT32_MAX:  # lr, outer_lr scale fp32 tensors
+                out.append(f"{name}.{field.name}={value:g} is past float32's range ({FLOAT32_MAX:.4g}); use a "
+                           "smaller value")
     return out
 
 
