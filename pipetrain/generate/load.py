@@ -62,6 +62,9 @@ def load_for_generation(path: str, tokenizer_dir: str | None = None,
         path = latest_checkpoint(path)  # a run folder: its newest checkpoint
     if os.path.isfile(os.path.join(path, "manifest.json")):
         model, recipe = model_from_checkpoint(path, device)
+        if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
+            raise ConfigError(f"generate: --tokenizer {tokenizer_dir}: no such folder; pass the folder of a "
+                              "Hugging Face tokenizer")
         tokenizer_dir = tokenizer_dir or recipe.get("data", {}).get("tokenizer") or recipe["model"].get("init_from")
         if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
             raise ConfigError(f"generate: the tokenizer recorded in {path}'s recipe was not found, got "

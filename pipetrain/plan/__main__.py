@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pipetrain.config import ArgumentParser, ConfigError, load_recipe
@@ -36,11 +37,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _check_writable_file(path: str) -> None:
+    """ConfigError unless path can be written as a file: not a folder, in a folder that exists."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise ConfigError(f"--out {path}: " + ("is a folder" if os.path.isdir(path) else f"no folder {folder}")
+                          + "; pass the path of the profile file to write, e.g. plan-profile.json")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.nodes < 1:
         raise ConfigError(f"--nproc/--nodes: must be >= 1, got {args.nproc}/{args.nodes}; pass positive counts")
+    if args.top < 1:
+        raise ConfigError(f"--top: must be >= 1 (how many layouts to list), got {args.top}")
     recipe = load_recipe(args.recipe, args.set, rules=parallel_problems)
-    if args.calibrate:
+    if args.calibrate:  # the profile's file is checked before the measurement (about a minute), not after it
+        _check_writable_file(args.out)
         profile = calibrate(recipe=recipe)
         save_profile(profile, args.out)
         print(f"wrote {args.out}", file=sys.stderr)

@@ -138,6 +138,9 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     assert "only cpu and cuda" in _one_error_line(capsys, [out, "--prompt", "x", "--device", "meta"])
     if not torch.cuda.is_available():  # the CPU tests see no GPU, on a GPU machine too (tests/conftest.py)
         assert "no CUDA device is available here" in _one_error_line(capsys, [out, "--prompt", "x", "--device", "cuda"])
+    missing = str(tmp_path / "no-tokenizer")  # the flag's folder is named, not the checkpoint's recipe
+    assert f"--tokenizer {missing}: no such folder" in _one_error_line(capsys, [out, "--prompt", "x", "--tokenizer",
+                                                                             missing])
 
 
 @pytest.mark.slow
