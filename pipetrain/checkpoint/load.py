@@ -30,6 +30,9 @@ from pipetrain.parallel.data.grads import tied_copy_names
 # (TensorReader.read's global_shape), which name the tensor.
 _ARCH_KEYS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
               "tie_embeddings", "qkv_bias", "lora_rank", "num_experts", "shared_expert_intermediate_size")
+# keys that change what the saved weights compute without changing a tensor: a resume may change them on purpose
+# (a longer context's rope_theta), so they are named in a note rather than refused
+_FUNCTION_KEYS = ("rope_theta", "norm_eps", "sliding_window", "num_experts_per_tok", "norm_topk_prob", "lora_alpha")
 
 
 def check_resume_dir(path: str) -> None:
@@ -69,6 +72,14 @@ def check_compatible(manifest: dict, recipe, ckpt_dir: str) -> None:
                           "resume with the recipe it was saved with")
 
 
+def function_changes(manifest: dict, recipe) -> list[str]:
+    """The _FUNCTION_KEYS whose value differs between the checkpoint's recipe and this one ("model.k: a there,
+    b now"), in the resolved form the checkpoint keeps."""
+    saved, now = manifest["recipe"]["model"], recipe.to_dict()["model"]
+    return [f"model.{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in _FUNCTION_KEYS
+            if k in saved and saved.get(k) != now.get(k)]
+
+
 def check_base(manifest: dict, init_from: str | None, seed: int, ckpt_dir: str) -> None:
     """An adapter-only checkpoint loads only onto the base it was trained on (ConfigError otherwise)."""
     saved, now = manifest["base"], base_reference(init_from, seed)
@@ -82,6 +93,10 @@ def load(ckpt_dir: str, trainer_parts: dict, recipe, dims) -> dict:
     trainer_parts: {"model", "optimizer", "loader"}."""
     manifest = read_manifest(ckpt_dir)
     check_compatible(manifest, recipe, ckpt_dir)
+    changed = function_changes(manifest, recipe)
+    if changed and dims.rank == 0:
+        print(f"note: resuming {ckpt_dir} with {'; '.join(changed)}: the saved weights now compute another "
+              "function than they were trained for", file=sys.stderr, flush=True)
     # checksums: each file this rank reads is hashed once before use (docs/checkpoints.md)
     reader = TensorReader(ckpt_dir, manifest, device=dims.device, verify=recipe.checkpoint.verify)
     model, optimizer, loader = trainer_parts["model"], trainer_parts["optimizer"], trainer_parts["loader"]

@@ -57,3 +57,17 @@ def test_resume_of_another_run_into_a_folder_with_checkpoints_of_its_own_refuses
     (tmp_path / "new").mkdir()
     assert build_trainer(LLAMA, str(tmp_path / "new"), steps=4, learnable=True, resume=str(other)).step == 2
     assert build_trainer(LLAMA, str(tmp_path / "other"), steps=4, learnable=True, resume=str(other)).step == 2
+
+
+def test_a_resume_that_changes_what_the_weights_compute_says_so(tmp_path, capsys):
+    """rope_theta, norm_eps, the router's top-k and the like change no tensor, so a resume may change them on
+    purpose (a longer context's rope_theta); it names each in one note."""
+    import dataclasses
+    ckpt = _run_with_checkpoint(tmp_path / "run")
+    capsys.readouterr()
+    changed = dataclasses.replace(LLAMA, rope_theta=500000.0)
+    build_trainer(changed, str(tmp_path / "run"), steps=4, learnable=True, resume=str(ckpt))
+    err = capsys.readouterr().err
+    assert "note: resuming" in err and "model.rope_theta: 10000.0 there, 500000.0 now" in err, err
+    build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume=str(ckpt))
+    assert "note: resuming" not in capsys.readouterr().err
