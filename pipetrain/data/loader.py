@@ -73,8 +73,11 @@ class PackedData:
     """Fixed-length windows over one token stream, split by documents, in an O(1) layout-independent order."""
 
     def __init__(self, tokens: np.ndarray, mask: Optional[np.ndarray], seq_len: int, val_fraction: float, seed: int,
-                 documents: Optional[np.ndarray] = None, document_mask: bool = False, name: str = "data"):
+                 documents: Optional[np.ndarray] = None, document_mask: bool = False, name: str = "data",
+                 tokenizer: Optional[str] = None):
+        """tokenizer: the fingerprint of the tokenizer the tokens came from (a resume checks it), when known."""
         self.tokens, self.seq_len, self.seed, self.name = _plain(tokens), seq_len, seed, name
+        self.tokenizer = tokenizer
         self.mask = None if mask is None or (mask.dtype == bool and mask.all()) else _plain(mask)
         self.all_trained = self.mask is None  # plain text: every target counts, no need to look
         self.documents, self.document_mask = (_plain(documents) if documents is not None else None), document_mask
@@ -199,7 +202,8 @@ class PackedData:
         return self._rows(self.val, (np.arange(first, first + count) % self.num_val_windows).astype(np.int64))
 
     def signature(self) -> dict:
-        return {"num_train_windows": self.num_train_windows, "seed": self.seed}
+        return {"num_train_windows": self.num_train_windows, "seed": self.seed,
+                **({"tokenizer": self.tokenizer} if self.tokenizer else {})}
 
 
 class BlendedData:
@@ -245,8 +249,9 @@ class BlendedData:
                             lambda p, idx: p._rows(p.val, idx % p.num_val_windows))
 
     def signature(self) -> dict:
+        tokenizer = {"tokenizer": self.parts[0].tokenizer} if self.parts[0].tokenizer else {}
         return {"num_train_windows": self.num_train_windows, "seed": self.seed,
-                "sources": [p.num_train_windows for p in self.parts], "weights": self.weights}
+                "sources": [p.num_train_windows for p in self.parts], "weights": self.weights, **tokenizer}
 
 
 def batch_slice(global_batch: int, dp_size: int, dp_rank: int, num_ranks: int = 1,
@@ -345,6 +350,11 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.data.signature()
+        saved, now = state.get("tokenizer"), mine.pop("tokenizer", None)
+        if saved is not None and now is not None and saved != now:  # (older checkpoints record none)
+            raise ConfigError(f"checkpoint data was tokenized by a tokenizer of fingerprint {saved}, but this run's "
+                              f"data.tokenizer gives {now} (the same size, other tokens); resume with the tokenizer "
+                              "the run was trained with")
         if any(state.get(k) != v for k, v in mine.items()):
             raise ConfigError(f"checkpoint data position was saved for {state.get('num_train_windows')} windows "
                               f"and data.seed={state.get('seed')}, but this data gives {mine['num_train_windows']} "
