@@ -4,15 +4,7 @@
 import pytest
 
 from pipetrain.config import ConfigError, build_recipe
-
-BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
-
-
-def _with(**sections):
-    raw = {k: dict(v) for k, v in BASE.items()}
-    for section, body in sections.items():
-        raw.setdefault(section, {}).update(body)
-    return raw
+from tests.unit.test_config import _with
 
 
 @pytest.mark.parametrize("section, key, value, message", [

@@ -10,10 +10,9 @@ import pytest
 from pipetrain import cli
 from pipetrain.config import ConfigError, build_recipe, load_recipe
 from pipetrain.parallel.mesh.rules import parallel_problems
+from tests.unit.test_config import BASE, ROOT
 
-BASE = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4}, "data": {"path": "x", "tokenizer": "y"}}
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes",
-                    "tiny.yaml")
+TINY = os.path.join(ROOT, "recipes", "tiny.yaml")
 
 
 @pytest.mark.parametrize("override, message", [
