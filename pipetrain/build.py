@@ -387,13 +387,21 @@ def _resume_dir(recipe: Recipe, dims: ParallelDims, resume: str | None) -> str |
 
 
 def _refuse_resume_over_other_checkpoints(resume: str, root: str) -> None:
-    """--resume DIR of another run into a run.output_dir that holds checkpoints of its own: training on would
-    overwrite them (rotation, and the steps after DIR's) and cut its metrics back to DIR's step."""
+    """--resume DIR of another run into a run.output_dir that holds checkpoints of its own at or past DIR's step:
+    training on would overwrite them (the same step's save, then the later ones) and cut its metrics back to
+    DIR's step. (Past the folder's newest, as a round trip through another layout does, nothing is lost.)"""
     own = checkpoint_dirs(root)
-    if own and os.path.realpath(os.path.dirname(os.path.normpath(resume))) != os.path.realpath(root):
+    if not own or os.path.realpath(os.path.dirname(os.path.normpath(resume))) == os.path.realpath(root):
+        return
+    try:
+        step, newest = read_manifest(resume)["step"], read_manifest(own[-1])["step"]
+    except (ConfigError, KeyError, TypeError):  # a damaged manifest: the load that follows says so
+        return
+    if newest >= step:
         raise ConfigError(f"--resume {resume}: run.output_dir {os.path.dirname(root)} already holds checkpoints of "
-                          f"its own (newest {os.path.basename(own[-1])}), which resuming another run there would "
-                          "overwrite; set run.output_dir to a new folder, or resume its own (--resume auto)")
+                          f"its own up to step {newest}, at or past this checkpoint's step {step}, which resuming "
+                          "another run there would overwrite; set run.output_dir to a new folder, or resume its "
+                          "own (--resume auto)")
 
 
 def _truncate_metrics(path: str, step: int) -> int:

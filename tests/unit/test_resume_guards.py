@@ -50,13 +50,16 @@ def test_resume_of_another_run_into_a_folder_with_checkpoints_of_its_own_refuses
     mine = _run_with_checkpoint(tmp_path / "mine", steps=3)
     before = _digest(mine)
     with pytest.raises(ConfigError, match=r"--resume .*other.*: run.output_dir .*mine already holds checkpoints of "
-                                          r"its own \(newest step-00000003\)"):
+                                          r"its own up to step 3, at or past this checkpoint's step 2"):
         build_trainer(LLAMA, str(tmp_path / "mine"), steps=4, learnable=True, resume=str(other))
     assert _digest(mine) == before
     # into a new folder it resumes; and a run's own older checkpoint may be resumed (a rollback)
     (tmp_path / "new").mkdir()
     assert build_trainer(LLAMA, str(tmp_path / "new"), steps=4, learnable=True, resume=str(other)).step == 2
     assert build_trainer(LLAMA, str(tmp_path / "other"), steps=4, learnable=True, resume=str(other)).step == 2
+    # past the folder's newest (a round trip through another layout, tests/dist/test_zero3.py) nothing is lost
+    later = _run_with_checkpoint(tmp_path / "later", steps=4)
+    assert build_trainer(LLAMA, str(tmp_path / "mine"), steps=5, learnable=True, resume=str(later)).step == 4
 
 
 def test_a_resume_that_changes_what_the_weights_compute_says_so(tmp_path, capsys):
