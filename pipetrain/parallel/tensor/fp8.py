@@ -331,7 +331,8 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
     their Fp8Linear, in place, with recipe's scales (train.fp8_recipe: tensorwise, or rowwise and
     rowwise_with_gw_hp: fp8_rowwise.py).
     Raises ConfigError where the device cannot run fp8 (fp8_problem); the recipe rule (replicated kv heads) is
-    parallel/mesh/rules.py's. LoRA's frozen base projections run in fp8, their adapters in the autocast dtype. Returns the names of the converted modules."""
+    parallel/mesh/rules.py's. LoRA's frozen base projections run in fp8, their adapters in the autocast dtype.
+    Returns the names of the converted modules."""
     problem = fp8_problem(dims.device, emulate)
     if problem:
         raise ConfigError(problem)
