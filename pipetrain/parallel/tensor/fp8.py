@@ -178,7 +178,8 @@ def fp8_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.
     linear (models.lora.LoRAAdapted) adds its adapter's output to its frozen fp8 base's, as its forward does."""
     params = tuple(t for linear in linears for t in (linear.weight, linear.bias))
     outputs = _apply(x, tuple(linear.fp8 for linear in linears), params)
-    return tuple(y + linear.lora_delta(x) if hasattr(linear, "lora_delta") else y for y, linear in zip(outputs, linears))
+    return tuple(y + linear.lora_delta(x) if hasattr(linear, "lora_delta") else y
+                 for y, linear in zip(outputs, linears))
 
 
 class Fp8Weight:
