@@ -86,6 +86,10 @@ def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: b
     resize storage and wait on collectives (parallel/data/zero3.py)."""
     backend = backend or compile_backend()
     register_compile_ops()  # the Triton kernels' custom ops, before any trace (kernels/__init__.py)
+    # A recomputed block's forward runs again inside backward; the one side effect a block has (a MoE layer's
+    # routing counts for the step, models/moe.py) must happen once, in the forward, as the eager recompute
+    # skips it. Dynamo refuses the mutation inside a checkpoint region unless told not to replay it.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     names = []
     for name, block in model.layers.items():
         for module in block.modules():

@@ -140,15 +140,89 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
                    down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert over its rows: x_sorted (M, D) sorted by expert, counts (E,) rows per expert,
     gate/up (E, F, D), down (E, D, F) -> (M, D). On CUDA one grouped GEMM per matrix (torch._grouped_mm,
-    bf16, with cumulative offsets) where available; else a loop over experts (the CPU path and oracle)."""
-    if _grouped_mm_ok(x_sorted, gate):
-        dtype = _gemm_dtype(x_sorted, gate)
+    bf16, with cumulative offsets) where available; else grouped_linear, the loop over experts as one op of
+    static shape, which a compiled block can hold (grouped_swiglu_loop is the reference)."""
+    grouped = _grouped_mm_ok(x_sorted, gate)
+    dtype = _gemm_dtype(x_sorted, gate)
+    if dtype is not None:  # autocast's cast of the loop's F.linear operands (neither op gets autocast)
         x_sorted, gate, up, down = (t.to(dtype) for t in (x_sorted, gate, up, down))  # no-ops outside autocast
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+    offs = torch.cumsum(counts, 0)
+    if grouped:
+        offs = offs.to(torch.int32)
         h = swiglu(_grouped_mm(x_sorted, gate.transpose(-2, -1), offs),
                    _grouped_mm(x_sorted, up.transpose(-2, -1), offs))  # (M, F)
         return _grouped_mm(h, down.transpose(-2, -1), offs)
-    return grouped_swiglu_loop(x_sorted, counts.tolist(), gate, up, down)
+    h = swiglu(grouped_linear(x_sorted, gate, offs), grouped_linear(x_sorted, up, offs))
+    return grouped_linear(h, down, offs)
+
+
+# The experts' GEMMs where torch._grouped_mm cannot run (the CPU, fp32, older cards): a loop over experts,
+# which reads the counts to the host. As a custom op of static shape it is one opaque node in a compiled
+# block's graph (train.compile; the read would break the graph): (M, K) rows sorted by expert and (E, N, K)
+# weights -> (M, N), the rows of group g (offs[g-1]:offs[g], offs the cumulative counts) times weight[g]^T.
+# Its backward is two more ops, dx and dW, each the GEMM F.linear's own backward runs per expert. Eager and
+# compiled blocks call the same ops, so a compiled step computes what an eager one does, bit for bit (a
+# per-expert F.linear on a copy of its rows can differ in the last bit: the BLAS's kernel follows alignment).
+@torch.library.custom_op("pipetrain::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out, start = x.new_zeros(x.shape[0], weight.shape[1]), 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], weight[g])
+        start = end
+    return out
+
+
+@grouped_linear.register_fake
+def _(x, weight, offs):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("pipetrain::grouped_linear_weight_grad", mutates_args=())
+def grouped_linear_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """(E, N, K): dy_g^T x_g per group (zero for an empty one), grouped_linear's weight gradient."""
+    out, start = dy.new_zeros(num_groups, dy.shape[1], x.shape[1]), 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[g] = x[start:end].t().mm(dy[start:end]).t()  # as F.linear's backward: (x^T dy)^T
+        start = end
+    return out
+
+
+@grouped_linear_weight_grad.register_fake
+def _(dy, x, offs, num_groups):
+    return dy.new_empty(num_groups, dy.shape[1], x.shape[1])
+
+
+@torch.library.custom_op("pipetrain::grouped_linear_input_grad", mutates_args=())
+def grouped_linear_input_grad(dy: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(M, K): dy_g weight[g] per group, grouped_linear's input gradient."""
+    out, start = dy.new_zeros(dy.shape[0], weight.shape[2]), 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = dy[start:end].mm(weight[g])
+        start = end
+    return out
+
+
+@grouped_linear_input_grad.register_fake
+def _(dy, weight, offs):
+    return dy.new_empty(dy.shape[0], weight.shape[2])
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    x, weight, offs = inputs
+    ctx.save_for_backward(x, weight, offs)
+
+
+def _grouped_linear_backward(ctx, dy):
+    x, weight, offs = ctx.saved_tensors
+    dx = grouped_linear_input_grad(dy, weight, offs) if ctx.needs_input_grad[0] else None
+    dw = grouped_linear_weight_grad(dy, x, offs, weight.shape[0]) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
 
 
 class Experts(nn.Module):
@@ -234,7 +308,9 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
             scale = self.aux_coef / (self.aux_sequences or B)
             y = AuxLossInjector.apply(y, balance.sum(), scale)
-        if self.training and not _in_backward():
+        # compiled: the graph's forward applies its buffer mutations once; a recompute inside the backward
+        # graph replays none of them
+        if self.training and (torch.compiler.is_compiling() or not _in_backward()):
             self.router.step_counts += counts.sum(0).to(torch.float64)
             self.router.step_aux += balance.detach().sum().to(torch.float64)
         return y

@@ -37,12 +37,22 @@ LAYOUTS = {
     "dp2_zero1": (1, 1, {"zero": 1}, EXACT_FP32),
     "dp2_zero3": (1, 1, {"zero": 3}, EXACT_FP32),  # the gather hooks run eagerly around each compiled forward
     "tp2_lora": (2, 1, {"lora": True}, TP_FP32),
+    # experts (the test-only key "moe": a qwen3_moe of LLAMA's size, aux loss and aux-free bias on)
+    "tp2_moe": (2, 1, {"moe": True}, TP_FP32),
+    "tp2_sequence_parallel_moe": (2, 1, {"moe": True, "sequence_parallel": True}, TP_FP32),
+    "pp2_moe_recompute_full": (1, 2, {"moe": True, "recompute": "full"}, EXACT_FP32),
+    "dp2_zero3_moe": (1, 1, {"moe": True, "zero": 3}, EXACT_FP32),
 }
+MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01,
+                          router_bias_update_rate=1e-3)
 
 
 def _model(keys: dict):
-    """LLAMA with the test-only keys "lora" (rank-4 adapters) and "layers" (n_layers) taken out of keys."""
-    model = dataclasses.replace(LLAMA, n_layers=keys.pop("layers", LLAMA.n_layers))
+    """LLAMA (MOE with the test-only key "moe") with the test-only keys "lora" (rank-4 adapters) and "layers"
+    (n_layers) taken out of keys."""
+    model = MOE if keys.pop("moe", False) else LLAMA
+    model = dataclasses.replace(model, n_layers=keys.pop("layers", model.n_layers))
     return dataclasses.replace(model, lora_rank=4) if keys.pop("lora", False) else model
 
 
@@ -107,8 +117,12 @@ def test_zero3_compiled_blocks_match_eager_single_process(tmp_path, monkeypatch)
     check_layout("dp2_zero3", tmp_path, monkeypatch)
 
 
+def test_tp2_compiled_experts_match_eager_single_process(tmp_path, monkeypatch):
+    check_layout("tp2_moe", tmp_path, monkeypatch)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in ("tp2", "dp2_zero3")])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in ("tp2", "dp2_zero3", "tp2_moe")])
 def test_every_layout_compiled_matches_eager_single_process(name, tmp_path, monkeypatch):
     check_layout(name, tmp_path, monkeypatch)
 

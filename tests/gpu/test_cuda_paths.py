@@ -4,6 +4,7 @@ train.py, the fp8 scaled matmul against its emulation, train.compile, a training
 the host before its update, and MoE's grouped GEMMs against the per-expert loop.
 Triton runs compiled only in a process without TRITON_INTERPRET (tests/conftest.py sets it for the CPU
 kernel tests), so the Triton and training cases run in subprocesses."""
+import json
 import os
 import subprocess
 import sys
@@ -309,3 +310,36 @@ def test_moe_grouped_gemm_on_cuda_matches_the_per_expert_loop_forward_and_backwa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     capable = torch.cuda.get_device_capability() >= (9, 0)
     assert f"grouped: {capable}" in proc.stdout and "grouped GEMMs match the loop" in proc.stdout, proc.stdout
+
+
+_MOE_COMPILE = """
+import dataclasses, json, tempfile, torch
+from pipetrain.models.moe import _grouped_mm_ok
+from pipetrain.parallel.mesh.dims import ParallelDims
+from tests.unit.common import LLAMA, build_trainer
+moe = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
+losses = {}
+for compile_ in (False, True):
+    trainer = build_trainer(moe, tempfile.mkdtemp(), ParallelDims(device=torch.device("cuda")), steps=3,
+                            precision="bf16", compile=compile_, learnable=True)
+    losses[compile_] = [trainer.train_step()["loss"] for _ in range(3)]
+x = torch.zeros(8, 32, device="cuda")
+with torch.autocast("cuda", torch.bfloat16):
+    print("grouped:", _grouped_mm_ok(x, torch.zeros(4, 24, 32, device="cuda")))
+print("losses:", json.dumps([losses[False], losses[True]]))
+"""
+
+
+def test_compiled_experts_on_cuda_follow_eager():
+    """A MoE's blocks under train.compile with inductor on the card: torch._grouped_mm traced into the graph on
+    sm90+ (bf16 under autocast), else the op pipetrain::grouped_linear; three steps within bf16's tolerance of
+    eager (CPU: tests/unit/test_compile.py, bit for bit under aot_eager)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _MOE_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    capable = torch.cuda.get_device_capability() >= (9, 0)
+    assert f"grouped: {capable}" in proc.stdout, proc.stdout
+    eager, compiled = json.loads(proc.stdout.split("losses:")[1])
+    assert compiled == pytest.approx(eager, rel=2e-2), (compiled, eager)

@@ -47,6 +47,35 @@ def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, mo
     assert all(block._compiled_call_impl is not None for block in trainer.model.layers.values())
 
 
+MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
+
+
+@pytest.mark.parametrize("keys", [{}, {"recompute": "full"}, {"precision": "bf16"}],
+                         ids=["fp32", "recompute_full", "bf16"])
+def test_compiled_experts_match_eager_bit_for_bit_and_count_routing_once(tmp_path, monkeypatch, keys):
+    """MoE blocks compile into one graph (the experts' GEMMs the op pipetrain::grouped_linear, whose host read of
+    the counts stays inside it), and every step's loss, aux loss and expert loads, then every weight and the
+    aux-free bias, equal eager's bit for bit. Under full recompute the checkpointed forward runs again in
+    backward: the step's routing counts (a buffer the forward adds to) are taken once, as eager takes them."""
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    runs = {}
+    for name, compile_ in (("eager", False), ("compiled", True)):
+        torch._dynamo.reset()
+        counters.clear()
+        (tmp_path / name).mkdir()
+        trainer = build_trainer(MOE, str(tmp_path / name), steps=3, microbatches=2, compile=compile_, **keys)
+        steps = [trainer.train_step() for _ in range(3)]
+        runs[name] = ([(m["loss"], m["aux_loss"], m["expert_load_max"]) for m in steps], trainer.model)
+        assert bool(counters["stats"]) == compile_
+    (eager, eager_model), (compiled, model) = runs["eager"], runs["compiled"]
+    assert compiled == eager, (compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for (name, want), got in zip(eager_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), name
+    assert model.layers["1"].mlp.router.expert_bias.abs().sum() > 0  # the bias moved: counts reached it
+
+
 def test_compile_backend_is_inductor_unless_the_test_knob_names_another(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert compile_backend() == "inductor"

@@ -63,6 +63,8 @@ def expert_parallel_problems(r: Recipe) -> list[str]:
          "all-to-alls)", "set parallel.dynamic_batch=false"),
         (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (ZeRO shards non-experts over all of dp and "
          "experts over expert-dp)", "drop parallel.dp_shard"),
+        (r.train.compile, "train.compile (each layer's all-to-all reads its row counts to the host: a graph "
+         "break)", "set train.compile=false or parallel.ep=1"),
     ]
     return out + [f"{key}: does not combine with parallel.ep={p.ep} yet; {fix}" for on, key, fix in refused if on]
 
@@ -74,7 +76,6 @@ def moe_problems(r: Recipe) -> list[str]:
         return []
     refused = [
         (t.precision == "fp8", "train.precision=fp8 (the experts are not float8 linears)", "use bf16 or fp32"),
-        (t.compile, "train.compile (routing has data-dependent shapes)", "set train.compile=false"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync} (the balancing bias reduces counts over all of dp "
          "every step)", "use parallel.dp_sync=bsp"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}", "set it to none"),
