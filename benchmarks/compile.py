@@ -1,6 +1,6 @@
 """train.compile on the CPU: step time of eager against compiled transformer blocks, and the compile time.
 
-    python benchmarks/compile.py [--models small tiny] [--steps 8] [--threads 2] [--tp 2]
+    python benchmarks/compile.py [--models small tiny moe-tiny] [--steps 8] [--threads 2] [--tp 2]
 
 Per model, two Trainers (train.compile false and true, inductor unless PIPETRAIN_COMPILE_BACKEND says
 otherwise) run the same recipe and batches, alternating step by step so the machine's noise hits both
@@ -35,13 +35,15 @@ MODELS = {
     "small": ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
               "model.ffn_hidden=128", "model.max_seq_len=32", "train.seq_len=32", "train.global_batch=8"],
     "tiny": [],  # the recipe as shipped: d_model 256, 8 layers, seq 256, 16 sequences a step
+    "moe-tiny": [],  # recipes/moe-tiny.yaml as shipped: 8 experts, top 2, d_model 256, 6 layers, seq 256
 }
+RECIPES = {"moe-tiny": "moe-tiny.yaml"}  # the model's recipe, when not tiny.yaml
 
 
 def _trainer(name: str, compile_: bool, steps: int, out: str, tp: int):
     sets = MODELS[name] + [f"parallel.tp={tp}", f"train.steps={steps}", f"train.compile={str(compile_).lower()}", f"run.output_dir={out}",
                            "run.progress=false", "run.eval_every=0", "checkpoint.every=0"]
-    recipe = load_recipe(os.path.join(ROOT, "recipes", "tiny.yaml"), sets)
+    recipe = load_recipe(os.path.join(ROOT, "recipes", RECIPES.get(name, "tiny.yaml")), sets)
     os.makedirs(out, exist_ok=True)
     return build_trainer(recipe), recipe
 

@@ -6,9 +6,10 @@ training throughput and memory beside the dense model of equal active parameters
 experts: one MoE layer's experts, forward + backward, median of --reps: (a) pipetrain's path
   (MoE.dispatch_compute_combine: one stable sort by expert, grouped_swiglu over contiguous rows,
   index_add back), (b) the Hugging Face loop (per expert, torch.where over the routing mask, gather,
-  compute, index_add: transformers' MixtralExperts), (c) grouped_swiglu alone against
-  grouped_swiglu_loop with per-expert indexing gate[e] (what the unbind in the loop avoids). On CUDA also
-  torch._grouped_mm (bf16) against the loop.
+  compute, index_add: transformers' MixtralExperts), (c) grouped_swiglu_loop (the reference) against
+  grouped_swiglu off CUDA (the op pipetrain::grouped_linear, which compiled blocks hold too) and against
+  per-expert indexing gate[e] (what the unbind in the loop avoids). On CUDA also torch._grouped_mm (bf16)
+  against the loop.
 train: pipetrain.build.build_trainer on synthetic tokens for --steps steps (first step dropped): the
   MoE (8 experts, top 2, expert width F/2) against the llama of the same active MLP width F; tokens/s
   (median), total and active parameters, the planner's predicted peak (pipetrain.plan.memory.run_memory)
@@ -94,6 +95,9 @@ def bench_experts(tokens: int, reps: int, device: str) -> list[dict]:
     e = moe.experts
     rows.append({"what": "grouped_swiglu_loop (unbind)", "s": median_seconds(
         step(lambda: grouped_swiglu_loop(xs, counts.tolist(), e.gate, e.up, e.down)), reps)})
+    if device != "cuda":  # off CUDA grouped_swiglu is the op pipetrain::grouped_linear: the loop as one op
+        rows.append({"what": "grouped_swiglu (pipetrain::grouped_linear)", "s": median_seconds(
+            step(lambda: grouped_swiglu(xs, counts, e.gate, e.up, e.down)), reps)})
     rows.append({"what": "loop with gate[e] indexing", "s": median_seconds(
         step(lambda: indexed_loop(xs, counts.tolist(), e.gate, e.up, e.down)), reps)})
     if device == "cuda":  # the grouped GEMM needs bf16

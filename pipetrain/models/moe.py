@@ -137,11 +137,16 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, fp8: Callable | None = None) -> torch.Tensor:
     """SwiGLU of each expert over its rows: x_sorted (M, D) sorted by expert, counts (E,) rows per expert,
     gate/up (E, F, D), down (E, D, F) -> (M, D). On CUDA one grouped GEMM per matrix (torch._grouped_mm,
     bf16, with cumulative offsets) where available; else grouped_linear, the loop over experts as one op of
-    static shape, which a compiled block can hold (grouped_swiglu_loop is the reference)."""
+    static shape, which a compiled block can hold (grouped_swiglu_loop is the reference). fp8: the experts'
+    float8 grouped GEMM (Experts.fp8_grouped, set by train.precision=fp8: pipetrain.parallel.tensor.fp8_experts),
+    called (x, weight, offs, split) with split "out" for gate / up and "in" for down (their tp splits)."""
+    if fp8 is not None:
+        offs = torch.cumsum(counts, 0)
+        return fp8(swiglu(fp8(x_sorted, gate, offs, "out"), fp8(x_sorted, up, offs, "out")), down, offs, "in")
     grouped = _grouped_mm_ok(x_sorted, gate)
     dtype = _gemm_dtype(x_sorted, gate)
     if dtype is not None:  # autocast's cast of the loop's F.linear operands (neither op gets autocast)
@@ -234,6 +239,7 @@ class Experts(nn.Module):
         self.gate = nn.Parameter(torch.empty(num_experts, ffn, d_model))
         self.up = nn.Parameter(torch.empty(num_experts, ffn, d_model))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, ffn))
+        self.fp8_grouped = None  # the float8 grouped GEMM under train.precision=fp8 (grouped_swiglu)
 
 
 def _in_backward() -> bool:
@@ -286,7 +292,7 @@ class MoE(nn.Module):
         counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         token = order // self.top_k
         e = self.experts
-        y = grouped_swiglu(x[token], counts, e.gate, e.up, e.down)  # (N*k, D) in expert order
+        y = grouped_swiglu(x[token], counts, e.gate, e.up, e.down, e.fp8_grouped)  # (N*k, D) in expert order
         y = y * topk_w.reshape(-1)[order].unsqueeze(-1)
         out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y)  # y * w: fp32 under autocast (route)
         return out.view(shape)

@@ -68,7 +68,7 @@ class ExpertParallelDispatch:
             # no row reached this rank: the expert weights still get a (zero) gradient, so the expert-dp
             # reduction and ZeRO's bucket counts see the same gradients on every rank
             return rows + 0.0 * (e.gate.sum() + e.up.sum() + e.down.sum())
-        return grouped_swiglu(rows, counts, e.gate, e.up, e.down)
+        return grouped_swiglu(rows, counts, e.gate, e.up, e.down, e.fp8_grouped)
 
 
 def _local_experts(module: Experts, dims: ParallelDims) -> Experts:

@@ -75,7 +75,6 @@ def moe_problems(r: Recipe) -> list[str]:
     if r.model.num_experts <= 0:
         return []
     refused = [
-        (t.precision == "fp8", "train.precision=fp8 (the experts are not float8 linears)", "use bf16 or fp32"),
         (p.dp_sync != "bsp", f"parallel.dp_sync={p.dp_sync} (the balancing bias reduces counts over all of dp "
          "every step)", "use parallel.dp_sync=bsp"),
         (p.fault_tolerance != "none", f"parallel.fault_tolerance={p.fault_tolerance}", "set it to none"),

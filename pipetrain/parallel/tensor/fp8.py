@@ -69,8 +69,10 @@ from pipetrain.config import ConfigError, ModelConfig
 from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.kernels.fp8_quant import (MIN_CAPABILITY, fp8_columns, quantize,  # _scaled_mm's floor too
                                          quantize_tensorwise, scale_from_amax, tensorwise_scale)
+from pipetrain.models.moe import Experts
 from pipetrain.parallel.tensor.fp8_gemm import FORWARD_FAST_ACCUM, amax_over, hardware_shapes_ok, scaled_mm
 from pipetrain.parallel.tensor.fp8_rowwise import rowwise_backward, rowwise_forward
+from pipetrain.parallel.tensor.fp8_experts import Fp8Experts
 from pipetrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from pipetrain.parallel.mesh.comm import all_reduce_max_
 from pipetrain.parallel.mesh.dims import ParallelDims
@@ -350,6 +352,11 @@ def apply_fp8(model: nn.Module, dims: ParallelDims, cfg: ModelConfig, emulate: b
             split = "out" if isinstance(module, ColumnParallelLinear) else \
                 "in" if isinstance(module, RowParallelLinear) else None
             module.fp8 = spec if split is None else dataclasses.replace(spec, tp_split=split)
+            names.append(name)
+    experts = Fp8Experts(tp_group=spec.tp_group, hardware=spec.hardware)  # one recipe (fp8_experts.py)
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            module.fp8_grouped = experts
             names.append(name)
     for module in model.modules():  # linears of one input share its quantisation (fp8_linears)
         linears = [getattr(module, n, None) for n in getattr(module, "ONE_INPUT_LINEARS", ())]
