@@ -90,9 +90,9 @@ def _link(profile: DeviceProfile, span: int, ranks_per_node: int) -> tuple[float
 
 def a2a_bytes(recipe: Recipe, world_size: int) -> int:
     """Bytes one rank sends in one expert-parallel all-to-all of a microbatch: its k routed copies of each
-    token, (ep-1)/ep of them to other ranks under balanced routing."""
+    of its tokens (T/cp of every sequence under cp), (ep-1)/ep of them to other ranks under balanced routing."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    micro_tokens = t.global_batch // (resolve_dp(recipe, world_size) * p.microbatches) * t.seq_len
+    micro_tokens = rank_tokens(recipe, world_size)
     width = 2 if t.precision == "bf16" else FP32
     return int(micro_tokens * m.num_experts_per_tok * m.d_model * width * (p.ep - 1) / p.ep)
 
@@ -139,7 +139,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     # ep: two all-to-alls (dispatch, combine) per MoE block forward, their reverses backward
     ep_fwd = 0.0
     if p.ep > 1 and m.is_moe:
-        bw_ep, lat_ep = _link(profile, p.ep * pp * tp, ranks_per_node)
+        bw_ep, lat_ep = _link(profile, p.ep * pp * cp * tp, ranks_per_node)  # ep: dp ranks, pp * cp * tp apart
         ep_fwd = 2 * layers_busiest * all_to_all_seconds(p.ep, a2a_bytes(recipe, world_size), bw_ep, lat_ep)
     # dispatch: about 20 operator calls per block forward, 2x that backward (matters on CPU and tiny models)
     launch = 20 * layers_busiest * profile.op_overhead

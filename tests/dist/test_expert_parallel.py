@@ -1,10 +1,12 @@
 """Expert parallelism (parallel.ep, pipetrain.parallel.expert) matches one process at every step: the loss,
 the aux loss, the gradient norm, the expert loads, the aux-free bias and the router gradients, with ep
 carved out of dp and composed with tp, pp and ZeRO; skewed routing drops no token; a checkpoint saved at
-ep 2 resumes at ep 4 and ep 1 with the ep 2 run's next losses.
+ep 2 resumes at ep 4 and ep 1 with the ep 2 run's next losses. Under context parallelism (cp 2 x ep 2) each cp rank
+dispatches its own half of every sequence over its own ep group and the expert gradients sum over expert-dp x cp.
 
 Tolerance: EXACT_FP32 (as dp): an expert computes the same rows, only grouped by source rank, and its
-weight gradient sums them in another order; TP_FP32 with tp (F split)."""
+weight gradient sums them in another order; TP_FP32 with tp (F split) and with cp (attention over gathered
+K/V, as tests/dist/test_moe.py's cp case)."""
 from __future__ import annotations
 
 import os
@@ -57,6 +59,14 @@ def test_ep2_matches_single_process(tmp_path):
     run_ranks(2, _worker, str(tmp_path / "two"), dict(dp=2, ep=2), {}, expected, EXACT_FP32)
 
 
+@pytest.mark.parametrize("zero", [0, 1], ids=["replicated", "zero1"])
+def test_ep2_x_cp2_matches_single_process(tmp_path, zero):
+    """dp 2 x cp 2, ep 2 (ep == dp: the experts' replicas are the cp group). The balance loss sums its counts
+    over cp (MoE.token_split); zero 1 shards the expert rows over expert-dp x cp, the rest over dp x cp."""
+    expected = _run(str(tmp_path / "one"))
+    run_ranks(4, _worker, str(tmp_path / "four"), dict(dp=2, cp=2, ep=2), dict(zero=zero), expected, TP_FP32)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("degrees, parallel, tol", [
     (dict(dp=4, ep=4), {}, EXACT_FP32),
@@ -67,11 +77,14 @@ def test_ep2_matches_single_process(tmp_path):
     (dict(dp=2, ep=2, pp=2), dict(zero=1, microbatches=2, schedule="1f1b"), EXACT_FP32),  # router grads, aux on
     (dict(dp=2, ep=2), dict(recompute="full"), EXACT_FP32),  # the all-to-alls run again inside backward
     (dict(dp=2, ep=2), dict(fused_loss=True), EXACT_FP32),  # the head applied inside the loss
+    # expert-dp 2 x cp 2: the experts' own dims.expert_dp_cp_group, for the all-reduce and for ZeRO 2's shards
+    (dict(dp=4, cp=2, ep=2), {}, TP_FP32),
+    (dict(dp=4, cp=2, ep=2), dict(zero=2), TP_FP32),
 ], ids=["ep4", "ep2-dp4", "ep2-dp4-zero2", "ep2-tp2", "ep2-tp2-sp", "ep2-pp2-1f1b-zero1", "ep2-recompute-full",
-        "ep2-fused-loss"])
+        "ep2-fused-loss", "ep2-dp4-cp2", "ep2-dp4-cp2-zero2"])
 def test_ep_layouts_match_single_process(tmp_path, degrees, parallel, tol):
     expected = _run(str(tmp_path / "one"), **{k: v for k, v in parallel.items() if k != "zero"})
-    world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1)
+    world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)
     run_ranks(world, _worker, str(tmp_path / "many"), degrees, parallel, expected, tol)
 
 

@@ -47,6 +47,20 @@ def test_ep_groups_are_consecutive_dp_ranks_and_expert_dp_their_strided_peers():
     assert ParallelDims(dp=2, ep=2).group_rank_lists()["ep"] == []  # ep == dp: the dp group itself
 
 
+def test_under_cp_an_ep_group_stays_in_one_cp_coordinate_and_experts_reduce_over_expert_dp_x_cp():
+    """(dp 4, cp 2): rank = dp_rank * 2 + cp_rank. Each cp rank dispatches its own tokens over its own ep group;
+    the ranks holding the same experts are expert-dp x cp (expert-dp-major, like dp_cp), ZeRO's expert shards."""
+    lists = ParallelDims(dp=4, cp=2, ep=2).group_rank_lists()
+    assert lists["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp ranks (0, 1) and (2, 3), one cp coordinate each
+    assert lists["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lists["expert_dp_cp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # ep rank 0's experts, ep rank 1's
+    d = ParallelDims(dp=4, cp=2, ep=2, rank=5)  # dp 2, cp 1: ep rank 0, expert-dp rank 1
+    assert d.expert_zero_shard[:2] == (4, 3) and lists["expert_dp_cp"][0][3] == 5
+    # ep == dp: the cp group holds the same experts; cp == 1: the expert-dp group; neither needs a group of its own
+    assert ParallelDims(dp=2, cp=2, ep=2).group_rank_lists()["expert_dp_cp"] == []
+    assert ParallelDims(dp=4, ep=2).group_rank_lists()["expert_dp_cp"] == []
+
+
 def test_local_experts_are_row_boxes_of_the_global_tensors():
     model = build(MOE, device="meta")
     experts = model.layers["0"].mlp.experts

@@ -296,13 +296,15 @@ def test_full_recompute_gives_the_same_losses_and_counts_each_token_once(tmp_pat
     assert runs[0] == runs[1]
 
 
-def test_layouts_experts_do_not_combine_with_are_refused_with_the_layout():
+def test_experts_combine_with_the_layout_keys():
     base = Recipe(model=MOE, data=DataConfig(path="x", tokenizer="y"), train=TrainConfig(seq_len=16))
     cp = Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(cp=2))
     assert not layout_problems(cp, 2)  # the balance loss sums its counts over cp (tests/dist/test_moe.py)
+    # ep groups inside one cp coordinate, experts reduced over expert-dp x cp (tests/dist/test_expert_parallel.py)
     cp_ep = Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(cp=2, ep=2))
-    (line,) = layout_problems(cp_ep, 4)
-    assert line.startswith("parallel.cp=2 with parallel.ep=2") and "model.num_experts=4" in line, line
+    assert not layout_problems(cp_ep, 4)
+    (line,) = layout_problems(cp_ep, 2)  # dp 1: ep borrows its ranks from dp, not from cp
+    assert line.startswith("parallel.ep: must divide dp=1"), line
     assert not layout_problems(Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(tp=2)), 2)
     # sequence parallelism composes: the router sees the whole sequence through its gathered logits
     sp = Recipe(model=MOE, data=base.data, train=base.train, parallel=ParallelConfig(tp=2, sequence_parallel=True))

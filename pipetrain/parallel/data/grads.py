@@ -5,7 +5,10 @@ After backward each rank holds gradients that are, per parameter kind:
 - a tied embedding split across the first and last pipeline stage: summed over the embed group;
 - per dp replica: summed over dp (the loss is already normalised by the global token count); under
   expert parallelism (dims.ep > 1) an expert's gradient sums over the expert-dp group instead (the ranks
-  holding the same experts: the all-to-all already summed the tokens of its ep group into it).
+  holding the same experts: the all-to-all already summed the tokens of its ep group into it). Under
+  context parallelism each cp rank's gradients cover its slice of the tokens, so "dp" is dp x cp
+  (dims.dp_cp_group) and an expert's group expert-dp x cp (dims.expert_dp_cp_group): an ep group lies
+  inside one cp coordinate, so its all-to-all summed only that cp rank's tokens.
 The first two are model-parallel syncs (sync_model_parallel_grads); the dp reduction is done here
 for parallel.zero = 0 and by pipetrain.parallel.data.zero (bucketed reduce-scatter) for zero >= 1.
 
@@ -78,9 +81,9 @@ def sync_grads(model: nn.Module, dims, dp_group="dp") -> None:
     if group is None and getattr(dims, "ep", 1) == 1:  # one replica: nothing to sum (and no walk over the model)
         return
     params = [p for p in model.parameters() if p.grad is not None]
-    if getattr(dims, "ep", 1) > 1:  # experts: over the ranks holding the same experts
+    if getattr(dims, "ep", 1) > 1:  # experts: over the ranks holding the same experts (and cp: other tokens)
         experts = expert_param_ids(model)
-        allreduce_grads([p for p in params if id(p) in experts], dims.expert_dp_group)
+        allreduce_grads([p for p in params if id(p) in experts], dims.expert_dp_cp_group)
         params = [p for p in params if id(p) not in experts]
     if group is not None:
         allreduce_grads(params, group)

@@ -3,13 +3,16 @@
 Non-expert parameters shard (and reduce) over dp as without ep. Expert weights are already split over the
 ep group, and ranks holding the same experts form the expert-dp group (dp / ep ranks): their gradients
 reduce and their rows shard over it; with expert-dp of one rank they stay unsharded (each ep rank the only
-holder of its experts). Checkpoint boxes follow: an expert shard's box is its ep slice of the global
-(E, ...) tensor narrowed to its expert-dp rows, so the state reshards to any ep.
+holder of its experts). Under context parallelism both groups take cp in (dims.zero_shard, and
+dims.expert_zero_shard: expert-dp x cp), as each cp rank's gradient of its own tokens sums over cp too.
+Checkpoint boxes follow: an expert shard's box is its ep slice of the global (E, ...) tensor narrowed to its
+expert-dp (x cp) rows, so the state reshards to any ep.
 
-Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp give the global
-norm: the non-expert rows are split over dp, the expert rows over ep (which experts) x expert-dp (which
-rows) = dp. The AdamW step count is written once, by the non-expert optimizer. With fused AdamWs (CUDA) the
-clip, the check and both updates stay on the device (clip_and_step, as ZeroOptimizer's).
+Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp (x cp) give the
+global norm: the non-expert rows are split over dp (x cp), the expert rows over ep (which experts) x
+expert-dp (x cp) (which rows) = dp (x cp). The AdamW step count is written once, by the non-expert
+optimizer. With fused AdamWs (CUDA) the clip, the check and both updates stay on the device (clip_and_step,
+as ZeroOptimizer's).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class ExpertZeroOptimizer:
         self.model, self.dims, self.stage = model, dims, stage
         self.dense = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) not in experts)
         self.experts = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) in experts,
-                                     shard_over=(dims.expert_dp, dims.expert_dp_rank, dims.expert_dp_group),
+                                     shard_over=dims.expert_zero_shard,
                                      sync_model_parallel=False)
         self.parts = (self.dense, self.experts)
 
@@ -55,7 +58,8 @@ class ExpertZeroOptimizer:
         """The global gradient norm from both parts' rows, on the device."""
         sums = [part.grad_sq_sums() for part in self.parts]
         sharded, replicated = sums[0][0] + sums[1][0], sums[0][1] + sums[1][1]
-        return global_grad_norm_tensor(sharded, replicated, self.dims, dp_sharded=True, shard_group=self.dims.dp_group)
+        return global_grad_norm_tensor(sharded, replicated, self.dims, dp_sharded=True,
+                                       shard_group=self.dims.zero_shard_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = float(self._norm())

@@ -38,7 +38,12 @@ Expert parallelism (parallel.ep, pipetrain.parallel.expert) is carved out of dp:
 ep fastest, so an ep group is ep consecutive dp ranks with the same (pp, cp, tp) coordinate (tokens
 travel between them by all-to-all) and the expert-dp group is the dp ranks holding the same experts
 (ep_rank = dp_rank % ep): expert gradients sum over it. Both are created with dist.new_group after the
-mesh; with ep == dp the ep group is dp_group, with ep == 1 the expert-dp group is dp_group.
+mesh; with ep == dp the ep group is dp_group, with ep == 1 the expert-dp group is dp_group. Under context
+parallelism an ep group stays inside one cp coordinate: each cp rank dispatches its own T/cp tokens over
+its own ep group (the experts are token-local, so which rank computes a row never changes its result), and
+the experts' replicas are then the expert-dp x cp ranks holding them (`expert_dp_cp_group`, expert-dp-major
+like dp_cp_group): expert gradients sum over it, as the others do over dp x cp. It is expert_dp_group when
+cp == 1, cp_group when ep == dp and dp_cp_group when ep == 1.
 
 Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps) are S extra ranks after the mesh:
 global ranks world_size .. world_size + S - 1 (`full_world_size` in all). They are outside the mesh
@@ -132,6 +137,8 @@ class ParallelDims:
     ep: int = 1                      # expert parallelism inside dp (parallel.ep)
     ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     expert_dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # Every rank holding this rank's experts under cp: expert-dp x cp (expert gradients sum over it)
+    expert_dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.dp_shard is None:
@@ -236,6 +243,12 @@ class ParallelDims:
         return self.dp_rank // self.ep
 
     @property
+    def expert_zero_shard(self) -> tuple[int, int, Optional[dist.ProcessGroup]]:
+        """(size, this rank's index, group) of the ranks holding this rank's experts, which ZeRO shards the
+        expert rows over: expert-dp, times cp under context parallelism (as zero_shard is dp times cp)."""
+        return self.expert_dp * self.cp, self.expert_dp_rank * self.cp + self.cp_rank, self.expert_dp_cp_group
+
+    @property
     def replica_size(self) -> int:
         """Ranks in one replica: dp_shard * pp * cp * tp."""
         return self.dp_shard * self.pp * self.cp * self.tp
@@ -274,6 +287,9 @@ class ParallelDims:
         both = self.ep > 1 and self.expert_dp > 1  # otherwise one of them is the dp group itself
         out["ep"] = mesh_rank_lists(experts, ("ep",)) if both else []
         out["expert_dp"] = mesh_rank_lists(experts, ("expert_dp",)) if both else []
+        # under cp: otherwise it is the expert-dp group (cp == 1) or the cp group (expert-dp == 1)
+        out["expert_dp_cp"] = (mesh_rank_lists(experts, ("expert_dp", "cp"))
+                               if self.ep > 1 and self.expert_dp > 1 and self.cp > 1 else [])
         return out
 
     # ---- construction with process groups ----
@@ -346,7 +362,7 @@ class ParallelDims:
             if self.rank in ranks:
                 self.embed_group = pg
         lists = self.group_rank_lists()
-        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp", "ep", "expert_dp"):
+        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp", "ep", "expert_dp", "expert_dp_cp"):
             for ranks in lists[kind]:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -363,6 +379,12 @@ class ParallelDims:
             self.dp_cp_group = self.dp_group
         elif self.dp == 1:
             self.dp_cp_group = self.cp_group
+        if self.cp == 1:
+            self.expert_dp_cp_group = self.expert_dp_group
+        elif self.expert_dp == 1:
+            self.expert_dp_cp_group = self.cp_group
+        elif self.ep == 1:
+            self.expert_dp_cp_group = self.dp_cp_group
         set_workers_group(None)
         if self.ps_servers:
             workers = dist.new_group(list(range(self.world_size)))

@@ -84,18 +84,6 @@ def moe_problems(r: Recipe) -> list[str]:
     return _moe_refusals(r, refused)
 
 
-def moe_layout_problems(r: Recipe) -> list[str]:
-    """The layout keys (which parallel.auto may choose) that experts do not combine with yet: checked with
-    the layout, so the planner's search skips them."""
-    p = r.parallel
-    if r.model.num_experts <= 0:
-        return []
-    return _moe_refusals(r, [
-        (p.cp > 1 and p.ep > 1, f"parallel.cp={p.cp} with parallel.ep={p.ep} (the experts' all-to-alls are not "
-         "built across cp)", "set parallel.ep=1 or parallel.cp=1"),
-    ])
-
-
 def _moe_refusals(r: Recipe, refused: list) -> list[str]:
     return [f"{key}: does not combine with model.num_experts={r.model.num_experts} yet; {fix}"
             for on, key, fix in refused if on]
@@ -234,7 +222,7 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
             + tensor_parallel_problems(recipe.model, p.tp, recipe.train.seq_len, p.sequence_parallel)
             + pipeline_problems(recipe.model, p)
             + relaxed_problems(recipe, world_size)
-            + fp8_layout_problems(recipe) + moe_layout_problems(recipe))
+            + fp8_layout_problems(recipe))
 
 
 def fp8_layout_problems(recipe: Recipe) -> list[str]:
