@@ -12,10 +12,13 @@ from pipetrain.parallel.expert.dispatch import _local_experts
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.plan.cost import step_time
-from pipetrain.plan.devices import load_profile
+from pipetrain.plan.devices import DEVICES, load_profile
 from pipetrain.plan.memory import model_state_bytes
+from pipetrain.plan.search import search
 from tests.dist.test_moe import MOE
 from tests.unit.common import LLAMA
+
+HUGE = dataclasses.replace(DEVICES["cpu"], memory_bytes=1e15)
 
 
 def _recipe(model=MOE, **parallel) -> Recipe:
@@ -81,3 +84,15 @@ def test_planner_holds_experts_over_ep_and_times_the_all_to_all():
     profile = load_profile("cpu")
     assert step_time(two, 2, profile).ep_comm > 0 and step_time(_recipe(dp=2), 2, profile).ep_comm == 0
     torch.testing.assert_close(step_time(one, 1, profile).ep_comm, 0.0)
+
+
+def test_planner_may_put_ep_under_cp_only_where_ep_divides_dp():
+    """ep borrows its ranks from dp, never from cp: on 4 ranks at ep 2 the search keeps cp 2 x dp 2 and drops
+    every layout whose dp is 1; each cp rank all-to-alls only its own T/cp tokens."""
+    recipe = _recipe(ep=2)
+    found = {(p.layout["dp"], p.layout["cp"]) for p in search(recipe, 4, HUGE).plans}
+    assert (2, 2) in found and all(dp % 2 == 0 for dp, _ in found), found
+    cp2 = dataclasses.replace(recipe, parallel=ParallelConfig(ep=2, dp=2, cp=2))
+    dp2 = dataclasses.replace(recipe, parallel=ParallelConfig(ep=2, dp=2))
+    profile = load_profile("cpu")
+    assert step_time(cp2, 4, profile).ep_comm < step_time(dp2, 2, profile).ep_comm  # half the tokens per rank
