@@ -128,16 +128,17 @@ def test_skewed_routing_drops_no_token(tmp_path):
     run_ranks(2, _skewed_worker, x.detach(), y.detach(), grads)
 
 
-def _resume_worker(rank, world_size, out, ckpt, ep, steps):
-    """ep 2: train, save after 2 steps, go on; any ep: resume from ckpt. Returns the losses after step 2."""
-    dims = ParallelDims.from_degrees(dp=world_size, ep=ep)
+def _resume_worker(rank, world_size, out, ckpt, ep, steps, cp=1):
+    """ep 2: train, save after 2 steps, go on; any ep: resume from ckpt. Returns (loss, grad norm) of each step
+    after step 2 (the norm of step 4 reads the moments restored for step 3's update)."""
+    dims = ParallelDims.from_degrees(dp=world_size // cp, cp=cp, ep=ep)
     os.makedirs(out, exist_ok=True)
     trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, ep=ep, zero=1, resume=ckpt)
     losses = []
     while trainer.step < steps:
         record = trainer.train_step()
         if trainer.step > 2:
-            losses.append(record["loss"])
+            losses.append((record["loss"], record["grad_norm"]))
         if trainer.step == 2 and ckpt is None:
             trainer.checkpointer.save(trainer)
     return losses
@@ -152,3 +153,16 @@ def test_checkpoint_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
     got1 = _resume_worker(0, 1, str(tmp_path / "ep1"), ckpt, 1, 4)
     torch.testing.assert_close(got4, want, **EXACT_FP32)
     torch.testing.assert_close(got1, want, **EXACT_FP32)
+
+
+@pytest.mark.slow
+def test_checkpoint_at_ep2_x_cp2_resumes_at_cp2_and_in_one_process(tmp_path):
+    """ZeRO 1 under cp 2 x ep 2 writes its expert moments as expert-dp x cp row boxes: they load at the same
+    layout (the uninterrupted run's next steps) and without cp or ep."""
+    out = str(tmp_path / "cp2")
+    want = rank_results(4, _resume_worker, out, None, 2, 4, 2)[0]
+    ckpt = os.path.join(out, "checkpoints", "step-00000002")
+    again = rank_results(4, _resume_worker, str(tmp_path / "again"), ckpt, 2, 4, 2)[0]
+    got1 = _resume_worker(0, 1, str(tmp_path / "ep1"), ckpt, 1, 4)
+    torch.testing.assert_close(again, want, **EXACT_FP32)
+    torch.testing.assert_close(got1, want, **TP_FP32)  # cp's attention sums in another order
