@@ -80,8 +80,10 @@ def test_ep2_x_cp2_matches_single_process(tmp_path, zero):
     # expert-dp 2 x cp 2: the experts' own dims.expert_dp_cp_group, for the all-reduce and for ZeRO 2's shards
     (dict(dp=4, cp=2, ep=2), {}, TP_FP32),
     (dict(dp=4, cp=2, ep=2), dict(zero=2), TP_FP32),
+    (dict(dp=2, cp=2, ep=2, tp=2), dict(sequence_parallel=True), TP_FP32),  # each tp rank dispatches all of T/cp
+    (dict(dp=2, cp=2, ep=2, pp=2), dict(zero=1, microbatches=2, schedule="1f1b"), TP_FP32),
 ], ids=["ep4", "ep2-dp4", "ep2-dp4-zero2", "ep2-tp2", "ep2-tp2-sp", "ep2-pp2-1f1b-zero1", "ep2-recompute-full",
-        "ep2-fused-loss", "ep2-dp4-cp2", "ep2-dp4-cp2-zero2"])
+        "ep2-fused-loss", "ep2-dp4-cp2", "ep2-dp4-cp2-zero2", "ep2-cp2-tp2-sp", "ep2-cp2-pp2-1f1b-zero1"])
 def test_ep_layouts_match_single_process(tmp_path, degrees, parallel, tol):
     expected = _run(str(tmp_path / "one"), **{k: v for k, v in parallel.items() if k != "zero"})
     world = degrees["dp"] * degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)
