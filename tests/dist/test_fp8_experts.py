@@ -4,6 +4,7 @@ process and the results differ by fp32 summation order only. Then a tiny MoE tra
 process (emulated fp8 on the CPU)."""
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -81,3 +82,19 @@ def _trainer_worker(rank, world_size, out):
 def test_a_moe_trained_in_fp8_at_tp2_follows_the_single_process_run(tmp_path):
     reference = _losses(str(tmp_path / "single"))
     _check_curve(rank_results(2, _trainer_worker, str(tmp_path))[0], reference)
+
+
+def _zero_worker(rank, world_size, out, zero):
+    trainer = build_trainer(MOE, os.path.join(out, f"zero{zero}"), ParallelDims.from_degrees(dp=world_size),
+                            precision="fp8", steps=STEPS, learnable=True, zero=zero)
+    return [trainer.train_step()["loss"] for _ in range(STEPS)]
+
+
+@pytest.mark.slow
+def test_fp8_experts_under_zero3_equal_zero1(tmp_path):
+    """ZeRO-3 gathers the stacked experts in fp32 (they are no bf16 linear) and the experts quantise them per
+    expert as at zero 1: the same losses, bit for bit."""
+    for zero in (1, 3):
+        os.makedirs(tmp_path / f"zero{zero}")
+    zero1, zero3 = (rank_results(2, _zero_worker, str(tmp_path), zero)[0] for zero in (1, 3))
+    assert zero3 == zero1, (zero3, zero1)

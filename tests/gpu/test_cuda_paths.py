@@ -343,3 +343,29 @@ def test_compiled_experts_on_cuda_follow_eager():
     assert f"grouped: {capable}" in proc.stdout, proc.stdout
     eager, compiled = json.loads(proc.stdout.split("losses:")[1])
     assert compiled == pytest.approx(eager, rel=2e-2), (compiled, eager)
+
+
+def test_fp8_experts_scaled_grouped_mm_matches_its_emulation_on_cuda(monkeypatch):
+    """The experts' float8 grouped GEMMs (parallel/tensor/fp8_experts.py) on torch._scaled_grouped_mm (sm90+) and dW
+    on torch._grouped_mm, under bf16 autocast, against the emulation: y, dx and dW within the rowwise linear's bound
+    (one more bf16 rounding apart). An empty expert included."""
+    from pipetrain.parallel.tensor import fp8_experts
+    if torch.cuda.get_device_capability() < fp8_experts.SCALED_GROUPED_MM_CAPABILITY:
+        pytest.skip("torch._scaled_grouped_mm needs sm90+ (the experts emulate there: tests/unit/test_fp8_experts.py)")
+    calls = []
+    real = torch._scaled_grouped_mm
+    patch_torch_op(monkeypatch, "_scaled_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    torch.manual_seed(0)
+    offs = torch.tensor([32, 32, 96, 128], device="cuda")
+    x, w = torch.randn(128, 64, device="cuda"), torch.randn(4, 48, 64, device="cuda")
+    g = torch.randn(128, 48, device="cuda")
+    results = {}
+    for hardware in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fp8_experts.Fp8Experts(hardware=hardware)(xi, wi, offs, "out")
+        (y.float() * g).sum().backward()
+        results[hardware] = (y.detach().float(), xi.grad, wi.grad)
+    assert calls == [(128, 64), (128, 48)]  # y and dx on the hardware
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=0.0, atol=2 ** -6 * want.abs().max().item())
