@@ -72,12 +72,19 @@ LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_he
 GPT_1B = dict(family="gpt2", vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=None,
               ffn_hidden=None, max_seq_len=2048, tie_embeddings=True)  # None: the family's default (null)
 LLAMA_1B5_BIG_VOCAB = dict(LLAMA_1B, vocab_size=128256)  # 1.53B: the llama 1.0B with a 128k vocab
+# the llama 1.0B's attention with 8 experts of ffn 2048, top 2 (mixtral's routing): 1.85B, 0.64B active
+MOE_2B = dict(LLAMA_1B, family="mixtral", ffn_hidden=None, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=2048, router_aux_loss_coef=0.01)
 # --model NAME: (table heading, model keys)
 MODELS = {"llama-1b": ("llama 1.0B (d 2048, 16 layers, GQA 16/8, ffn 8192, vocab 8192)", LLAMA_1B),
           "gpt-1b": ("gpt-1b recipe's model (GPT-2 arch, 1.3B, vocab 50304)", GPT_1B),
-          "llama-1b5": ("llama 1.5B, vocab 128,256", LLAMA_1B5_BIG_VOCAB)}
+          "llama-1b5": ("llama 1.5B, vocab 128,256", LLAMA_1B5_BIG_VOCAB),
+          "moe": ("mixtral-style MoE 1.85B, 0.64B active (the llama 1.0B's attention, 8 experts of ffn 2048, top 2)",
+                  MOE_2B)}
 SMOKE = dict(family="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
              max_seq_len=32, tie_embeddings=False)
+SMOKE_MOE = dict(SMOKE, family="mixtral", ffn_hidden=None, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=64)
 # (label, kind, recipe overrides or None); kind: pipetrain | pipetrain-torch | plain | compiled | hf.
 # In order of what issue 34's targets need, so a run cut short by a time limit has those rows (each row is
 # printed, and the file rewritten, as it finishes).
@@ -190,6 +197,8 @@ def _check_overrides(recipe, overrides: list[str]) -> None:
 def _loop_row(model: dict, kind: str, setup: Setup):
     """One training step of a plain loop: the pipetrain decoder (or transformers' model), fused AdamW, autocast."""
     cfg = ModelConfig(**model)
+    if kind == "hf" and cfg.is_moe:
+        raise ConfigError("the transformers row builds dense models only")
     if kind == "hf":
         with setup.device:  # initialise on the device: a 1B model's CPU init takes longer than its steps
             net = _hf_model(cfg)
@@ -378,9 +387,10 @@ def kernel_table(setup: Setup, repeats: int) -> list[str]:
 
 def selected_models(names: list[str], full: bool, smoke: bool) -> list[tuple[str, dict]]:
     """(table heading, model keys) of each model to run: --model's in its order, else llama-1b (--full: all
-    three); the CPU smoke's tiny llama whatever was asked."""
+    of them); the CPU smoke's tiny llama whatever was asked (its tiny MoE where the MoE was)."""
     if smoke:
-        return [("llama (cpu smoke: d 64, 2 layers)", SMOKE)]
+        return [("llama (cpu smoke: d 64, 2 layers)", SMOKE)] + (
+            [("MoE (cpu smoke: d 64, 2 layers, 4 experts)", SMOKE_MOE)] if "moe" in names else [])
     return [MODELS[n] for n in names or (list(MODELS) if full else ["llama-1b"])]
 
 
@@ -391,11 +401,11 @@ def _spaced(section: list[str]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
-                        help="also the gpt-1b recipe's model and a llama 1.5B with vocab 128k, and the rowwise "
+                        help="also the gpt-1b recipe's model, a llama 1.5B with vocab 128k and the MoE, and the rowwise "
                              "fp8 rows")
     parser.add_argument("--model", action="append", default=[], choices=list(MODELS),
                         help="run this model's rows (repeatable, in the order given); default: llama-1b "
-                             "(--full: all three)")
+                             "(--full: all of them)")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per row, after 2 warm-up steps")
     parser.add_argument("--sequences", type=int, default=16,
                         help="sequences of 2048 tokens a step (16: issue 34's table; fewer lets --full's gpt-1b "

@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh vocab      the fused loss at vocab 8192 and 128,256 against the unfused Trainer
 #   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table, the MoE grouped
 #                                             GEMM, then as much of the suite as fits
+#   bash benchmarks/gpu_session.sh moe        the MoE (1.85B, 0.64B active): eager, compile, fp8 + compile, the
+#                                             compiled plain loop; then the grouped GEMM against the loop, 240 s
 #   bash benchmarks/gpu_session.sh suite      every test, the slow ones too
 #   bash benchmarks/gpu_session.sh check      five minutes: the llama's rows with their profiles, then `pytest -m gpu`
 #
@@ -27,9 +29,10 @@
 #   gpu-vocab.md          pipetrain eager against train.fused_loss=true on the llama 1.5B (vocab 128,256); under
 #                         `vocab` the llama 1.0B's (vocab 8192) too; gpu-vocab.log
 #   gpu-benchmark.md      (`all`, `check`) every default row and the kernel table; gpu.log
+#   gpu-moe.md            (`moe`) the MoE's rows; gpu-moe.log
 #   pytest.log            the suite: first every FAILED / ERROR line (xdist's -v names each test as it ends, so
 #                         a run cut short still names its failures), then the run's last 150 lines
-#   moe.log               (`all`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
+#   moe.log               (`all`, `moe`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
 # install: 160 + 150 + 60 s by default; `tests` 400 s (the H200 ran 97% of the default suite in 300 s with 15
 # workers); `vocab` 70 + 70; `all` 310 + 40 + 200. gpu.py rewrites its file after every row, so a step that
@@ -129,6 +132,12 @@ case "${1:-}" in
     step 70 gpu-vocab.log python benchmarks/gpu.py --model llama-1b --model llama-1b5 --sequences "$SEQUENCES" \
       --no-kernel-table --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" \
       --out "$OUT/gpu-vocab.md" ;;
+  moe)  # a mixture of experts: eager, compile, fp8 + compile (float8 grouped GEMMs), then the grouped GEMM alone
+    step 200 gpu-moe.log python benchmarks/gpu.py --model moe --sequences "$SEQUENCES" --no-kernel-table \
+      --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
+      --only "pipetrain, train.precision=fp8 + train.compile=true" --only "torch.compile of the plain loop" \
+      --out "$OUT/gpu-moe.md"
+    step 40 moe.log python benchmarks/moe.py experts --reps 5 ;;
   all)
     step 310 gpu.log python benchmarks/gpu.py --out "$OUT/gpu-benchmark.md"
     step 40 moe.log python benchmarks/moe.py experts --reps 5

@@ -125,6 +125,8 @@ def test_model_picks_the_models_in_the_order_given(monkeypatch):
     assert bench.selected_models([], False, False) == [bench.MODELS["llama-1b"]]
     assert bench.selected_models([], True, False) == list(bench.MODELS.values())
     assert bench.selected_models(["gpt-1b"], False, True)[0][1] is bench.SMOKE
+    smoke_moe = bench.selected_models(["moe"], False, True)  # the tiny llama, then a tiny MoE
+    assert [m for _, m in smoke_moe] == [bench.SMOKE, bench.SMOKE_MOE] and bench.MOE_2B["num_experts"] == 8
     assert bench.MODELS["gpt-1b"][1]["vocab_size"] == 50304 and bench.MODELS["gpt-1b"][1]["family"] == "gpt2"
     with pytest.raises(SystemExit) as exc:
         bench.main(["--cpu-smoke", "--model", "gpt-2b"])
@@ -295,13 +297,14 @@ exit 0
     for f in (shim, smi):
         f.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    for mode in ("", "vocab", "all", "check"):
+    for mode in ("", "vocab", "all", "check", "moe"):
         env["OUT"] = str(tmp_path / f"out-{mode or 'default'}")
         proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     calls = [c.strip("\n").split("\n") for c in record.read_text().split("<end>\n") if c.strip()]
-    assert len(calls) == 3 + 1 + 1 + 1, calls  # default: gpt-1b, llama-1b, llama-1b5; vocab; all; check
+    assert len(calls) == 3 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, llama-1b, llama-1b5; vocab; all; check; moe
+    assert calls[-1][:2] == ["--model", "moe"], calls[-1]
     assert calls[1][:2] == ["--model", "llama-1b"] and "pipetrain, train.precision=fp8" in calls[1], calls[1]
     bench = _load("gpu", monkeypatch)
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # parse, then stop: no GPU here
