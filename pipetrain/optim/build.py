@@ -26,7 +26,7 @@ from pipetrain.parallel.replicas.stale import StaleSyncOptimizer
 from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer, needs_replica_sync, sync_mode
 from pipetrain.parallel.data.zero import ZeroOptimizer
 from pipetrain.parallel.data.zero3 import Zero3Optimizer
-from pipetrain.parallel.expert.zero import ExpertZeroOptimizer
+from pipetrain.parallel.expert.zero import ExpertZero3Optimizer, ExpertZeroOptimizer
 
 
 class Optimizer:
@@ -109,9 +109,9 @@ def build_optimizer(model: nn.Module, dims, cfg: TrainConfig, zero: int = 0, par
     across = parallel is not None and needs_replica_sync(parallel, dims, zero)
     if zero == 0 or dims.zero_shard == 1:
         replica_opt = Optimizer(model, dims, cfg, dp_group=dims.dp_shard_group if across else "dp")
-    elif zero == 3:
-        replica_opt = Zero3Optimizer(model, dims, cfg, reshard_after_forward=parallel is None or
-                                     parallel.reshard_after_forward)
+    elif zero == 3:  # under ep: experts shard and gather over expert-dp, the rest over dp
+        zero3 = ExpertZero3Optimizer if getattr(dims, "ep", 1) > 1 else Zero3Optimizer
+        replica_opt = zero3(model, dims, cfg, reshard_after_forward=parallel is None or parallel.reshard_after_forward)
     elif getattr(dims, "ep", 1) > 1:  # experts shard over expert-dp, the rest over dp
         replica_opt = ExpertZeroOptimizer(model, dims, cfg, stage=zero)
     else:

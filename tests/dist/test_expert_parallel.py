@@ -4,6 +4,11 @@ carved out of dp and composed with tp, pp and ZeRO; skewed routing drops no toke
 ep 2 resumes at ep 4 and ep 1 with the ep 2 run's next losses. Under context parallelism (cp 2 x ep 2) each cp rank
 dispatches its own half of every sequence over its own ep group and the expert gradients sum over expert-dp x cp.
 
+ZeRO-3 (ExpertZero3Optimizer): at ep 2 x dp 4 the experts shard, gather and reduce-scatter over expert-dp (2
+ranks), the rest over dp (4): the losses and every gradient row match one process at every step, the final
+weights too; a running block holds the bytes plan.memory models; its checkpoint resumes bitwise at ep 2 and
+loads into one process with the ep 2 run's next loss.
+
 Tolerance: EXACT_FP32 (as dp): an expert computes the same rows, only grouped by source rank, and its
 weight gradient sums them in another order; TP_FP32 with tp (F split) and with cp (attention over gathered
 K/V, as tests/dist/test_moe.py's cp case)."""
@@ -17,8 +22,12 @@ import torch
 from pipetrain.models import build, materialize
 from pipetrain.models.moe import moe_layers
 from pipetrain.parallel.expert.dispatch import apply_expert_parallel
+from pipetrain.models.init import param_layout
+from pipetrain.parallel.expert.zero import ExpertZero3Optimizer
 from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.plan.memory import model_state_bytes, zero3_unit_bytes
 from tests.dist.test_moe import MOE
+from tests.dist.test_zero3 import AFTER_ADAM
 from tests.harness import EXACT_FP32, TP_FP32, rank_results, run_ranks
 from tests.unit.common import build_trainer
 
@@ -168,3 +177,76 @@ def test_checkpoint_at_ep2_x_cp2_resumes_at_cp2_and_in_one_process(tmp_path):
     got1 = _resume_worker(0, 1, str(tmp_path / "ep1"), ckpt, 1, 4)
     torch.testing.assert_close(again, want, **EXACT_FP32)
     torch.testing.assert_close(got1, want, **TP_FP32)  # cp's attention sums in another order
+
+
+def _reference(out, steps=STEPS):
+    """One process: per step the metrics and every (clipped) gradient; then the weights and the biases."""
+    os.makedirs(out, exist_ok=True)
+    trainer = build_trainer(MOE, out, steps=steps, global_batch=4, seq_len=16)
+    history, grads = [], []
+    for _ in range(steps):
+        record = trainer.train_step()
+        history.append({k: record[k] for k in KEYS + ("expert_load_max",)})
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    bias = {i: m.router.expert_bias.clone() for i, m in moe_layers(trainer.model).items()}
+    return history, grads, params, bias
+
+
+def _box(t: torch.Tensor, offsets, shape) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+
+
+def _zero3_worker(rank, world_size, out, ep, expected):
+    """ep x expert-dp ZeRO-3 against one process: metrics, each part's gradient rows, weights, bytes, resume."""
+    history, grads, params, bias = expected
+    dims = ParallelDims.from_degrees(dp=world_size, ep=ep)
+    keys = dict(steps=STEPS, global_batch=4, seq_len=16, zero=3, ep=ep)
+    trainer = build_trainer(MOE, out, dims, **keys)
+    opt = trainer.optimizer
+    assert isinstance(opt, ExpertZero3Optimizer), type(opt)
+    assert (opt.dense.dp_size, opt.experts.dp_size) == (dims.dp, dims.expert_dp), "shard groups: dp, expert-dp"
+    parts = [(part, i) for part in opt.parts for i in range(len(part.params))]
+    held = []
+    for block in trainer.model.layers.values():
+        block.register_forward_pre_hook(lambda m, a: held.append(
+            sum(part.gatherer.target(i).untyped_storage().nbytes() for part, i in parts)))
+    assert all(p.untyped_storage().nbytes() == 0 for p in opt.experts.params), "experts held whole between units"
+    losses = []
+    for step in range(STEPS):
+        got = trainer.train_step()
+        losses.append(got["loss"])
+        for key in KEYS:
+            torch.testing.assert_close(got[key], history[step][key], **EXACT_FP32,
+                                       msg=f"{dims.coords} step {step + 1} {key}")
+        assert got["expert_load_max"] == history[step]["expert_load_max"], f"{dims.coords} step {step + 1} load"
+        for part in opt.parts:  # the reduce-scatter over each part's group left this rank its rows of the sum
+            for i, g in part._grad_shards.items():
+                shard = part.shards[i]
+                want = _box(grads[step][shard.name], *shard.box(part.dp_rank))
+                torch.testing.assert_close(g, want, **EXACT_FP32, msg=f"{dims.coords} step {step + 1} {shard.name}")
+        if step == STEPS - 2:
+            trainer.checkpointer.save(trainer)
+    full = opt.full_params()
+    for name, (_, slices) in param_layout(trainer.model).items():
+        torch.testing.assert_close(full[name], params[name][slices], **AFTER_ADAM, msg=f"{dims.coords} {name}")
+    for i, m in moe_layers(trainer.model).items():
+        torch.testing.assert_close(m.router.expert_bias, bias[i], rtol=0, atol=0, msg=f"{dims.coords} bias {i}")
+    assert sorted(set(held)) == [zero3_unit_bytes(trainer.recipe, 0)[1]], (held, zero3_unit_bytes(trainer.recipe, 0))
+    assert opt.state_bytes() == model_state_bytes(trainer.recipe, world_size, 0)[2]
+    resumed = build_trainer(MOE, out, dims, resume="auto", **keys)
+    assert resumed.train_step()["loss"] == losses[-1], "an ep + zero 3 checkpoint resumes exactly"
+    again = resumed.optimizer.full_params()
+    assert all(torch.equal(again[n], full[n]) for n in full), f"{dims.coords} resumed weights differ"
+
+
+def test_ep2_zero3_gathers_experts_over_expert_dp_and_matches_single_process(tmp_path):
+    expected = _reference(str(tmp_path / "one"))
+    out = str(tmp_path / "ep2")
+    os.makedirs(out)
+    run_ranks(4, _zero3_worker, out, 2, expected)
+    # the ep 2 x zero 3 checkpoint (row boxes of both parts) loads into one process: the same next loss
+    os.makedirs(tmp_path / "ep1")
+    one = build_trainer(MOE, str(tmp_path / "ep1"), steps=STEPS, global_batch=4, seq_len=16,
+                        resume=os.path.join(out, "checkpoints", "step-00000002"))
+    torch.testing.assert_close(one.train_step()["loss"], expected[0][-1]["loss"], **EXACT_FP32)

@@ -33,7 +33,8 @@ def test_ep_refusals_are_one_line_each():
         "MoE family"]
     [odd] = parallel_problems(_recipe(ep=3))
     assert odd.startswith("parallel.ep: must divide model.num_experts=4") and "got 3" in odd
-    for keys, start in [(dict(zero=3), "parallel.zero=3"), (dict(dynamic_batch=True), "parallel.dynamic_batch"),
+    assert not parallel_problems(_recipe(ep=2, zero=3))  # experts gathered over expert-dp (parallel/expert/zero.py)
+    for keys, start in [(dict(dynamic_batch=True), "parallel.dynamic_batch"),
                         (dict(dp_shard=2), "parallel.dp_shard=2")]:
         found = [p for p in parallel_problems(_recipe(ep=2, **keys)) if "parallel.ep=2" in p]
         assert len(found) == 1 and found[0].startswith(start), found

@@ -322,13 +322,11 @@ def test_a_moe_model_in_bf16_without_autocast_keeps_bf16():
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
-def test_zero3_takes_experts_without_expert_parallelism_and_is_refused_with_it():
-    """ZeRO-3 gathers the stacked experts with their block (tests/dist/test_moe.py); under ep > 1 the experts
-    are sharded over ep already and their units are not built: refused in one line."""
+def test_zero3_takes_experts_with_and_without_expert_parallelism():
+    """ZeRO-3 gathers the stacked experts with their block (tests/dist/test_moe.py), and under ep > 1 this ep
+    rank's experts over expert-dp (tests/dist/test_expert_parallel.py): no refusal either way."""
     def problems(**parallel):
         recipe = Recipe(model=MOE, parallel=ParallelConfig(**parallel), train=TrainConfig(global_batch=8, seq_len=16))
-        return parallel_problems(recipe) + layout_problems(recipe, 2)
+        return parallel_problems(recipe) + layout_problems(recipe, 4)
     assert problems(zero=3) == []
-    (line,) = problems(zero=3, ep=2)
-    assert line.startswith("parallel.zero=3 (expert weights are not gathered per unit): does not combine with "
-                           "parallel.ep=2 yet"), line
+    assert problems(zero=3, ep=2) == [] and problems(zero=3, ep=4) == []

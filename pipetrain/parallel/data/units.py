@@ -27,6 +27,10 @@ the head.
 At most two units are gathered (or being gathered) at once with reshard_after_forward; UnitGatherer
 counts them (peak_gathered) so tests can assert it.
 
+A gatherer gathers only its optimizer's parameters. Under expert parallelism (parallel/expert/zero.py) two
+gatherers hook the same modules: the non-experts' over dp and the experts' over expert-dp (the blocks with
+experts only). Their hooks run in registration order on every rank, so each group's collectives pair up.
+
 Freeing. A unit's parameters live in storages of their own (copied at construction if a parameter shares
 one); freeing resizes the storage to zero bytes, gathering resizes it back and copies the rows in, so
 tensors autograd saved in forward (the weights of a linear) see the gathered values again in backward.
@@ -115,7 +119,11 @@ class UnitGatherer:
         self.units: list[_Unit] = []
         seen: set[int] = set()
         for name, position, modules in stage_units(model):
-            members = sorted({index[id(p)] for m in modules for p in m.parameters()})
+            # the optimizer's parameters only (expert parallelism: the experts' optimizer gathers their blocks
+            # over expert-dp, the other's the rest over dp); a unit with none of them is not this gatherer's
+            members = sorted({index[id(p)] for m in modules for p in m.parameters() if id(p) in index})
+            if not members:
+                continue
             seen.update(members)
             dtypes = sorted({opt.gather_dtype(i) for i in members}, key=str)
             layouts = [opt._new_bucket([i for i in members if opt.gather_dtype(i) == dtype], late=False)

@@ -74,22 +74,27 @@ def compute_in_bf16(model: nn.Module, dims) -> set[int]:
 
 
 def unit_gatherer(optimizer) -> Optional[UnitGatherer]:
-    """The UnitGatherer of a ZeRO-3 optimizer, also inside a wrapper across replicas (HSDP); None otherwise."""
+    """The UnitGatherer of a ZeRO-3 optimizer, also inside a wrapper across replicas (HSDP); under expert
+    parallelism the non-expert part's, which holds the head (train.fused_loss gathers it); None otherwise."""
     while optimizer is not None:
         if isinstance(optimizer, Zero3Optimizer):
             return optimizer.gatherer
-        optimizer = getattr(optimizer, "wrapped", None)
+        optimizer = getattr(optimizer, "dense", None) or getattr(optimizer, "wrapped", None)
     return None
 
 
 class Zero3Optimizer(ZeroOptimizer):
     """ZeRO-3: ZeroOptimizer's stage-2 gradient reduction and sharded AdamW, with the parameters themselves
     sharded (the rows are the masters) and gathered per unit by hooks (UnitGatherer, built here).
-    Same interface as ZeroOptimizer, plus param_items / load_param_items for checkpoints."""
+    Same interface as ZeroOptimizer, plus param_items / load_param_items for checkpoints. owns, shard_over and
+    sync_model_parallel are ZeroOptimizer's: expert parallelism builds two (parallel/expert/zero.py), the experts'
+    sharded and gathered over expert-dp, each gathering its own parameters of a unit."""
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
-        super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, owns=None, shard_over=None,
+                 sync_model_parallel: bool = True):
+        super().__init__(model, dims, cfg, stage=3, bucket_bytes=bucket_bytes, overlap=overlap, owns=owns,
+                         shard_over=shard_over, sync_model_parallel=sync_model_parallel)
         for view in self.views.values():  # the rows become the masters, in storage of their own
             view.data = view.data.clone()
         # Frozen parameters (LoRA's base) are sharded and gathered too, but carry no gradient and no AdamW
@@ -99,7 +104,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self.rows: dict[int, torch.Tensor] = dict(self.views)
         layout = param_layout(model)
         for name, p in model.named_parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and (owns is None or owns(p)):
                 i = len(self.params)
                 self.params.append(p)
                 self.shards.append(self._param_shard(name, p, layout))

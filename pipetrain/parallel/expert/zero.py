@@ -1,4 +1,4 @@
-"""ZeRO 1/2 under expert parallelism: two ZeroOptimizers over one model, one per reduction group.
+"""ZeRO 1/2/3 under expert parallelism: two ZeroOptimizers (Zero3Optimizers) over one model, one per group.
 
 Non-expert parameters shard (and reduce) over dp as without ep. Expert weights are already split over the
 ep group, and ranks holding the same experts form the expert-dp group (dp / ep ranks): their gradients
@@ -13,6 +13,12 @@ global norm: the non-expert rows are split over dp (x cp), the expert rows over 
 expert-dp (x cp) (which rows) = dp (x cp). The AdamW step count is written once, by the non-expert
 optimizer. With fused AdamWs (CUDA) the clip, the check and both updates stay on the device (clip_and_step,
 as ZeroOptimizer's).
+
+ZeRO 3 (ExpertZero3Optimizer, torchtitan's FSDP of the experts over expert-dp): the parameters themselves are
+those rows. Each part's UnitGatherer (pipetrain.parallel.data.units) hooks the same blocks: before a block runs,
+the non-expert part all-gathers its dense weights over dp and the expert part its E/ep local experts over
+expert-dp (x cp), each frees them after, and each reduce-scatters its gradients over its own group. A checkpoint's
+weights are both parts' row boxes (param_items), as its moments are.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from pipetrain.config import TrainConfig
 from pipetrain.optim.adamw import ReadBox
 from pipetrain.parallel.data.grads import clip_coefficient, expert_param_ids, global_grad_norm_tensor, step_on_device
 from pipetrain.parallel.data.zero import ZeroOptimizer
+from pipetrain.parallel.data.zero3 import Zero3Optimizer
 
 
 class ExpertZeroOptimizer:
@@ -32,11 +39,13 @@ class ExpertZeroOptimizer:
         assert dims.dp_shard == dims.dp, f"{dims.coords} ExpertZeroOptimizer: dp_shard={dims.dp_shard} != dp={dims.dp}"
         experts = expert_param_ids(model)
         self.model, self.dims, self.stage = model, dims, stage
-        self.dense = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) not in experts)
-        self.experts = ZeroOptimizer(model, dims, cfg, stage, owns=lambda p: id(p) in experts,
-                                     shard_over=dims.expert_zero_shard,
-                                     sync_model_parallel=False)
+        self.dense = self._part(model, dims, cfg, owns=lambda p: id(p) not in experts)
+        self.experts = self._part(model, dims, cfg, owns=lambda p: id(p) in experts,
+                                  shard_over=dims.expert_zero_shard, sync_model_parallel=False)
         self.parts = (self.dense, self.experts)
+
+    def _part(self, model: nn.Module, dims, cfg: TrainConfig, **keys) -> ZeroOptimizer:
+        return ZeroOptimizer(model, dims, cfg, self.stage, **keys)
 
     @property
     def steps_taken(self) -> int:
@@ -96,3 +105,34 @@ class ExpertZeroOptimizer:
 
     def grad_bytes(self) -> int:
         return sum(part.grad_bytes() for part in self.parts)
+
+
+class ExpertZero3Optimizer(ExpertZeroOptimizer):
+    """ZeRO stage 3 with expert weights sharded, gathered and reduce-scattered over expert-dp (module docstring);
+    the Zero3Optimizer interface."""
+
+    def __init__(self, model: nn.Module, dims, cfg: TrainConfig, reshard_after_forward: bool = True, **keys):
+        self.reshard_after_forward, self.keys = reshard_after_forward, keys  # keys: Zero3Optimizer's bucket_bytes
+        super().__init__(model, dims, cfg, stage=3)
+
+    def _part(self, model: nn.Module, dims, cfg: TrainConfig, **keys) -> Zero3Optimizer:
+        return Zero3Optimizer(model, dims, cfg, self.reshard_after_forward, **self.keys, **keys)
+
+    @property
+    def gatherers(self) -> tuple:
+        """(non-expert, expert) UnitGatherers."""
+        return tuple(part.gatherer for part in self.parts)
+
+    def param_items(self, trainable_only: bool = False) -> list:
+        return [item for part in self.parts for item in part.param_items(trainable_only)]
+
+    def load_param_items(self, read: ReadBox, trainable_only: bool = False) -> None:
+        for part in self.parts:
+            part.load_param_items(read, trainable_only)
+
+    def param_bytes(self) -> int:
+        return sum(part.param_bytes() for part in self.parts)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Both parts' UnitGatherer.full_params: every local parameter whole (the experts: this ep rank's)."""
+        return {name: t for part in self.parts for name, t in part.gatherer.full_params().items()}

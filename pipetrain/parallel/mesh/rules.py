@@ -58,7 +58,6 @@ def expert_parallel_problems(r: Recipe) -> list[str]:
         out.append(f"parallel.ep: must divide model.num_experts={m.num_experts} (each ep rank holds "
                    f"num_experts/ep experts), got {p.ep}; use one of {_divisors(m.num_experts)}")
     refused = [
-        (p.zero == 3, "parallel.zero=3 (expert weights are not gathered per unit)", "use parallel.zero=1 or 2"),
         (p.dynamic_batch, "parallel.dynamic_batch (every ep rank must run the same microbatches to pair its "
          "all-to-alls)", "set parallel.dynamic_batch=false"),
         (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (ZeRO shards non-experts over all of dp and "
