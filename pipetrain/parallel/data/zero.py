@@ -384,7 +384,7 @@ class ZeroOptimizer:
             grads = [p.grad for p in self.params if p.grad is not None]
         else:
             grads = list(self._grad_shards.values())
-        if grads:  # a rank may hold no rows (expert weights of fewer rows than expert-dp x cp ranks)
+        if grads:  # a rank may hold no rows (expert weights of fewer rows than expert-dp (x cp) ranks)
             torch._foreach_mul_(grads, coef)
 
     @torch.no_grad()
