@@ -118,11 +118,6 @@ class ExpertZero3Optimizer(ExpertZeroOptimizer):
     def _part(self, model: nn.Module, dims, cfg: TrainConfig, **keys) -> Zero3Optimizer:
         return Zero3Optimizer(model, dims, cfg, self.reshard_after_forward, **self.keys, **keys)
 
-    @property
-    def gatherers(self) -> tuple:
-        """(non-expert, expert) UnitGatherers."""
-        return tuple(part.gatherer for part in self.parts)
-
     def param_items(self, trainable_only: bool = False) -> list:
         return [item for part in self.parts for item in part.param_items(trainable_only)]
 
