@@ -68,10 +68,10 @@ def test_ep2_matches_single_process(tmp_path):
     run_ranks(2, _worker, str(tmp_path / "two"), dict(dp=2, ep=2), {}, expected, EXACT_FP32)
 
 
-@pytest.mark.parametrize("zero", [0, 1], ids=["replicated", "zero1"])
+@pytest.mark.parametrize("zero", [0, 1, 3], ids=["replicated", "zero1", "zero3"])
 def test_ep2_x_cp2_matches_single_process(tmp_path, zero):
     """dp 2 x cp 2, ep 2 (ep == dp: the experts' replicas are the cp group). The balance loss sums its counts
-    over cp (MoE.token_split); zero 1 shards the expert rows over expert-dp x cp, the rest over dp x cp."""
+    over cp (MoE.token_split); zero 1 and zero 3 shard the expert rows over expert-dp x cp, the rest over dp x cp."""
     expected = _run(str(tmp_path / "one"))
     run_ranks(4, _worker, str(tmp_path / "four"), dict(dp=2, cp=2, ep=2), dict(zero=zero), expected, TP_FP32)
 
