@@ -1,7 +1,7 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
     python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16|fp8|fp8-rowwise]
-                               [--timeline zero3-trace.json]
+                               [--timeline zero3-trace.json] [--ep 2]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -10,8 +10,8 @@ includes the ~0.3 GB of Python and torch every process carries), reset after a w
 the measured steps and not initialisation (which builds every parameter whole), and the median step time
 after the warm-up, as tokens/s over the whole dp group. glibc's mmap threshold is pinned (64 KiB) so freed
 tensors go back to the OS and RSS follows live memory. "fsdp2" is torch's fully_shard (one per block and
-one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch and gloo
-group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
+one at the root, reshard_after_forward=True, torch.optim.AdamW over its DTensor shards) on the same model, batch
+and gloo group; where fully_shard does not run on gloo the row records why. "model state" counts, from the tensors
 each pipetrain rank holds after the last step, parameters (zero 3: its rows and any gathered storage) +
 gradients (zero 2/3: the reduce-scatter buffers) + AdamW moments. "gathered MiB/step" is what zero 3's
 all-gathers received per step on a rank (UnitGatherer.gathered_bytes).
@@ -23,6 +23,10 @@ MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the same split of dty
 gathering the fp8 linears' weights in float8. FSDP2 is not run: its float8 all-gather is torchao's, whose
 CPU matmuls are not pipetrain's emulation, so a time ratio would compare the two matmuls, not the sharding.
 --precision fp8-rowwise: the same with train.fp8_recipe=rowwise, whose weights zero 3 gathers in fp32.
+
+--ep EP: a mixtral-style MoE of the same attention (8 experts of F=704, top 2: 84M parameters, 69M in experts)
+at parallel.ep=EP, where zero 1/2/3 shard the experts over expert-dp (dp / EP ranks) and the rest over dp
+(pipetrain.parallel.expert.zero); "gathered MiB/step" sums both parts' gathers.
 
 --timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
 writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
@@ -52,6 +56,9 @@ from tests.unit.common import build_trainer  # noqa: E402
 
 MODEL = ModelConfig(family="llama", vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
                     ffn_hidden=1408, max_seq_len=64)
+# --ep: the same attention with 8 experts of ffn 704, top 2 (84M parameters, 69M of them experts)
+MOE_MODEL = ModelConfig(family="mixtral", vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                        max_seq_len=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704)
 SEQ, PER_RANK = 64, 2  # tokens per sequence, sequences per dp rank per step
 GIB = 2 ** 30
 
@@ -62,22 +69,25 @@ def _reset_hwm() -> None:
 
 
 def _pipetrain(dims, zero: int, steps: int, out: str, precision: str, timeline: bool = False) -> tuple:
-    trainer = build_trainer(MODEL, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
+    model = MOE_MODEL if dims.ep > 1 else MODEL
+    trainer = build_trainer(model, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
                             seq_len=SEQ, grad_clip=1.0, precision=precision.split("-")[0],
-                            fp8_recipe="rowwise" if precision == "fp8-rowwise" else "tensorwise")
-    gatherer = getattr(trainer.optimizer, "gatherer", None)
+                            fp8_recipe="rowwise" if precision == "fp8-rowwise" else "tensorwise", ep=dims.ep)
+    # zero 3's gatherers: one, or under ep one per part (the experts' over expert-dp, the rest over dp)
+    gatherers = [g for g in (getattr(o, "gatherer", None) for o in getattr(trainer.optimizer, "parts",
+                                                                           (trainer.optimizer,))) if g is not None]
     times, events, gathered = [], [], 0
     for step in range(steps + 1):
         if timeline and step == steps:
-            gatherer.events = events
+            gatherers[0].events = events
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
         if len(times) == 1:
             _reset_hwm()
-            gathered = -sum(gatherer.gathered_bytes.values()) if gatherer else 0
-    gathered += sum(gatherer.gathered_bytes.values()) if gatherer else 0
-    names = [u.name for u in gatherer.units] if timeline else []
+            gathered = -sum(sum(g.gathered_bytes.values()) for g in gatherers)
+    gathered += sum(sum(g.gathered_bytes.values()) for g in gatherers)
+    names = [u.name for u in gatherers[0].units] if timeline else []
     return times[1:], _model_state_bytes(trainer), (events, names), gathered / steps
 
 
@@ -165,7 +175,7 @@ def _fsdp2(dp: int, steps: int, precision: str) -> list[float]:
     return times[1:]
 
 
-def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=None):
+def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=None, ep=1):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
@@ -183,7 +193,8 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
         else:
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
-            times, state, (events, names), gathered = _pipetrain(ParallelDims.from_degrees(), int(mode[-1]), steps,
+            times, state, (events, names), gathered = _pipetrain(ParallelDims.from_degrees(ep=ep), int(mode[-1]),
+                                                                 steps,
                                                                  run_dir, precision,
                                                                  timeline is not None and mode == "zero3")
             if events and rank == 0:
@@ -194,10 +205,10 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
         dist.destroy_process_group()
 
 
-def run(dp: int, mode: str, steps: int, precision: str = "fp32", timeline: str | None = None) -> dict:
+def run(dp: int, mode: str, steps: int, precision: str = "fp32", timeline: str | None = None, ep: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, precision, timeline),
+        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, precision, timeline, ep),
                  nprocs=dp)
         return dict(results)
 
@@ -211,17 +222,21 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=None, help="a subset of zero0 zero1 zero2 zero3 fsdp2")
     parser.add_argument("--timeline", default=None, help="write zero 3's last step (rank 0) as a Chrome trace here")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp8", "fp8-rowwise"], default="fp32")
+    parser.add_argument("--ep", type=int, default=1, help="a mixtral-style MoE (8 experts) at parallel.ep=EP: zero "
+                        "1/2/3 shard its experts over expert-dp (dp / EP ranks); FSDP2 is not run")
     args = parser.parse_args()
-    params = count_params(build(MODEL, device="meta"))
-    print(f"model: llama D={MODEL.d_model} L={MODEL.n_layers} F={MODEL.ffn_hidden} V={MODEL.vocab_size}, "
+    model = MOE_MODEL if args.ep > 1 else MODEL
+    params = count_params(build(model, device="meta"))
+    width = f"{model.num_experts} experts of F={model.expert_ffn}, ep {args.ep}" if args.ep > 1 else f"F={model.ffn}"
+    print(f"model: {model.family} D={model.d_model} L={model.n_layers} {width} V={model.vocab_size}, "
           f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
           f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo; {args.precision}")
     print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9} "
           f"{'gathered MiB/step':>18}")
-    modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp else ["fsdp2"])
+    modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp or args.ep > 1 else ["fsdp2"])
     for dp in args.dp:
         for mode in modes:
-            res = run(dp, mode, args.steps, args.precision, args.timeline)
+            res = run(dp, mode, args.steps, args.precision, args.timeline, args.ep)
             if any("error" in r for r in res.values()):
                 print(f"{dp:>3} {mode:<7} does not run: {next(r['error'] for r in res.values() if 'error' in r)}")
                 continue
