@@ -294,3 +294,22 @@ def test_ep2_zero3_bf16_matches_zero1(tmp_path):
     zero 1's autocast computes with: the same losses within fp32 round-off."""
     one, three = (rank_results(4, _bf16_losses, str(tmp_path / f"z{zero}"), zero)[0] for zero in (1, 3))
     torch.testing.assert_close(three, one, **EXACT_FP32)
+
+
+def _lora_losses(rank, world_size, out, zero):
+    dims = ParallelDims.from_degrees(dp=world_size, ep=2) if world_size > 1 else None
+    keys = dict(zero=zero, ep=2) if dims else {}
+    trainer = build_trainer(MOE_LORA, os.path.join(out, f"zero{zero}"), dims, steps=STEPS, global_batch=4,
+                            seq_len=16, **keys)
+    return [trainer.train_step()["loss"] for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_ep2_lora_with_zero_1_or_2_matches_single_process(tmp_path, zero):
+    """LoRA freezes the experts, so ZeRO's expert part owns no trainable parameter: its clipping sum took the
+    device of its first parameter and crashed (IndexError). Now it trains as one process."""
+    for run in (f"zero{zero}", "one/zero0"):
+        os.makedirs(tmp_path / run)
+    one = _lora_losses(0, 1, str(tmp_path / "one"), 0)
+    ep2 = rank_results(2, _lora_losses, str(tmp_path), zero)[0]
+    torch.testing.assert_close(ep2, one, **EXACT_FP32)

@@ -375,7 +375,7 @@ class ZeroOptimizer:
             if shard.name not in skip:
                 kind = replicated if is_tp_replicated(shard.global_shape, shard.local_shape) else sharded
                 kind.append(grad.detach())
-        device = self.params[0].device
+        device = self.dims.device  # (an expert part under LoRA owns no trainable parameter: no params[0])
         return sum_sq(sharded, device), sum_sq(replicated, device)
 
     def scale_grads(self, coef: float) -> None:
