@@ -31,7 +31,9 @@ MISTRAL = ModelConfig(family="mistral", vocab_size=64, d_model=32, n_layers=2, n
                       ffn_hidden=64, max_seq_len=64, sliding_window=6)  # window shorter than a cp chunk at cp 2
 GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)  # learned positions
 LORA = ModelConfig(**{**LLAMA.__dict__, "lora_rank": 4, "lora_alpha": 8.0})  # adapters train, the base is frozen
-MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2, "lora": LORA}
+MOE = ModelConfig(**{**LLAMA.__dict__, "family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 24, "router_aux_loss_coef": 0.01})  # per-sequence balance over cp
+MODELS = {"llama": LLAMA, "mistral": MISTRAL, "gpt2": GPT2, "lora": LORA, "moe": MOE}
 
 
 def cp_trainer(cfg: ModelConfig, out: str, dims: ParallelDims, *, document_mask: bool = False, steps: int = STEPS,
@@ -153,7 +155,8 @@ def test_cp2_dp2_with_zero_and_lora_matches_single_process(tmp_path):
 
 # ---- compile: the cp attention core traced with fullgraph (aot_eager: inductor's trace, eager kernels) ----
 @pytest.mark.parametrize("model, document_mask", [("llama", True),
-                                                  pytest.param("mistral", False, marks=pytest.mark.slow)])
+                                                  pytest.param("mistral", False, marks=pytest.mark.slow),
+                                                  pytest.param("moe", True, marks=pytest.mark.slow)])
 def test_cp2_compiled_matches_single_process(tmp_path, monkeypatch, model, document_mask):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # spawned ranks inherit it
     check_cases(tmp_path, {"cp": 2}, [(model, document_mask, {"compile": True})])
