@@ -149,7 +149,8 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     set_aux_sequences(model, recipe.train.global_batch)  # MoE aux gradient per global-batch sequence
     apply_recompute(model, recipe.parallel)
     if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
-        apply_compile(model, hooks_outside=recipe.parallel.zero == 3)  # ZeRO-3 hooks its gathers on blocks
+        # ZeRO-3 hooks its gathers on blocks; expert parallelism compiles a MoE block's pieces around its dispatch
+        apply_compile(model, hooks_outside=recipe.parallel.zero == 3, pieces=recipe.parallel.ep > 1)
     act_dtype = next(model.parameters()).dtype  # the activations' (fp32 masters); ZeRO-3 may make weights bf16
     if optimizer_factory is None:
         optimizer = build_optimizer(model, dims, recipe.train, recipe.parallel.zero, recipe.parallel)

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from pipetrain.config import ConfigError
 from pipetrain.kernels import register_compile_ops
+from pipetrain.models.moe import MoE
 
 BACKEND_ENV = "PIPETRAIN_COMPILE_BACKEND"
 _BACKENDS = ("inductor", "aot_eager", "eager")
@@ -78,12 +79,30 @@ def compile_problems(device: torch.device, backend: str) -> list[str]:
     return []
 
 
-def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: bool = False) -> list[str]:
+def compiled_pieces(block: nn.Module) -> dict[str, nn.Module]:
+    """What a block compiles under expert parallelism ({name in the block: module}): a dense block whole; a
+    mixture-of-experts block piece by piece, as torchtitan compiles its MoE blocks: the norms, the attention and
+    the MoE's shared expert, each with fullgraph=True. The rest of the MoE runs eagerly between them: its
+    dispatch, whose all-to-alls take uneven splits as host integers (each layer reads its row counts), which no
+    graph holds, the experts' GEMMs on the rows that arrive (the grouped GEMM, or fp8's), and the router (one
+    linear, nothing to fuse)."""
+    mlp = block.mlp
+    if not isinstance(mlp, MoE):
+        return {"": block}
+    pieces = {"attn_norm": block.attn_norm, "attn": block.attn, "mlp_norm": block.mlp_norm}
+    if mlp.shared is not None:
+        pieces["mlp.shared"] = mlp.shared
+    return pieces
+
+
+def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: bool = False,
+                  pieces: bool = False) -> list[str]:
     """Compile each transformer block of model (a Decoder or a pipeline stage of one) in place with
-    fullgraph=True; returns the compiled blocks' names. Call after every other wrapping (module docstring).
+    fullgraph=True; returns the compiled modules' names. Call after every other wrapping (module docstring).
     hooks_outside: compile each block's forward, not its whole call (nn.Module.compile traces the module's
     hooks too), so that hooks registered on the block run eagerly around the graph: ZeRO-3's gathers, which
-    resize storage and wait on collectives (parallel/data/zero3.py)."""
+    resize storage and wait on collectives (parallel/data/zero3.py). pieces (expert parallelism): a MoE block's
+    pieces instead of the block (compiled_pieces); the block's own hooks then run eagerly around them too."""
     backend = backend or compile_backend()
     register_compile_ops()  # the Triton kernels' custom ops, before any trace (kernels/__init__.py)
     # A recomputed block's forward runs again inside backward; the one side effect a block has (a MoE layer's
@@ -98,9 +117,11 @@ def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: b
                 # backward's F and B, and the guard of a first trace that read the class default would
                 # fail then (a second compile). Inside the graph linear() never reads its value.
                 module.deferred = None
-        if hooks_outside:
-            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
-        else:
-            block.compile(fullgraph=True, backend=backend)
-        names.append(f"layers.{name}")
+        parts = compiled_pieces(block) if pieces else {"": block}
+        for part_name, part in parts.items():
+            if hooks_outside and part is block:
+                block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+            else:
+                part.compile(fullgraph=True, backend=backend)
+            names.append(f"layers.{name}" + (f".{part_name}" if part_name else ""))
     return names

@@ -42,7 +42,13 @@ LAYOUTS = {
     "tp2_sequence_parallel_moe": (2, 1, {"moe": True, "sequence_parallel": True}, TP_FP32),
     "pp2_moe_recompute_full": (1, 2, {"moe": True, "recompute": "full"}, EXACT_FP32),
     "dp2_zero3_moe": (1, 1, {"moe": True, "zero": 3}, EXACT_FP32),
+    # expert parallelism: a MoE block's pieces compiled around its eager dispatch (models/compile.py)
+    "dp2_ep2_moe": (1, 1, {"moe": True, "ep": 2}, EXACT_FP32),
+    "dp2_ep2_zero3_moe_recompute_full": (1, 1, {"moe": True, "ep": 2, "zero": 3, "recompute": "full"}, EXACT_FP32),
 }
+# graphs a rank compiles under ep: the norm (both norms of every block), the attention, the shared expert; each
+# once
+EP_PIECE_GRAPHS = 3
 MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                           shared_expert_intermediate_size=16, router_aux_loss_coef=0.01,
                           router_bias_update_rate=1e-3)
@@ -60,7 +66,7 @@ def _losses(rank: int, world_size: int, out: str, tp: int, pp: int, keys: dict, 
     """Per-step losses of one layout, and the compile counters after the first step and after the last."""
     keys = dict(keys)
     model = _model(keys)
-    dims = ParallelDims.from_degrees(tp=tp, pp=pp)
+    dims = ParallelDims.from_degrees(tp=tp, pp=pp, ep=keys.get("ep", 1))
     trainer = build_trainer(model, out, dims, steps=STEPS, microbatches=4 if pp > 1 else 2, compile=compile_, **keys)
     block_weights = {id(p) for p in trainer.model.layers.parameters()}
     at_w = []  # dW of compiled blocks' weights that W actions added (the split backward's deferral)
@@ -80,6 +86,7 @@ def _reference(tmp_path, keys: dict) -> list[float]:
     keys = dict(keys)
     model = _model(keys)
     keys.pop("zero", None)
+    keys.pop("ep", None)
     keys.pop("sequence_parallel", None)
     keys.pop("virtual_stages", None)
     keys.pop("split_backward", None)
@@ -103,7 +110,8 @@ def check_layout(name: str, tmp_path, monkeypatch) -> None:
         assert (at_w > 0) == has_w, f"{name} rank {rank}: {at_w} block weight gradients added at W"
         # every block of a rank has the same structure: one graph serves them all, compiled once. Under LoRA
         # the first block's input needs no gradient (the embedding is frozen): its graph has no dx, a second one
-        assert first.get("unique_graphs") == (2 if name.endswith("lora") else 1), f"{name} rank {rank}: {first}"
+        graphs = EP_PIECE_GRAPHS if "ep2" in name else 2 if name.endswith("lora") else 1
+        assert first.get("unique_graphs") == graphs, f"{name} rank {rank}: {first}"
         assert last == first, f"{name} rank {rank}: recompiled after the first step: {first} -> {last}"
     losses = results[-1][0]  # the last rank holds the last stage (the loss is the world's on every rank)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
@@ -121,8 +129,12 @@ def test_tp2_compiled_experts_match_eager_single_process(tmp_path, monkeypatch):
     check_layout("tp2_moe", tmp_path, monkeypatch)
 
 
+def test_ep2_compiled_pieces_match_eager_single_process(tmp_path, monkeypatch):
+    check_layout("dp2_ep2_moe", tmp_path, monkeypatch)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in ("tp2", "dp2_zero3", "tp2_moe")])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in ("tp2", "dp2_zero3", "tp2_moe", "dp2_ep2_moe")])
 def test_every_layout_compiled_matches_eager_single_process(name, tmp_path, monkeypatch):
     check_layout(name, tmp_path, monkeypatch)
 

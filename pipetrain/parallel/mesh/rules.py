@@ -62,8 +62,6 @@ def expert_parallel_problems(r: Recipe) -> list[str]:
          "all-to-alls)", "set parallel.dynamic_batch=false"),
         (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (ZeRO shards non-experts over all of dp and "
          "experts over expert-dp)", "drop parallel.dp_shard"),
-        (r.train.compile, "train.compile (each layer's all-to-all reads its row counts to the host: a graph "
-         "break)", "set train.compile=false or parallel.ep=1"),
     ]
     return out + [f"{key}: does not combine with parallel.ep={p.ep} yet; {fix}" for on, key, fix in refused if on]
 
