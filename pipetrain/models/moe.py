@@ -168,13 +168,20 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
 # Its backward is two more ops, dx and dW, each the GEMM F.linear's own backward runs per expert. Eager and
 # compiled blocks call the same ops, so a compiled step computes what an eager one does, bit for bit (a
 # per-expert F.linear on a copy of its rows can differ in the last bit: the BLAS's kernel follows alignment).
-@torch.library.custom_op("pipetrain::grouped_linear", mutates_args=())
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    out, start = x.new_zeros(x.shape[0], weight.shape[1]), 0
+def _groups(offs: torch.Tensor):
+    """(g, rows) of each non-empty group g: rows = slice(offs[g-1], offs[g]), from one host read of offs."""
+    start = 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = F.linear(x[start:end], weight[g])
+            yield g, slice(start, end)
         start = end
+
+
+@torch.library.custom_op("pipetrain::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for g, rows in _groups(offs):
+        out[rows] = F.linear(x[rows], weight[g])
     return out
 
 
@@ -186,11 +193,9 @@ def _(x, weight, offs):
 @torch.library.custom_op("pipetrain::grouped_linear_weight_grad", mutates_args=())
 def grouped_linear_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, num_groups: int) -> torch.Tensor:
     """(E, N, K): dy_g^T x_g per group (zero for an empty one), grouped_linear's weight gradient."""
-    out, start = dy.new_zeros(num_groups, dy.shape[1], x.shape[1]), 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[g] = x[start:end].t().mm(dy[start:end]).t()  # as F.linear's backward: (x^T dy)^T
-        start = end
+    out = dy.new_zeros(num_groups, dy.shape[1], x.shape[1])
+    for g, rows in _groups(offs):
+        out[g] = x[rows].t().mm(dy[rows]).t()  # as F.linear's backward: (x^T dy)^T
     return out
 
 
@@ -202,11 +207,9 @@ def _(dy, x, offs, num_groups):
 @torch.library.custom_op("pipetrain::grouped_linear_input_grad", mutates_args=())
 def grouped_linear_input_grad(dy: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(M, K): dy_g weight[g] per group, grouped_linear's input gradient."""
-    out, start = dy.new_zeros(dy.shape[0], weight.shape[2]), 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = dy[start:end].mm(weight[g])
-        start = end
+    out = dy.new_zeros(dy.shape[0], weight.shape[2])
+    for g, rows in _groups(offs):
+        out[rows] = dy[rows].mm(weight[g])
     return out
 
 
