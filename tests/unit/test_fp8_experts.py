@@ -12,7 +12,7 @@ from pipetrain.models.compile import BACKEND_ENV
 from pipetrain.models.moe import MoE, grouped_linear_weight_grad
 from pipetrain.parallel.tensor import fp8_experts
 from pipetrain.parallel.tensor.fp8_experts import Fp8Experts, grouped_scaled_mm, grouped_weight_grad
-from tests.unit.common import LLAMA, build_trainer
+from tests.unit.common import LLAMA, build_trainer, patch_torch_op
 
 E4M3 = torch.float8_e4m3fn
 MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -120,8 +120,13 @@ def test_the_hardware_calls_take_layouts_torchs_kernels_accept(monkeypatch):
     monkeypatch.setattr(fp8_experts, "grouped_mm_weight_grad_ok", lambda *a: True)
     torch.manual_seed(0)
     dy, x = torch.randn(M, N).bfloat16(), torch.randn(M, K).bfloat16()
-    cpu_offs = torch.tensor([16, 16, 48, 64])
+    cpu_offs = torch.tensor([13, 13, 42, 64])  # expert row counts that are no multiples of 8
+    strides, real = [], torch._grouped_mm
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda a, b, **k: strides.append(a.stride()) or real(a, b, **k))
     got = grouped_weight_grad(dy, x, cpu_offs, E)
+    # dy^T column-major, as torch's own backward hands it: a row-major one makes the CUDA kernel assert that
+    # each group's rows along the summed dim are 16-byte aligned (13 rows of bf16 are not)
+    assert strides == [(1, N)], strides
     want = grouped_linear_weight_grad(dy, x, cpu_offs, E)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
 

@@ -76,18 +76,22 @@ def grouped_scaled_mm(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor,
 
 
 def grouped_mm_weight_grad_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
-    """torch._grouped_mm for dW (its 2-D x 2-D form, groups along the summed rows): CUDA sm90+, bf16, every
-    dim a multiple of 8 (16-byte rows and columns)."""
+    """torch._grouped_mm for dW (its 2-D x 2-D form, groups along the summed rows): CUDA sm90+, bf16, N and K
+    multiples of 8 (16-byte strides). The rows (tokens) need none: grouped_weight_grad's layouts."""
     return (dy.is_cuda and dy.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(dy.device) >= (9, 0)
-            and all(n % 8 == 0 for n in (*dy.shape, x.shape[1])))
+            and dy.shape[1] % 8 == 0 and x.shape[1] % 8 == 0)
 
 
 def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(E, N, K): dy_g^T x_g of every expert, in dy's dtype with fp32 sums: torch._grouped_mm (its 2-D x 2-D
     form, groups along the rows) for bf16 on sm90+, else the loop over experts (models.moe)."""
     if grouped_mm_weight_grad_ok(dy, x):
-        return torch._grouped_mm(dy.t().contiguous(), x.contiguous(), offs=offs.to(torch.int32))
+        # dy^T as a column-major view, as torch's own _grouped_mm backward passes its dW operand: a row-major
+        # copy would make the kernel check each group's rows along the summed dim for 16-byte alignment (a
+        # device-side assert unless every expert's row count is a multiple of 8; torchao and torchtitan pad
+        # the groups for it), where the column-major one needs only N and K aligned
+        return torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs.to(torch.int32))
     with torch.autocast(dy.device.type, enabled=False):
         return grouped_linear_weight_grad(dy, x, offs, num_experts)
 
