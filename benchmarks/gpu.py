@@ -17,8 +17,8 @@ the device (no dataset, no network). Default: the llama 1.0B model of issue 34 a
 and rows of fp8 with rowwise scales (train.fp8_recipe=rowwise, and rowwise_with_gw_hp) and compile (an --only
 naming one runs it too).
 With nvidia-smi on PATH each row also gets the card's SM clock, board power and temperature during its timed
-steps (benchmarks/clocks.py). MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against the bf16 peak of
-pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
+steps (benchmarks/clocks.py). MFU counts the model FLOPs of pipetrain.models.flops_per_token (docs/mfu.md) against
+the bf16 peak of pipetrain.metrics.GPU_PEAK_TFLOPS, fp8 rows included (so an fp8 row's MFU can exceed what bf16 allows).
 Without CUDA it says it needs a GPU and exits 0, running and writing nothing. With --cpu-smoke a tiny model
 runs 2 steps per row on the CPU in fp32, compile rows with the
 "eager" backend (the plain loop) and "aot_eager" (train.compile): it checks that every row runs, the profile is
@@ -401,8 +401,8 @@ def _spaced(section: list[str]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
-                        help="also the gpt-1b recipe's model, a llama 1.5B with vocab 128k and the MoE, and the rowwise "
-                             "fp8 rows")
+                        help="also the gpt-1b recipe's model, a llama 1.5B with vocab 128k and the MoE, and the "
+                             "rowwise fp8 rows")
     parser.add_argument("--model", action="append", default=[], choices=list(MODELS),
                         help="run this model's rows (repeatable, in the order given); default: llama-1b "
                              "(--full: all of them)")
@@ -459,7 +459,8 @@ def main(argv=None) -> int:
             result = done["status"] if "status" in done else f"{done['tokens_per_s']:,.0f} tok/s"
             print(f"  {label}: {result}", flush=True)
             table = [*format_model_table(name, rows, peak), "", *format_ratios(rows),
-                     *_spaced(clocks.format_clocks(rows, [(top, bottom) for top, bottom, _ in RATIOS])), "", *format_profile_section(rows)]
+                     *_spaced(clocks.format_clocks(rows, [(top, bottom) for top, bottom, _ in RATIOS])), "",
+                     *format_profile_section(rows)]
             write(table)
         print("\n".join(table), flush=True)
         lines += table + [""]

@@ -36,6 +36,7 @@ from pipetrain.kernels import register_compile_ops
 from pipetrain.models.moe import MoE
 
 BACKEND_ENV = "PIPETRAIN_COMPILE_BACKEND"
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"  # torch._dynamo.config (apply_compile)
 _BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -105,10 +106,12 @@ def apply_compile(model: nn.Module, backend: str | None = None, hooks_outside: b
     pieces instead of the block (compiled_pieces); the block's own hooks then run eagerly around them too."""
     backend = backend or compile_backend()
     register_compile_ops()  # the Triton kernels' custom ops, before any trace (kernels/__init__.py)
-    # A recomputed block's forward runs again inside backward; the one side effect a block has (a MoE layer's
-    # routing counts for the step, models/moe.py) must happen once, in the forward, as the eager recompute
-    # skips it. Dynamo refuses the mutation inside a checkpoint region unless told not to replay it.
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if any(isinstance(m, MoE) for m in model.modules()) and hasattr(torch._dynamo.config, _SKIP_REPLAY):
+        # A recomputed block's forward runs again inside backward; the one side effect a block has (a MoE layer's
+        # routing counts for the step, models/moe.py) must happen once, in the forward, as the eager recompute
+        # skips it. Dynamo refuses the mutation inside a checkpoint region unless told not to replay it (a
+        # process-wide setting; a torch without it refuses a recomputed MoE block at its first trace).
+        setattr(torch._dynamo.config, _SKIP_REPLAY, True)
     names = []
     for name, block in model.layers.items():
         for module in block.modules():

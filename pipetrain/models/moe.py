@@ -157,6 +157,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
         h = swiglu(_grouped_mm(x_sorted, gate.transpose(-2, -1), offs),
                    _grouped_mm(x_sorted, up.transpose(-2, -1), offs))  # (M, F)
         return _grouped_mm(h, down.transpose(-2, -1), offs)
+    offs = offs.cpu()  # the loop's one read of the counts: the ops and their backward read this copy
     h = swiglu(grouped_linear(x_sorted, gate, offs), grouped_linear(x_sorted, up, offs))
     return grouped_linear(h, down, offs)
 

@@ -20,7 +20,7 @@ from pipetrain.parallel.pipeline import executor
 from pipetrain.parallel.pipeline.schedules import W
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.harness import EXACT_FP32, TP_FP32, rank_results
-from tests.unit.common import LLAMA, build_trainer
+from tests.unit.common import LLAMA, TINY_MOE, build_trainer
 
 STEPS = 3
 
@@ -49,9 +49,7 @@ LAYOUTS = {
 # graphs a rank compiles under ep: the norm (both norms of every block), the attention, the shared expert; each
 # once
 EP_PIECE_GRAPHS = 3
-MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01,
-                          router_bias_update_rate=1e-3)
+MOE = TINY_MOE
 
 
 def _model(keys: dict):

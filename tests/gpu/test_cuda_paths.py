@@ -313,12 +313,10 @@ def test_moe_grouped_gemm_on_cuda_matches_the_per_expert_loop_forward_and_backwa
 
 
 _MOE_COMPILE = """
-import dataclasses, json, tempfile, torch
+import json, tempfile, torch
 from pipetrain.models.moe import _grouped_mm_ok
 from pipetrain.parallel.mesh.dims import ParallelDims
-from tests.unit.common import LLAMA, build_trainer
-moe = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
+from tests.unit.common import TINY_MOE as moe, build_trainer
 losses = {}
 for compile_ in (False, True):
     trainer = build_trainer(moe, tempfile.mkdtemp(), ParallelDims(device=torch.device("cuda")), steps=3,
@@ -346,26 +344,31 @@ def test_compiled_experts_on_cuda_follow_eager():
 
 
 def test_fp8_experts_scaled_grouped_mm_matches_its_emulation_on_cuda(monkeypatch):
-    """The experts' float8 grouped GEMMs (parallel/tensor/fp8_experts.py) on torch._scaled_grouped_mm (sm90+) and dW
-    on torch._grouped_mm, under bf16 autocast, against the emulation: y, dx and dW within the rowwise linear's bound
-    (one more bf16 rounding apart). An empty expert included."""
+    """The experts' float8 grouped GEMMs (parallel/tensor/fp8_experts.py) on torch._scaled_grouped_mm (sm90 and
+    sm100) and dW on torch._grouped_mm, under bf16 autocast, against the emulation: y, dx and dW within the rowwise
+    linear's bound (one more bf16 rounding apart). Expert row counts as routing makes them: an empty expert, and
+    none a multiple of 8 (a dW operand in the wrong layout makes the kernel assert on those)."""
     from pipetrain.parallel.tensor import fp8_experts
-    if torch.cuda.get_device_capability() < fp8_experts.SCALED_GROUPED_MM_CAPABILITY:
-        pytest.skip("torch._scaled_grouped_mm needs sm90+ (the experts emulate there: tests/unit/test_fp8_experts.py)")
-    calls = []
-    real = torch._scaled_grouped_mm
+    if not fp8_experts.scaled_grouped_mm_capable(torch.cuda.get_device_capability(), torch.version.hip is not None):
+        pytest.skip("torch._scaled_grouped_mm runs on sm90 and sm100 only (the experts emulate elsewhere: "
+                    "tests/unit/test_fp8_experts.py)")
+    calls, real = [], torch._scaled_grouped_mm
     patch_torch_op(monkeypatch, "_scaled_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    grouped, real_grouped = [], torch._grouped_mm
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda *a, **k: grouped.append(a[0].shape) or real_grouped(*a, **k))
     torch.manual_seed(0)
-    offs = torch.tensor([32, 32, 96, 128], device="cuda")
-    x, w = torch.randn(128, 64, device="cuda"), torch.randn(4, 48, 64, device="cuda")
-    g = torch.randn(128, 48, device="cuda")
+    offs = torch.cumsum(torch.tensor([5, 0, 17, 39], device="cuda"), 0)
+    x, w = torch.randn(61, 64, device="cuda"), torch.randn(4, 48, 64, device="cuda")
+    g = torch.randn(61, 48, device="cuda")
     results = {}
     for hardware in (True, False):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = fp8_experts.Fp8Experts(hardware=hardware)(xi, wi, offs, "out")
         (y.float() * g).sum().backward()
+        torch.cuda.synchronize()  # a device-side assert surfaces here
         results[hardware] = (y.detach().float(), xi.grad, wi.grad)
-    assert calls == [(128, 64), (128, 48)]  # y and dx on the hardware
+    assert calls == [(61, 64), (61, 48)]  # y and dx on the hardware
+    assert grouped == [(48, 61), (48, 61)]  # dW (both runs: bf16's grouped GEMM either way)
     for got, want in zip(results[True], results[False]):
         torch.testing.assert_close(got, want, rtol=0.0, atol=2 ** -6 * want.abs().max().item())

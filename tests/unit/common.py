@@ -20,6 +20,10 @@ from pipetrain.trainer import Trainer
 LLAMA = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                     ffn_hidden=64, max_seq_len=32)
 GPT2 = ModelConfig(family="gpt2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)  # tied
+# LLAMA's attention with 4 experts of F 24, top 2, a shared expert, the aux loss and the aux-free bias on
+TINY_MOE = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_hidden=64, max_seq_len=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
 BF16_LOSS = dict(rtol=2e-2, atol=0.0)  # bf16 keeps 8 mantissa bits: ~0.4% per op, a few ops deep
 
 

@@ -16,7 +16,7 @@ from pipetrain.models import build
 from pipetrain.models.compile import BACKEND_ENV, apply_compile, compile_backend, compile_problems
 from pipetrain.parallel.pipeline.weight_grads import (apply_grad_accumulation_fusion, apply_weight_grads,
                                                       assign_work_keys, deferring, weight_grad_modules)
-from tests.unit.common import GPT2, LLAMA, build_trainer
+from tests.unit.common import GPT2, LLAMA, TINY_MOE, build_trainer
 
 
 def _losses(tmp_path, name: str, steps: int = 3, model=LLAMA, **keys):
@@ -47,8 +47,7 @@ def test_compiled_blocks_match_eager_at_every_step_and_compile_once(tmp_path, mo
     assert all(block._compiled_call_impl is not None for block in trainer.model.layers.values())
 
 
-MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
+MOE = TINY_MOE
 
 
 @pytest.mark.parametrize("keys", [{}, {"recompute": "full"}, {"precision": "bf16"}],

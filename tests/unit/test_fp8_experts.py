@@ -2,7 +2,6 @@
 written here from the definition (a scale per token and per expert and channel, dW unquantised), under bf16
 autocast, the hardware calls' layouts (checked by torch's meta kernels on the CPU), and a tiny MoE trained in
 fp8 against bf16, with a deliberately broken scale. (tp=2 against tp=1: tests/dist/test_fp8.py.)"""
-import dataclasses
 
 import pytest
 import torch
@@ -12,11 +11,10 @@ from pipetrain.models.compile import BACKEND_ENV
 from pipetrain.models.moe import MoE, grouped_linear_weight_grad
 from pipetrain.parallel.tensor import fp8_experts
 from pipetrain.parallel.tensor.fp8_experts import Fp8Experts, grouped_scaled_mm, grouped_weight_grad
-from tests.unit.common import LLAMA, build_trainer, patch_torch_op
+from tests.unit.common import TINY_MOE, build_trainer, patch_torch_op
 
 E4M3 = torch.float8_e4m3fn
-MOE = dataclasses.replace(LLAMA, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                          shared_expert_intermediate_size=16, router_aux_loss_coef=0.01, router_bias_update_rate=1e-3)
+MOE = TINY_MOE
 
 
 def _dequantised(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -101,10 +99,20 @@ def test_under_bf16_autocast_y_is_bf16_and_dw_a_bf16_gemm_cast_to_the_weights_dt
     torch.testing.assert_close(dw, want_dw, rtol=0, atol=0)
 
 
-def test_the_hardware_calls_take_layouts_torchs_kernels_accept(monkeypatch):
-    """torch._scaled_grouped_mm has no CPU kernel: its meta kernel (the checks of the CUDA one: float8 row-major a,
-    column-major b, scales (M,) and (E, N) fp32, 16-byte strides) runs on meta tensors, for y and for dx's
-    transposed weight. torch._grouped_mm (dW's bf16 form) runs on the CPU: against the loop."""
+def test_scaled_grouped_mm_is_taken_on_sm90_and_sm100_only():
+    """torch._scaled_grouped_mm raises on cards other than sm90 / sm100 (sm120 RTX Blackwell among them) and on
+    ROCm: the experts emulate there."""
+    assert [fp8_experts.scaled_grouped_mm_capable(c) for c in ((8, 9), (9, 0), (10, 0), (12, 0))] == [
+        False, True, True, False]
+    assert not fp8_experts.scaled_grouped_mm_capable((9, 4), rocm=True)
+
+
+def test_the_hardware_calls_pass_torchs_meta_checks_and_dw_takes_the_unaligned_layout(monkeypatch):
+    """torch._scaled_grouped_mm has no CPU kernel: its meta kernel (the shape, dtype and stride checks of the CUDA
+    one: float8 row-major a, column-major b, scales (M,) and (E, N) fp32, 16-byte strides) runs on meta tensors,
+    for y and for dx's transposed weight. What the CUDA kernel checks beyond them (each group's rows aligned along
+    a summed dim) only a GPU shows: tests/gpu. torch._grouped_mm (dW's bf16 form) runs on the CPU: against the
+    loop, with the operand layout that needs no such alignment."""
     monkeypatch.setattr(fp8_experts, "scaled_grouped_mm_ok", lambda *a: True)
     M, K, N, E = 64, 32, 48, 4
     offs = torch.tensor([16, 16, 48, 64], device="meta")

@@ -11,11 +11,11 @@ A scale per expert is what a stack of experts needs: one scale for all of them (
 expert of the largest weights set every expert's. So the experts take this one recipe whatever
 train.fp8_recipe says for the linears. Every operand is float8_e4m3fn; the scales are powers of two.
 
-The GEMM: torch._scaled_grouped_mm on CUDA sm90+ (rowwise scales, bf16 result, dims multiples of 16), else
-its emulation: the operands dequantised (exact: powers of two) and the loop over experts of
+The GEMM: torch._scaled_grouped_mm on CUDA sm90 and sm100 (rowwise scales, bf16 result, dims multiples of 16),
+else its emulation: the operands dequantised (exact: powers of two) and the loop over experts of
 models.moe.grouped_linear in fp32, rounded once to the result dtype, as fp8_gemm.scaled_mm emulates one
 GEMM. The emulation is the CPU path (train.fp8_emulate) and the fallback for shapes the kernel refuses and
-cards without it (sm89: L4/L40S run the linears on the hardware and the experts emulated).
+cards without it (sm89 L4/L40S and sm120 RTX Blackwell run the linears on the hardware, the experts emulated).
 
 Tensor parallelism F-shards the experts (gate/up: N split, "out"; down: K split, "in"): an amax is reduced
 (max) over tp exactly where its dim is split, as for rowwise linears, so tp=2 quantises as tp=1. Context
@@ -37,7 +37,13 @@ from pipetrain.models.moe import grouped_linear, grouped_linear_weight_grad
 from pipetrain.parallel.tensor.fp8_gemm import amax_over
 from pipetrain.parallel.tensor.fp8_rowwise import FEATURES, ROWWISE_DTYPE, quantize_along
 
-SCALED_GROUPED_MM_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm: Hopper and newer
+SCALED_GROUPED_MM_MAJORS = (9, 10)  # torch._scaled_grouped_mm's kernels: Hopper (sm90) and B200 (sm100)
+
+
+def scaled_grouped_mm_capable(capability: tuple[int, int], rocm: bool = False) -> bool:
+    """Whether torch._scaled_grouped_mm runs on a CUDA card of this compute capability: sm90 and sm100 only (it
+    raises on others, sm120 RTX Blackwell among them, where the experts emulate); not ROCm (its float8 is fnuz)."""
+    return capability[0] in SCALED_GROUPED_MM_MAJORS and not rocm
 
 
 def quantize_per_expert(w: torch.Tensor, dim: int, reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +57,10 @@ def quantize_per_expert(w: torch.Tensor, dim: int, reduce=None) -> tuple[torch.T
 
 
 def scaled_grouped_mm_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, hardware: bool) -> bool:
-    """torch._scaled_grouped_mm's conditions: the hardware asked for, a CUDA card of sm90+, bf16 results, and
-    K and N multiples of 16 (its 16-byte alignment of float8 rows and columns)."""
+    """torch._scaled_grouped_mm's conditions: the hardware asked for, a card scaled_grouped_mm_capable, bf16
+    results, and K and N multiples of 16 (its 16-byte alignment of float8 rows and columns)."""
     return (hardware and a.is_cuda and out_dtype == torch.bfloat16 and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(a.device) >= SCALED_GROUPED_MM_CAPABILITY
+            and scaled_grouped_mm_capable(torch.cuda.get_device_capability(a.device), torch.version.hip is not None)
             and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
 
 
