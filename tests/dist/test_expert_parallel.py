@@ -139,12 +139,12 @@ def test_skewed_routing_drops_no_token(tmp_path):
     run_ranks(2, _skewed_worker, x.detach(), y.detach(), grads)
 
 
-def _resume_worker(rank, world_size, out, ckpt, ep, steps, cp=1):
+def _resume_worker(rank, world_size, out, ckpt, ep, steps, cp=1, zero=1):
     """ep 2: train, save after 2 steps, go on; any ep: resume from ckpt. Returns (loss, grad norm) of each step
     after step 2 (the norm of step 4 reads the moments restored for step 3's update)."""
     dims = ParallelDims.from_degrees(dp=world_size // cp, cp=cp, ep=ep)
     os.makedirs(out, exist_ok=True)
-    trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, ep=ep, zero=1, resume=ckpt)
+    trainer = build_trainer(MOE, out, dims, steps=steps, global_batch=4, seq_len=16, ep=ep, zero=zero, resume=ckpt)
     losses = []
     while trainer.step < steps:
         record = trainer.train_step()
@@ -313,3 +313,14 @@ def test_ep2_lora_with_zero_1_or_2_matches_single_process(tmp_path, zero):
     one = _lora_losses(0, 1, str(tmp_path / "one"), 0)
     ep2 = rank_results(2, _lora_losses, str(tmp_path), zero)[0]
     torch.testing.assert_close(ep2, one, **EXACT_FP32)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_ep2_zero3_resumes_under_zero1_at_ep2_and_ep4(tmp_path):
+    """ZeRO-3 under ep writes both parts' parameter rows and moments as row boxes of the global tensors: zero 1
+    at ep 2 and at ep 4 resumes from them with the uninterrupted zero 3 run's losses and norms."""
+    want = rank_results(4, _resume_worker, str(tmp_path / "zero3"), None, 2, 4, 1, 3)[0]
+    ckpt = os.path.join(str(tmp_path / "zero3"), "checkpoints", "step-00000002")
+    for ep in (2, 4):
+        got = rank_results(4, _resume_worker, str(tmp_path / f"zero1-ep{ep}"), ckpt, ep, 4, 1, 1)[0]
+        torch.testing.assert_close(got, want, **EXACT_FP32, msg=lambda m: f"zero 1 at ep {ep}: {m}")
