@@ -26,7 +26,7 @@ from pipetrain.optim.adamw import MOMENTS
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.data.zero import ZeroOptimizer
 from tests.e2e.common import run_train, step_losses
-from tests.harness import EXACT_FP32, TP_FP32, run_ranks
+from tests.harness import EXACT_FP32, TP_FP32, rank_results, run_ranks
 from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer, read_from, zero_formula_bytes
 
 GPT4 = dataclasses.replace(GPT2, n_layers=4)
@@ -379,3 +379,23 @@ def test_train_py_zero2_over_dp_shard_with_a_dynamic_batch_matches_single_proces
     shares = [m["dbs_shares"] for m in metrics if "loss" in m]
     assert shares[0] == [4, 4] and shares[-1][1] < shares[-1][0], shares  # rank 3's replica gave samples away
     torch.testing.assert_close(step_losses(metrics), single_reference, **E2E_LOSS)
+
+
+BIG_VOCAB = dataclasses.replace(LLAMA, vocab_size=8192, d_model=64, ffn_hidden=128)  # a (8192, 64) gradient
+
+
+def _first_norm(rank, world_size, out, zero):
+    trainer = build_trainer(BIG_VOCAB, out, ParallelDims.from_degrees(dp=world_size), steps=2, zero=zero,
+                            global_batch=4, seq_len=16)
+    return trainer.train_step()["grad_norm"]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_gives_the_single_process_gradient_norm_bit_for_bit_at_a_real_vocabulary(tmp_path, zero):
+    """ZeRO sums the squares of each half of the rows apart, one process of the whole (8192, 64) embedding
+    gradient: the CPU's fp32 foreach norm drifted with a tensor's size, so the two were 8.6e-6 apart (and the
+    clip scaled the update by them). Summed in fp64 (grads.sum_sq), the norms are the same bits."""
+    os.makedirs(tmp_path / "one")
+    one = build_trainer(BIG_VOCAB, str(tmp_path / "one"), steps=2, global_batch=4, seq_len=16).train_step()
+    norms = rank_results(2, _first_norm, str(tmp_path), zero)
+    assert norms == [one["grad_norm"]] * 2, (norms, one["grad_norm"])
