@@ -8,7 +8,7 @@ kernel table, in one command and one run, so every ratio in its output comes fro
 Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, first-step seconds = compile time plus
 one step): the pipetrain Trainer as shipped (Triton kernels), with PIPETRAIN_KERNELS=torch, and with the recipe
 overrides `train.compile=true` (with the Triton ops and with PIPETRAIN_KERNELS=torch), `train.precision=fp8`
-(with and without compile) and `train.fused_loss=true`; the
+(with and without compile) and `train.fused_loss=true` and `=false` (whatever "auto" makes of the vocabulary); the
 same model in a plain PyTorch loop (torch kernels, fused AdamW, bf16 autocast), torch.compile of that loop, and
 transformers' model (sdpa). A pipetrain row whose override the recipe refuses (a key this checkout does not have)
 reads "unsupported: <the recipe's error>"; a row that runs out of memory says so. Data: synthetic tokens drawn on
@@ -91,9 +91,13 @@ SMOKE_MOE = dict(SMOKE, family="mixtral", ffn_hidden=None, num_experts=4, num_ex
 ROWS = [
     ("pipetrain Trainer (Triton kernels)", "pipetrain", []),
     ("pipetrain, train.compile=true", "pipetrain", ["train.compile=true"]),
-    ("torch.compile of the plain loop", "compiled", None),
+    # before the compiled plain loop, whose compile took up to 54 s on the H200: a step cut short at that
+    # row kept no fp8 row (2026-11-28)
     ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain", ["train.precision=fp8", "train.compile=true"]),
+    ("torch.compile of the plain loop", "compiled", None),
+    # the fused loss on and off whatever "auto" makes of the model's vocabulary (build.fused_loss_on)
     ("pipetrain, train.fused_loss=true", "pipetrain", ["train.fused_loss=true"]),
+    ("pipetrain, train.fused_loss=false", "pipetrain", ["train.fused_loss=false"]),
     # the Triton ops as custom ops inside the compiled blocks (above) against inductor's own fusions of the
     # torch references: which is faster under compile (docs/compile.md)
     ("pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch", "pipetrain-torch", ["train.compile=true"]),
@@ -112,14 +116,14 @@ FULL_ROWS = [
      ["train.precision=fp8", f"train.fp8_recipe={recipe}", "train.compile=true"])
     for recipe in ("rowwise", "rowwise_with_gw_hp")
 ]
-BF16_COMPILE, FP8_COMPILE = ROWS[1][0], ROWS[3][0]
-FP8_COMPILE_TORCH = ROWS[6][0]
+EAGER, BF16_COMPILE, FP8_COMPILE, PLAIN_COMPILE = (ROWS[i][0] for i in range(4))
+FP8_COMPILE_TORCH = "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch"
 # two more steps under torch.profiler (benchmarks/step_profile.py), with their TOP_KERNELS longest kernels:
 # the two compile rows issue 34 needs a profile of (what caps fp8), and with --diagnose also fp8 with inductor's
 # own kernels, the compiled plain loop (what pipetrain's compile is up against) and pipetrain eager (its
 # baseline), which the default's 5 minutes leave out
 PROFILED = (BF16_COMPILE, FP8_COMPILE)
-DIAGNOSED = PROFILED + (FP8_COMPILE_TORCH, ROWS[2][0], ROWS[0][0])
+DIAGNOSED = PROFILED + (FP8_COMPILE_TORCH, PLAIN_COMPILE, EAGER)
 TOP_KERNELS = 15
 
 
@@ -272,8 +276,8 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
             graphs = counters["stats"]["unique_graphs"]
             if label in setup.profiled:
                 try:
-                    row["profile"], row["top"], row["idle"] = step_profile.profile_step(step, setup.device,
-                                                                                       top=TOP_KERNELS)
+                    row["profile"], row["top"], row["idle"], row["timeline"] = step_profile.profile_step(
+                        step, setup.device, top=TOP_KERNELS)
                 except Exception as exc:  # noqa: BLE001  (a profiler problem must not cost the row)
                     row["profile_error"] = f"{type(exc).__name__}: {exc}"[:200]
     except ConfigError as exc:
@@ -322,6 +326,7 @@ RATIOS = [("pipetrain, train.compile=true", "pipetrain Trainer (Triton kernels)"
           ("pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
            "pipetrain, train.compile=true", None),
           ("pipetrain, train.precision=fp8", "pipetrain Trainer (Triton kernels)", None),
+          ("pipetrain, train.fused_loss=true", "pipetrain, train.fused_loss=false", None),
           (FULL_ROWS[0][0], "pipetrain, train.precision=fp8 + train.compile=true", None),
           (FULL_ROWS[1][0], FULL_ROWS[0][0], None),
           ("pipetrain Trainer (Triton kernels)", "the same model in a plain PyTorch loop", None)]
@@ -350,9 +355,12 @@ def format_profile_section(rows: list[dict]) -> list[str]:
     if not profiles:
         return lines
     lines = ["Where a step's time goes (2 more steps under torch.profiler; categories by kernel name, "
-             "benchmarks/step_profile.py; GPU idle: the timed step less the kernels' total):", "",
+             "benchmarks/step_profile.py; step: the timed steps' median; GPU busy: the time a kernel ran in "
+             "the profiled steps, GPU idle: those steps' wall time less that):", "",
              *step_profile.format_profiles(profiles, {r["implementation"]: r["step_s"] for r in rows
-                                                      if "profile" in r}),
+                                                      if "profile" in r},
+                                           {r["implementation"]: r["timeline"] for r in rows
+                                            if r.get("timeline") is not None}),
              "", *lines]
     bf16 = profiles.get(BF16_COMPILE)
     if bf16 and sum(bf16.values()):

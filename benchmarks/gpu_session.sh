@@ -3,10 +3,13 @@
 # the other on the same warm machine (about 14 minutes of device time with the start):
 #
 #   bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine) issue 34's target
-#                                             rows with their profiles on the gpt-1b recipe's model and the llama
-#                                             1.0B, then the fused loss at vocab 128,256, about 350 s
-#   bash benchmarks/gpu_session.sh tests      the default suite with the `gpu` tests, about 430 s
-#   bash benchmarks/gpu_session.sh vocab      the fused loss at vocab 8192 and 128,256 against the unfused Trainer
+#                                             rows on the gpt-1b recipe's model (eager, compile, fp8 + compile,
+#                                             the compiled plain loop; the compile rows profiled), then the MoE's
+#                                             eager, compile and fp8 + compile rows, about 370 s
+#   bash benchmarks/gpu_session.sh tests      the default suite with the `gpu` tests, about 430 s (SUITE_S=300
+#                                             cuts it to what the device time left allows)
+#   bash benchmarks/gpu_session.sh vocab      the fused loss on and off at vocab 8192, 50,304 and 128,256
+#   bash benchmarks/gpu_session.sh llama      the llama 1.0B's target rows with their profiles, and fp8 eager
 #   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table, the MoE grouped
 #                                             GEMM, then as much of the suite as fits
 #   bash benchmarks/gpu_session.sh moe        the MoE (1.85B, 0.64B active): eager, compile, fp8 + compile, the
@@ -24,19 +27,20 @@
 # device tool brings back: a ninth is left behind):
 #   setup.txt             nvidia-smi's name and memory, torch / Triton versions, the install's and the
 #                         wheels' output, and datasets' version
-#   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, the compiled plain
-#                         loop, fp8 + compile) with their profiles, per model; gpu-gpt.log, gpu-llama.log
-#   gpu-vocab.md          pipetrain eager against train.fused_loss=true on the llama 1.5B (vocab 128,256); under
-#                         `vocab` the llama 1.0B's (vocab 8192) too; gpu-vocab.log
+#   gpu-gpt.md, gpu-llama.md  benchmarks/gpu.py's target rows (pipetrain eager, its compile, fp8 + compile, the
+#                         compiled plain loop) with their profiles, per model; gpu-gpt.log, gpu-llama.log
+#   gpu-vocab.md          (`vocab`) train.fused_loss=true against false on the llama 1.0B (vocab 8192), the
+#                         gpt-1b's model (50,304) and the llama 1.5B (128,256); gpu-vocab.log
 #   gpu-benchmark.md      (`all`, `check`) every default row and the kernel table; gpu.log
-#   gpu-moe.md            (`moe`) the MoE's rows; gpu-moe.log
+#   gpu-moe.md            (default, `moe`) the MoE's rows; gpu-moe.log
 #   pytest.log            the suite: first every FAILED / ERROR line (xdist's -v names each test as it ends, so
 #                         a run cut short still names its failures), then the run's last 150 lines
 #   moe.log               (`all`, `moe`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
-# install: 160 + 150 + 60 s by default; `tests` 400 s (the H200 ran 97% of the default suite in 300 s with 15
-# workers); `vocab` 70 + 70; `all` 310 + 40 + 200. gpu.py rewrites its file after every row, so a step that
-# overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests time nothing. The
+# install: 190 + 150 s by default; `tests` 400 s (SUITE_S; the H200 ran 86% of the default suite in 370 s with
+# 14 workers, 2026-11-28); `vocab` 150; `llama` 150; `all` 310 + 40 + 200. gpu.py rewrites its file after every
+# row, so a step that overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests
+# time nothing. The
 # gpt-1b rows need 76 to 93 GiB at 16 sequences (the H200 run), so a card under 100 GB runs them (and the
 # llama 1.5B's) at 8; the llama 1.0B's rows run at 16 as every earlier llama figure did.
 # Multi-GPU comparisons (zero 3 against FSDP2, cp against torch's context_parallel) need several cards:
@@ -119,7 +123,7 @@ if [ "${1:-}" = suite ]; then  # a session of its own: every test, the slow ones
   exit 0
 fi
 
-TARGETS=(--no-kernel-table --diagnose --only "pipetrain Trainer (Triton kernels)"
+TARGETS=(--no-kernel-table --only "pipetrain Trainer (Triton kernels)"
          --only "pipetrain, train.compile=true" --only "torch.compile of the plain loop"
          --only "pipetrain, train.precision=fp8 + train.compile=true")
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
@@ -127,11 +131,14 @@ SEQUENCES=8
 if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then SEQUENCES=16; fi
 case "${1:-}" in
   tests)  # the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-    suite 400 pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
+    suite "${SUITE_S:-400}" pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
   vocab)  # train.fused_loss "auto" turns on from the vocabulary where it was measured faster (build.py)
-    step 70 gpu-vocab.log python benchmarks/gpu.py --model llama-1b --model llama-1b5 --sequences "$SEQUENCES" \
-      --no-kernel-table --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" \
-      --out "$OUT/gpu-vocab.md" ;;
+    step 150 gpu-vocab.log python benchmarks/gpu.py --model llama-1b --model gpt-1b --model llama-1b5 \
+      --sequences "$SEQUENCES" --no-kernel-table --only "pipetrain, train.fused_loss=false" \
+      --only "pipetrain, train.fused_loss=true" --out "$OUT/gpu-vocab.md" ;;
+  llama)  # measured on the H200 2026-11-28 (docs/benchmarks.md); fp8 without compile last: its Triton casts
+    step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" --diagnose \
+      --only "pipetrain, train.precision=fp8" --out "$OUT/gpu-llama.md" ;;
   moe)  # a mixture of experts: eager, compile, fp8 + compile (float8 grouped GEMMs), then the grouped GEMM alone
     step 200 gpu-moe.log python benchmarks/gpu.py --model moe --sequences "$SEQUENCES" --no-kernel-table \
       --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
@@ -143,14 +150,10 @@ case "${1:-}" in
     step 40 moe.log python benchmarks/moe.py experts --reps 5
     suite 200 pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
   *)
-    step 160 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$SEQUENCES" "${TARGETS[@]}" \
+    step 190 gpu-gpt.log python benchmarks/gpu.py --model gpt-1b --sequences "$SEQUENCES" "${TARGETS[@]}" \
       --out "$OUT/gpu-gpt.md"
-    # and fp8 without compile, last of the llama's rows: its amaxes and casts are Triton kernels since the H100's
-    # 0.58x of eager bf16 (kernels/fp8_quant.py)
-    step 150 gpu-llama.log python benchmarks/gpu.py --model llama-1b "${TARGETS[@]}" \
-      --only "pipetrain, train.precision=fp8" --out "$OUT/gpu-llama.md"
-    # last, as the least needed: the fused loss at vocab 128,256 with its chunks of 4096 rows
-    step 60 gpu-vocab.log python benchmarks/gpu.py --model llama-1b5 --sequences "$SEQUENCES" --no-kernel-table \
-      --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.fused_loss=true" \
-      --out "$OUT/gpu-vocab.md" ;;
+    # never measured on a GPU: a mixture of experts' eager, compile and fp8 + compile (float8 grouped GEMMs)
+    step 150 gpu-moe.log python benchmarks/gpu.py --model moe --sequences "$SEQUENCES" --no-kernel-table \
+      --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
+      --only "pipetrain, train.precision=fp8 + train.compile=true" --out "$OUT/gpu-moe.md" ;;
 esac

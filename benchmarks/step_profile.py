@@ -45,22 +45,32 @@ def category(name: str) -> str:
 def profile_step(step, device: torch.device, steps: int = 2, top: int = 0):
     """Seconds per step in each category (COLUMNS), from `steps` calls of step() under torch.profiler; with
     top > 0, (those totals, the `top` kernels that took longest: top_kernels, and on CUDA the GPU's idle
-    time by host op: idle_by_host_op, else None)."""
+    time by host op: idle_by_host_op, and (the profiled step's wall seconds, the seconds a kernel ran in it:
+    busy_seconds); both None on the CPU, which has no device timeline)."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.synchronize(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             step()
         if on_cuda:
             torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - start) / steps
     events = prof.key_averages()
     totals = sum_by_category(events, on_cuda, steps)
     if not top:
         return totals
-    idle = idle_by_host_op(prof.events(), steps)[:top] if on_cuda else None  # the CPU has no device timeline
-    return totals, top_kernels(events, on_cuda, steps, top), idle
+    if not on_cuda:
+        return totals, top_kernels(events, on_cuda, steps, top), None, None
+    timeline = prof.events()
+    return (totals, top_kernels(events, on_cuda, steps, top), idle_by_host_op(timeline, steps)[:top],
+            (wall, busy_seconds(timeline, steps)))
 
 
 def _timed_events(events, on_cuda: bool):
@@ -87,13 +97,7 @@ def idle_by_host_op(events, steps: int, min_gap_us: float = 100.0) -> list[tuple
     running at the gap's middle: its outermost op (a named range such as Optimizer.step, or an aten op
     called from Python), or "Python, outside any op" when none was. Returns (host op, idle seconds per step,
     gaps per step), most idle first. From prof.events() (each event's time_range, in microseconds)."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    gaps, busy_until = [], None
-    for start, end in kernels:
-        if busy_until is not None and start - busy_until >= min_gap_us:
-            gaps.append((busy_until, start))
-        busy_until = end if busy_until is None else max(busy_until, end)
+    gaps = [(start, end) for start, end in _gaps(events) if end - start >= min_gap_us]
     # a sweep over the gaps' middles in time order, keeping the host's top-level ops (each thread's outermost:
     # the autograd engine runs the backward's on a thread of its own) that have started and not yet ended
     host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU
@@ -111,6 +115,33 @@ def idle_by_host_op(events, steps: int, min_gap_us: float = 100.0) -> list[tuple
         idle.setdefault(name, []).append(end - start)
     rows = [(name, sum(us) / 1e6 / steps, len(us) // steps) for name, us in idle.items()]
     return sorted(rows, key=lambda row: -row[1])
+
+
+def _busy_intervals(events) -> list[tuple[float, float]]:
+    """The device timeline: the kernels' (start, end) in microseconds, merged where they overlap (streams),
+    in time order. Named ranges (user annotations) span kernels and are no kernel of their own."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    merged: list[list[float]] = []
+    for start, end in kernels:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _gaps(events) -> list[tuple[float, float]]:
+    """Every stretch between two busy intervals of the device timeline, in time order."""
+    busy = _busy_intervals(events)
+    return [(end, start) for (_, end), (start, _) in zip(busy, busy[1:])]
+
+
+def busy_seconds(events, steps: int) -> float:
+    """Seconds per step in which at least one kernel ran: the profiled step's wall time less this is the time
+    the GPU waited, in gaps of any length, measured on the same steps (a timed step less the kernels' total
+    mixes two runs, which on a card that changes its clock between them differ by more than the idle time)."""
+    return sum(end - start for start, end in _busy_intervals(events)) / 1e6 / steps
 
 
 def format_idle(label: str, rows: list[tuple[str, float, int]]) -> list[str]:
@@ -136,14 +167,16 @@ def amdahl_bound(gemm_fraction: float, speedup: float = 2.0) -> float:
     return 1.0 / (1.0 - gemm_fraction + gemm_fraction / speedup)
 
 
-def format_profiles(profiles: dict[str, dict[str, float]], step_seconds: dict[str, float] | None = None) -> list[str]:
+def format_profiles(profiles: dict[str, dict[str, float]], step_seconds: dict[str, float] | None = None,
+                    timelines: dict[str, tuple[float, float]] | None = None) -> list[str]:
     """A markdown table, ms per step in each category and the GEMMs' share, one row per profiled row. With
-    step_seconds (each row's timed step), two more columns: the step, and the GPU's idle time in it (the
-    step less the kernels' total: time the GPU waited for the host)."""
-    steps = step_seconds or {}
-    extra = " step ms | GPU idle ms |" if steps else ""
+    step_seconds (each row's timed step), a column for it; with timelines (each row's profile_step
+    (wall, busy)), three more: the profiled step, the time a kernel ran in it, and the GPU's idle time (the
+    one less the other: the same steps)."""
+    steps, lines_of = step_seconds or {}, timelines or {}
+    extra = (" step ms |" if steps else "") + (" profiled step ms | GPU busy ms | GPU idle ms |" if timelines else "")
     lines = ["| implementation | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | total ms | gemm share |" + extra,
-             "| --- |" + " ---: |" * (len(COLUMNS) + 2 + (2 if steps else 0))]
+             "| --- |" + " ---: |" * (len(COLUMNS) + 2 + (1 if steps else 0) + (3 if timelines else 0))]
     for label, totals in profiles.items():
         total = sum(totals.values())
         share = totals["gemm"] / total if total else 0.0
@@ -151,7 +184,11 @@ def format_profiles(profiles: dict[str, dict[str, float]], step_seconds: dict[st
                 + f" | {total * 1e3:.1f} | {share:.0%} |")
         if steps:
             step = steps.get(label)
-            line += f" {step * 1e3:.1f} | {(step - total) * 1e3:.1f} |" if step else " n/a | n/a |"
+            line += f" {step * 1e3:.1f} |" if step else " n/a |"
+        if timelines:
+            timeline = lines_of.get(label)
+            line += (" n/a | n/a | n/a |" if timeline is None else
+                     f" {timeline[0] * 1e3:.1f} | {timeline[1] * 1e3:.1f} | {(timeline[0] - timeline[1]) * 1e3:.1f} |")
         lines.append(line)
     return lines
 

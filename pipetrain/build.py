@@ -290,10 +290,10 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
 
 # device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
 # as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
-# the logits it never builds are tokens x vocab). Nothing is recorded: on an H200 it ran at 0.985x at vocab 8192
-# and 0.992x at 128,256 (docs/benchmarks.md), at 0.80x the peak memory there. The CPU path saves memory, not
-# time, so the CPU stays off too.
-FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {}
+# the logits it never builds are tokens x vocab). CUDA: on an H200 (2026-11-28, chunks of 4096 rows) it ran at
+# 1.004x at vocab 128,256, at 0.80x the peak memory (docs/benchmarks.md); at 8192 it was slower (0.985x, with
+# chunks of 1024), and nothing between is measured. The CPU path saves memory, not time, so the CPU stays off.
+FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {"cuda": 128_256}
 
 
 def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:

@@ -13,7 +13,7 @@ from tests.e2e.common import ROOT
 
 ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torch", "pipetrain, train.compile=true",
         "pipetrain, train.precision=fp8 |", "pipetrain, train.precision=fp8 + train.compile=true",
-        "pipetrain, train.fused_loss=true", "the same model in a plain PyTorch loop",
+        "pipetrain, train.fused_loss=true", "pipetrain, train.fused_loss=false", "the same model in a plain PyTorch loop",
         "torch.compile of the plain loop", "transformers (sdpa)",
         "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch",
         "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
@@ -154,7 +154,7 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     except TimeoutError:
         pass
     assert done == ["pipetrain Trainer (Triton kernels)", "pipetrain, train.compile=true",
-                    "torch.compile of the plain loop"]
+                    "pipetrain, train.precision=fp8 + train.compile=true"]
     text = out.read_text()
     assert all(f"| {label} | {1000 * (i + 1):,}" in text for i, label in enumerate(done)), text
 
@@ -191,10 +191,17 @@ def test_the_step_profile_sorts_kernels_by_kind_and_bounds_what_faster_gemms_giv
     table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.006, attention=0.002,
                                              **{sp.OTHER: 0.002})})
     assert table[2] == "| row | 2.0 | 6.0 | 0.0 | 0.0 | 0.0 | 2.0 | 10.0 | 60% |", table
-    # with the timed step beside it: the GPU waited 2.5 ms of a 12.5 ms step for the host
+    # with the timed step beside it
     table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.01)}, {"row": 0.0125})
-    assert table[0].endswith("| step ms | GPU idle ms |") and table[1].count("---:") == len(sp.COLUMNS) + 4
-    assert table[2].endswith("| 10.0 | 100% | 12.5 | 2.5 |"), table
+    assert table[0].endswith("| gemm share | step ms |") and table[1].count("---:") == len(sp.COLUMNS) + 3
+    assert table[2].endswith("| 10.0 | 100% | 12.5 |"), table
+    # and the profiled steps' own timeline: a 13 ms step in which kernels ran 10.5 ms, so the GPU waited 2.5 ms
+    # (not the timed step less the kernels' total: two runs, at two clocks); a row without one says n/a
+    table = sp.format_profiles({"row": dict(dict.fromkeys(sp.COLUMNS, 0.0), gemm=0.01), "other": dict.fromkeys(sp.COLUMNS, 0.0)},
+                               {"row": 0.0125}, {"row": (0.013, 0.0105)})
+    assert table[0].endswith("| step ms | profiled step ms | GPU busy ms | GPU idle ms |"), table
+    assert table[1].count("---:") == len(sp.COLUMNS) + 6
+    assert table[2].endswith("| 10.0 | 100% | 12.5 | 13.0 | 10.5 | 2.5 |") and table[3].endswith("| n/a | n/a |")
 
 
 def test_the_gpu_idle_time_is_put_down_to_the_host_op_running_in_each_gap():
@@ -216,6 +223,8 @@ def test_the_gpu_idle_time_is_put_down_to_the_host_op_running_in_each_gap():
               event("Optimizer.step#AdamW.step", cuda, 250, 1350, annotation=True),  # a range, not a kernel
               event("Optimizer.step#AdamW.step", cpu, 250, 1350), event("aten::_foreach_mul_", cpu, 700, 900)]
     assert sp.idle_by_host_op(events, steps=2) == [("Optimizer.step#AdamW.step", 0.0005, 0)]
+    # busy: 0-200, 260-300, 1300-1400 and 1450-1500 (the copy inside the adam, and the range, count nothing more)
+    assert round(sp.busy_seconds(events, steps=2), 9) == 0.000195
     # a gap where the host runs no op at all (1500-2500), and a floor of 50 us that lets 200-260 and
     # 1400-1450 in (no host op at their middles either): 1.11 ms in 3 gaps, more than Optimizer.step's 1 ms
     events.append(event("matmul", cuda, 2500, 2600))
@@ -297,15 +306,17 @@ exit 0
     for f in (shim, smi):
         f.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    for mode in ("", "vocab", "all", "check", "moe"):
+    for mode in ("", "vocab", "llama", "all", "check", "moe"):
         env["OUT"] = str(tmp_path / f"out-{mode or 'default'}")
         proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     calls = [c.strip("\n").split("\n") for c in record.read_text().split("<end>\n") if c.strip()]
-    assert len(calls) == 3 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, llama-1b, llama-1b5; vocab; all; check; moe
-    assert calls[-1][:2] == ["--model", "moe"], calls[-1]
-    assert calls[1][:2] == ["--model", "llama-1b"] and "pipetrain, train.precision=fp8" in calls[1], calls[1]
+    assert len(calls) == 2 + 1 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, moe; vocab; llama; all; check; moe
+    assert calls[0][:2] == ["--model", "gpt-1b"] and "pipetrain, train.precision=fp8 + train.compile=true" in calls[0]
+    assert calls[1][:2] == calls[-1][:2] == ["--model", "moe"], (calls[1], calls[-1])
+    assert {"pipetrain, train.fused_loss=false", "pipetrain, train.fused_loss=true"} <= set(calls[2]), calls[2]
+    assert calls[3][:2] == ["--model", "llama-1b"] and "pipetrain, train.precision=fp8" in calls[3], calls[3]
     bench = _load("gpu", monkeypatch)
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # parse, then stop: no GPU here
     for argv in calls:
