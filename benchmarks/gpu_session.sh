@@ -6,8 +6,8 @@
 #                                             rows on the gpt-1b recipe's model (eager, compile, fp8 + compile,
 #                                             the compiled plain loop; the compile rows profiled), then the MoE's
 #                                             eager, compile and fp8 + compile rows, about 370 s
-#   bash benchmarks/gpu_session.sh tests      the default suite with the `gpu` tests, about 430 s (SUITE_S=300
-#                                             cuts it to what the device time left allows)
+#   bash benchmarks/gpu_session.sh tests      the `gpu` tests, then the default suite, 430 s from the script's
+#                                             start (SUITE_S=300 cuts it to what the device time left allows)
 #   bash benchmarks/gpu_session.sh vocab      the fused loss on and off at vocab 8192, 50,304 and 128,256
 #   bash benchmarks/gpu_session.sh llama      the llama 1.0B's target rows with their profiles, and fp8 eager
 #   bash benchmarks/gpu_session.sh all        every default row of gpu.py and its kernel table, the MoE grouped
@@ -34,10 +34,12 @@
 #   gpu-benchmark.md      (`all`, `check`) every default row and the kernel table; gpu.log
 #   gpu-moe.md            (default, `moe`) the MoE's rows; gpu-moe.log
 #   pytest.log            the suite: first every FAILED / ERROR line (xdist's -v names each test as it ends, so
-#                         a run cut short still names its failures), then the run's last 150 lines
+#                         a run cut short still names its failures), the count of each outcome, then the
+#                         run's last 150 lines; under `tests` pytest-gpu.log the same for the `gpu` tests,
+#                         which run first
 #   moe.log               (`all`, `moe`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
-# install: 190 + 150 s by default; `tests` 400 s (SUITE_S; the H200 ran 86% of the default suite in 370 s with
+# install: 190 + 150 s by default; `tests` 150 + the rest of 430 s (SUITE_S; the H200 ran 86% of the default suite in 370 s with
 # 14 workers, 2026-11-28); `vocab` 150; `llama` 150; `all` 310 + 40 + 200. gpu.py rewrites its file after every
 # row, so a step that overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests
 # time nothing. The
@@ -96,6 +98,13 @@ suite() {  # suite SECONDS LOG PYTEST-ARGS...: the failures first, then the end 
   local status=$?
   {
     grep -E "FAILED|ERROR" "/tmp/$log" | sort -u | head -n 100
+    # what ran, by outcome: a run cut short by its limit prints no summary line of its own
+    # (-v writes "[gw3] [ 41%] PASSED tests/..." under xdist, "tests/...::name PASSED [ 41%]" without it)
+    printf "outcomes:"
+    for outcome in PASSED FAILED ERROR SKIPPED; do
+      printf " %s %s" "$(grep -cE "(\] |::[^ ]+ )$outcome( |$)" "/tmp/$log")" "$outcome"
+    done
+    echo
     echo "--- the last 150 lines ---"
     tail -n 150 "/tmp/$log"
     printf "\nexit %s after %s s: pytest %s\n" "$status" "$((SECONDS - start))" "$*"
@@ -130,8 +139,11 @@ MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /d
 SEQUENCES=8
 if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then SEQUENCES=16; fi
 case "${1:-}" in
-  tests)  # the CPU tests see no GPU (tests/conftest.py), the gpu ones see it
-    suite "${SUITE_S:-400}" pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "gpu or not slow" --basetemp=/tmp/pt ;;
+  tests)  # the CPU tests see no GPU (tests/conftest.py), the gpu ones see it; those first, in a log of their own
+    suite 150 pytest-gpu.log ${XDIST[@]+"${XDIST[@]}"} -m gpu --basetemp=/tmp/pt-gpu
+    left=$(( ${SUITE_S:-430} - SECONDS ))  # SUITE_S counts from the script's start, the install included
+    suite "$(( left > 30 ? left : 30 ))" pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "not gpu and not slow" \
+      --basetemp=/tmp/pt ;;
   vocab)  # train.fused_loss "auto" turns on from the vocabulary where it was measured faster (build.py)
     step 150 gpu-vocab.log python benchmarks/gpu.py --model llama-1b --model gpt-1b --model llama-1b5 \
       --sequences "$SEQUENCES" --no-kernel-table --only "pipetrain, train.fused_loss=false" \

@@ -306,11 +306,15 @@ exit 0
     for f in (shim, smi):
         f.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    for mode in ("", "vocab", "llama", "all", "check", "moe"):
+    for mode in ("", "vocab", "llama", "all", "check", "moe", "tests"):
         env["OUT"] = str(tmp_path / f"out-{mode or 'default'}")
         proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # `tests`: the gpu tests' log and the rest's, each with its count of outcomes (none ran under the stand-in)
+    for log in ("pytest-gpu.log", "pytest.log"):
+        text = (tmp_path / "out-tests" / log).read_text()
+        assert "outcomes: 0 PASSED 0 FAILED 0 ERROR 0 SKIPPED" in text, text
     calls = [c.strip("\n").split("\n") for c in record.read_text().split("<end>\n") if c.strip()]
     assert len(calls) == 2 + 1 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, moe; vocab; llama; all; check; moe
     assert calls[0][:2] == ["--model", "gpt-1b"] and "pipetrain, train.precision=fp8 + train.compile=true" in calls[0]
