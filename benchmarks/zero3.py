@@ -1,7 +1,7 @@
 """ZeRO-3 benchmark: peak memory per rank for parallel.zero 0/1/2/3, and tokens/s against zero 1 and torch FSDP2.
 
     python benchmarks/zero3.py [--dp 2 4] [--steps 5] [--no-fsdp] [--precision bf16|fp8|fp8-rowwise]
-                               [--timeline zero3-trace.json] [--ep 2]
+                               [--timeline zero3-trace.json] [--ep 2] [--dp-shard 2]
 
 Each (dp, mode) runs in fresh gloo processes (one thread each) that train a llama whose parameters dominate
 its memory (D=512, L=8, F=1408, V=8192: 34M parameters, 136 MB fp32) on 2 x 64 tokens per dp rank per step.
@@ -27,6 +27,9 @@ CPU matmuls are not pipetrain's emulation, so a time ratio would compare the two
 --ep EP: a mixtral-style MoE of the same attention (8 experts of F=704, top 2: 84M parameters, 69M in experts)
 at parallel.ep=EP, where zero 1/2/3 shard the experts over expert-dp (dp / EP ranks) and the rest over dp
 (pipetrain.parallel.expert.zero); "gathered MiB/step" sums both parts' gathers.
+
+--dp-shard N: HSDP, parallel.dp_shard=N (dp / N replicas): ZeRO shards inside each replica of N ranks (under ep
+the experts over the replica's N / EP holders of them) and the replicas sum their rows every step.
 
 --timeline PATH: zero 3 keeps the gather hooks' event log (UnitGatherer.events) during its last step; rank 0
 writes it as a Chrome trace (chrome://tracing, ui.perfetto.dev: one row of unit compute, one of all-gathers,
@@ -72,7 +75,8 @@ def _pipetrain(dims, zero: int, steps: int, out: str, precision: str, timeline: 
     model = MOE_MODEL if dims.ep > 1 else MODEL
     trainer = build_trainer(model, out, dims, zero=zero, steps=steps + 1, global_batch=PER_RANK * dims.dp,
                             seq_len=SEQ, grad_clip=1.0, precision=precision.split("-")[0],
-                            fp8_recipe="rowwise" if precision == "fp8-rowwise" else "tensorwise", ep=dims.ep)
+                            fp8_recipe="rowwise" if precision == "fp8-rowwise" else "tensorwise", ep=dims.ep,
+                            dp_shard=dims.dp_shard if dims.dp_shard < dims.dp else None)
     # zero 3's gatherers: one, or under ep one per part (the experts' over expert-dp, the rest over dp)
     gatherers = [g for g in (getattr(o, "gatherer", None) for o in getattr(trainer.optimizer, "parts",
                                                                            (trainer.optimizer,))) if g is not None]
@@ -175,7 +179,7 @@ def _fsdp2(dp: int, steps: int, precision: str) -> list[float]:
     return times[1:]
 
 
-def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=None, ep=1):
+def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=None, ep=1, dp_shard=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=dp,
                             timeout=timedelta(seconds=600))
@@ -193,9 +197,8 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
         else:
             run_dir = os.path.join(out, f"rank{rank}")
             os.makedirs(run_dir, exist_ok=True)
-            times, state, (events, names), gathered = _pipetrain(ParallelDims.from_degrees(ep=ep), int(mode[-1]),
-                                                                 steps,
-                                                                 run_dir, precision,
+            dims = ParallelDims.from_degrees(ep=ep, dp_shard=dp_shard or dp)
+            times, state, (events, names), gathered = _pipetrain(dims, int(mode[-1]), steps, run_dir, precision,
                                                                  timeline is not None and mode == "zero3")
             if events and rank == 0:
                 _write_timeline(events, timeline, names)
@@ -205,11 +208,12 @@ def _worker(rank, dp, mode, steps, init_file, out, results, precision, timeline=
         dist.destroy_process_group()
 
 
-def run(dp: int, mode: str, steps: int, precision: str = "fp32", timeline: str | None = None, ep: int = 1) -> dict:
+def run(dp: int, mode: str, steps: int, precision: str = "fp32", timeline: str | None = None, ep: int = 1,
+        dp_shard: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, precision, timeline, ep),
-                 nprocs=dp)
+        mp.spawn(_worker, args=(dp, mode, steps, os.path.join(tmp, "rdzv"), tmp, results, precision, timeline, ep,
+                                dp_shard), nprocs=dp)
         return dict(results)
 
 
@@ -224,19 +228,23 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp8", "fp8-rowwise"], default="fp32")
     parser.add_argument("--ep", type=int, default=1, help="a mixtral-style MoE (8 experts) at parallel.ep=EP: zero "
                         "1/2/3 shard its experts over expert-dp (dp / EP ranks); FSDP2 is not run")
+    parser.add_argument("--dp-shard", type=int, default=None, help="HSDP: parallel.dp_shard (default: dp, one "
+                        "replica); FSDP2 is not run")
     args = parser.parse_args()
     model = MOE_MODEL if args.ep > 1 else MODEL
     params = count_params(build(model, device="meta"))
     width = f"{model.num_experts} experts of F={model.expert_ffn}, ep {args.ep}" if args.ep > 1 else f"F={model.ffn}"
     print(f"model: {model.family} D={model.d_model} L={model.n_layers} {width} V={model.vocab_size}, "
           f"{params / 1e6:.1f}M parameters ({4 * params / GIB:.3f} GiB fp32); {PER_RANK} x {SEQ} tokens per dp rank "
-          f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo; {args.precision}")
+          f"per step; median of {args.steps} steps after a warm-up; one thread per rank, gloo; {args.precision}"
+          + (f"; dp_shard {args.dp_shard}" if args.dp_shard else ""))
     print(f"{'dp':>3} {'mode':<7} {'peak RSS/rank GiB (max)':>24} {'model state/rank GiB':>21} {'tokens/s':>9} "
           f"{'gathered MiB/step':>18}")
-    modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + ([] if args.no_fsdp or args.ep > 1 else ["fsdp2"])
+    plain = not (args.no_fsdp or args.ep > 1 or args.dp_shard)
+    modes = args.modes or ["zero0", "zero1", "zero2", "zero3"] + (["fsdp2"] if plain else [])
     for dp in args.dp:
         for mode in modes:
-            res = run(dp, mode, args.steps, args.precision, args.timeline, args.ep)
+            res = run(dp, mode, args.steps, args.precision, args.timeline, args.ep, args.dp_shard)
             if any("error" in r for r in res.values()):
                 print(f"{dp:>3} {mode:<7} does not run: {next(r['error'] for r in res.values() if 'error' in r)}")
                 continue

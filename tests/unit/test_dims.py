@@ -30,7 +30,7 @@ def test_degree_one_kinds_have_no_groups():
     lists = ParallelDims(dp=4, tp=1, pp=1).group_rank_lists()
     assert lists == {"tp": [], "cp": [], "pp": [], "dp": [[0, 1, 2, 3]], "embed": [], "dp_cp": [],
                      "dp_shard": [], "dp_replicate": [], "replica": [], "ep": [], "expert_dp": [],
-                     "expert_dp_cp": []}
+                     "expert_dp_cp": [], "expert_dp_shard": []}
 
 
 def test_embed_group_joins_first_and_last_stage_of_the_same_dp_tp():

@@ -34,12 +34,30 @@ def test_ep_refusals_are_one_line_each():
     [odd] = parallel_problems(_recipe(ep=3))
     assert odd.startswith("parallel.ep: must divide model.num_experts=4") and "got 3" in odd
     assert not parallel_problems(_recipe(ep=2, zero=3))  # experts gathered over expert-dp (parallel/expert/zero.py)
-    for keys, start in [(dict(dynamic_batch=True), "parallel.dynamic_batch"),
-                        (dict(dp_shard=2), "parallel.dp_shard=2")]:
-        found = [p for p in parallel_problems(_recipe(ep=2, **keys)) if "parallel.ep=2" in p]
-        assert len(found) == 1 and found[0].startswith(start), found
+    [dynamic] = [p for p in parallel_problems(_recipe(ep=2, dynamic_batch=True)) if "parallel.ep=2" in p]
+    assert dynamic.startswith("parallel.dynamic_batch: does not combine with parallel.ep=2"), dynamic
+    # HSDP: an ep group inside one replica (parallel/expert/zero.py), so ep divides dp_shard
+    assert not parallel_problems(_recipe(ep=2, dp_shard=2, zero=1))
+    assert not parallel_problems(_recipe(ep=2, dp_shard=4, zero=3))
+    [split] = parallel_problems(_recipe(ep=2, dp_shard=3, zero=1))
+    assert split.startswith("parallel.dp_shard: must be a multiple of parallel.ep=2") and "got 3" in split, split
     [not_dp] = layout_problems(_recipe(ep=4), 2)
     assert not_dp.startswith("parallel.ep: must divide dp=2") and "got 4" in not_dp
+
+
+def test_under_hsdp_the_expert_shards_are_one_replicas_holders_of_the_same_experts():
+    """dp 8 = 2 replicas x dp_shard 4, ep 2: dp rank = replica * 4 + shard, ep rank = shard % 2. ZeRO shards a
+    rank's experts over the 2 ranks of its replica with its ep rank, never over the other replica's."""
+    d = ParallelDims(dp=8, ep=2, dp_shard=4, rank=6)
+    assert (d.dp_replicate, d.dp_shard_rank, d.ep_rank, d.expert_dp_shard) == (2, 2, 0, 2)
+    lists = d.group_rank_lists()
+    assert lists["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # inside a replica: (0..3) and (4..7)
+    assert lists["expert_dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lists["dp_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the same rows: replica 1's peer
+    assert d.expert_zero_shard[:2] == (2, 1)  # rank 6: the second of [4, 6]
+    one = ParallelDims(dp=8, ep=2, rank=6)  # one replica: expert-dp, as before
+    assert one.expert_zero_shard[:2] == (4, 3) and one.group_rank_lists()["expert_dp_shard"] == []
+    assert ParallelDims(dp=4, ep=2, dp_shard=2).group_rank_lists()["expert_dp_shard"] == []  # one holder a replica
 
 
 def test_ep_groups_are_consecutive_dp_ranks_and_expert_dp_their_strided_peers():

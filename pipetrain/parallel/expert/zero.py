@@ -8,9 +8,15 @@ dims.expert_zero_shard: expert-dp x cp), as each cp rank's gradient of its own t
 Checkpoint boxes follow: an expert shard's box is its ep slice of the global (E, ...) tensor narrowed to its
 expert-dp (x cp) rows, so the state reshards to any ep.
 
+HSDP (parallel.dp_shard < dp): both parts shard inside one replica, the dense rows over dp_shard and the expert
+rows over the replica's holders of the same experts (dims.expert_zero_shard: dp_shard / ep ranks); the replica
+wrapper (parallel/replicas/wrapped.py) then sums each rank's rows of both parts over dp_replicate, whose ranks
+hold the same rows.
+
 Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp (x cp) give the
 global norm: the non-expert rows are split over dp (x cp), the expert rows over ep (which experts) x
-expert-dp (x cp) (which rows) = dp (x cp). The AdamW step count is written once, by the non-expert
+expert-dp (x cp) (which rows) = dp (x cp); under HSDP
+the same over one replica's dp_shard (its replicas hold the same rows). The AdamW step count is written once, by the non-expert
 optimizer. With fused AdamWs (CUDA) the clip, the check and both updates stay on the device (clip_and_step,
 as ZeroOptimizer's).
 
@@ -36,7 +42,6 @@ class ExpertZeroOptimizer:
     """ZeRO stage 1 or 2 with expert weights sharded over expert-dp; the ZeroOptimizer interface."""
 
     def __init__(self, model: nn.Module, dims, cfg: TrainConfig, stage: int):
-        assert dims.dp_shard == dims.dp, f"{dims.coords} ExpertZeroOptimizer: dp_shard={dims.dp_shard} != dp={dims.dp}"
         experts = expert_param_ids(model)
         self.model, self.dims, self.stage = model, dims, stage
         self.dense = self._part(model, dims, cfg, owns=lambda p: id(p) not in experts)

@@ -43,7 +43,10 @@ parallelism an ep group stays inside one cp coordinate: each cp rank dispatches 
 its own ep group (the experts are token-local, so which rank computes a row never changes its result), and
 the experts' replicas are then the expert-dp x cp ranks holding them (`expert_dp_cp_group`, expert-dp-major
 like dp_cp_group): expert gradients sum over it, as the others do over dp x cp. It is expert_dp_group when
-cp == 1, cp_group when ep == dp and dp_cp_group when ep == 1.
+cp == 1, cp_group when ep == dp and dp_cp_group when ep == 1. Under HSDP (dp_replicate > 1) ep divides dp_shard,
+so an ep group lies inside one replica and every replica holds the same experts at the same dp_shard rank:
+ZeRO shards the expert rows over the replica's holders (`expert_dp_shard_group`, dp_shard / ep ranks) and the
+replica wrapper sums them over dp_replicate, as it does the other rows.
 
 Parameter servers (parallel.ps_servers = S, pipetrain.parallel.ps) are S extra ranks after the mesh:
 global ranks world_size .. world_size + S - 1 (`full_world_size` in all). They are outside the mesh
@@ -139,6 +142,9 @@ class ParallelDims:
     expert_dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     # Every rank holding this rank's experts under cp: expert-dp x cp (expert gradients sum over it)
     expert_dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    # Under HSDP (dp_replicate > 1): the ranks of this replica holding this rank's experts (dp_shard / ep), which
+    # ZeRO shards the expert rows over; None when that is one rank or there is one replica
+    expert_dp_shard_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.dp_shard is None:
@@ -243,9 +249,20 @@ class ParallelDims:
         return self.dp_rank // self.ep
 
     @property
+    def expert_dp_shard(self) -> int:
+        """Ranks of one replica holding the same experts: dp_shard / ep (expert_dp with one replica). An ep group
+        lies inside one replica (rules: ep divides dp_shard), so replicas hold the same experts at the same
+        dp_shard rank."""
+        return self.dp_shard // self.ep
+
+    @property
     def expert_zero_shard(self) -> tuple[int, int, Optional[dist.ProcessGroup]]:
         """(size, this rank's index, group) of the ranks holding this rank's experts, which ZeRO shards the
-        expert rows over: expert-dp, times cp under context parallelism (as zero_shard is dp times cp)."""
+        expert rows over: expert-dp, times cp under context parallelism (as zero_shard is dp times cp); under
+        HSDP those of this replica (expert_dp_shard, as zero_shard is dp_shard), the replica wrapper then
+        summing each rank's rows over dp_replicate as it does the other rows (cp refuses a dp split)."""
+        if self.dp_replicate > 1:
+            return self.expert_dp_shard, self.dp_shard_rank // self.ep, self.expert_dp_shard_group
         return self.expert_dp * self.cp, self.expert_dp_rank * self.cp + self.cp_rank, self.expert_dp_cp_group
 
     @property
@@ -290,6 +307,11 @@ class ParallelDims:
         # under cp: otherwise it is the expert-dp group (cp == 1) or the cp group (expert-dp == 1)
         out["expert_dp_cp"] = (mesh_rank_lists(experts, ("expert_dp", "cp"))
                                if self.ep > 1 and self.expert_dp > 1 and self.cp > 1 else [])
+        # HSDP: dp_rank = (replica * expert_dp_shard + expert shard) * ep + ep_rank
+        hsdp = self.ep > 1 and self.dp_replicate > 1 and self.dp_shard % self.ep == 0 and self.expert_dp_shard > 1
+        shards = {"dp_replicate": self.dp_replicate, "expert_dp_shard": self.expert_dp_shard, "ep": self.ep,
+                  "pp": self.pp, "cp": self.cp, "tp": self.tp}
+        out["expert_dp_shard"] = mesh_rank_lists(shards, ("expert_dp_shard",)) if hsdp else []
         return out
 
     # ---- construction with process groups ----
@@ -362,7 +384,8 @@ class ParallelDims:
             if self.rank in ranks:
                 self.embed_group = pg
         lists = self.group_rank_lists()
-        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp", "ep", "expert_dp", "expert_dp_cp"):
+        for kind in ("dp_shard", "dp_replicate", "replica", "dp_cp", "ep", "expert_dp", "expert_dp_cp",
+                     "expert_dp_shard"):
             for ranks in lists[kind]:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:

@@ -57,13 +57,14 @@ def expert_parallel_problems(r: Recipe) -> list[str]:
     if m.num_experts % p.ep:
         out.append(f"parallel.ep: must divide model.num_experts={m.num_experts} (each ep rank holds "
                    f"num_experts/ep experts), got {p.ep}; use one of {_divisors(m.num_experts)}")
-    refused = [
-        (p.dynamic_batch, "parallel.dynamic_batch (every ep rank must run the same microbatches to pair its "
-         "all-to-alls)", "set parallel.dynamic_batch=false"),
-        (p.dp_shard is not None, f"parallel.dp_shard={p.dp_shard} (ZeRO shards non-experts over all of dp and "
-         "experts over expert-dp)", "drop parallel.dp_shard"),
-    ]
-    return out + [f"{key}: does not combine with parallel.ep={p.ep} yet; {fix}" for on, key, fix in refused if on]
+    if p.dp_shard is not None and p.dp_shard % p.ep:
+        out.append(f"parallel.dp_shard: must be a multiple of parallel.ep={p.ep} (an ep group, whose ranks trade "
+                   f"tokens every layer, lies inside one replica), got {p.dp_shard}; set dp_shard to a multiple "
+                   f"of {p.ep}")
+    if p.dynamic_batch:
+        out.append(f"parallel.dynamic_batch: does not combine with parallel.ep={p.ep} yet (every ep rank must run "
+                   "the same microbatches to pair its all-to-alls); set parallel.dynamic_batch=false")
+    return out
 
 
 def moe_problems(r: Recipe) -> list[str]:

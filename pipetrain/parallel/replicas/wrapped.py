@@ -95,12 +95,14 @@ class ReplicaOptimizer(WrappedOptimizer):
         self.stats: dict = {}  # this clock's wait_s and replica_bytes (and the subclasses' metrics)
 
     def _is_zero(self) -> bool:
-        return isinstance(self.wrapped, ZeroOptimizer)
+        return isinstance(self.wrapped, ZeroOptimizer) or hasattr(self.wrapped, "parts")
 
     def _grads(self) -> list[torch.Tensor]:
-        """This rank's gradient tensors the update reads (ZeRO: its rows; else every gradient)."""
+        """This rank's gradient tensors the update reads (ZeRO: its rows, of each part under expert parallelism:
+        parallel/expert/zero.py; else every gradient)."""
         if self._is_zero():
-            return [self.wrapped._grad_shards[i] for i in sorted(self.wrapped._grad_shards)]
+            parts = getattr(self.wrapped, "parts", (self.wrapped,))
+            return [part._grad_shards[i] for part in parts for i in sorted(part._grad_shards)]
         return [p.grad for p in self.wrapped.model.parameters() if p.grad is not None]
 
     def _wait(self, work) -> None:
