@@ -5,7 +5,8 @@ one replica, and ZeRO shards the dense rows over dp_shard and the expert rows ov
 same experts (dims.expert_zero_shard: dp_shard / ep ranks). The replica wrapper (ReplicaOptimizer) then sums each
 rank's rows of both parts over dp_replicate. Checked: the loss, aux loss, gradient norm and expert loads at every
 step, the aux-free biases, the final weights and the moments' bytes against plan.memory; the checkpoint resumes the run exactly and loads into one process
-with the run's next loss.
+with the run's next loss. A dynamic batch (parallel.dynamic_batch) moves microbatches between the replicas while
+each ep group, inside one replica, runs one count: the single process's loss at every step.
 
 By default dp 4 = 2 x 2 at ep 2 under ZeRO 1 (one holder of each expert per replica) and dp 8 = 2 x 4 at ep 2 under
 ZeRO 3 (the expert rows shard, gather and reduce-scatter over 2 ranks of each replica); the other stages slow."""
@@ -21,12 +22,15 @@ from pipetrain.models.moe import moe_layers
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.replicas.wrapped import ReplicaOptimizer
 from pipetrain.plan.memory import model_state_bytes
+from tests.dist.common import replica_trainer
+from tests.dist.test_dbs import LAYOUT_AFTER_ADAM, SLOW
 from tests.dist.test_moe import MOE
 from tests.dist.test_zero3 import AFTER_ADAM
-from tests.harness import EXACT_FP32, run_ranks
+from tests.harness import EXACT_FP32, rank_results, run_ranks
 from tests.unit.common import build_trainer
 
 STEPS = 3
+DBS_STEPS = 8  # tests/dist/test_dbs.py's: the split moves after two windows of two steps
 KEYS = ("loss", "aux_loss", "grad_norm")
 
 
@@ -106,3 +110,35 @@ def test_ep2_under_hsdp_matches_single_process(tmp_path, dp, dp_shard, zero):
                          ids=["dp4-shard2-zero3", "dp8-shard4-zero1", "dp8-shard4-zero2"])
 def test_ep2_under_hsdp_layouts_match_single_process(tmp_path, dp, dp_shard, zero):
     _matches_single_process(tmp_path, dp, dp_shard, zero)
+
+
+def _dbs_worker(rank, world_size, out):
+    """One process, then dp 4 = 2 replicas x dp_shard 2 at ep 2 under ZeRO 1 with a dynamic batch, the last rank
+    slowed by injected faults: (the reference losses, the run's losses, its per-step replica shares)."""
+    torch.manual_seed(0)
+    keys = dict(model=MOE, microbatches=2)
+    for name in (f"one{rank}", "hsdp"):
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+    ref = replica_trainer(os.path.join(out, f"one{rank}"), ParallelDims(), steps=DBS_STEPS, **keys)
+    want = [ref.train_step()["loss"] for _ in range(DBS_STEPS)]
+    dims = ParallelDims.from_degrees(dp_shard=2, ep=2)
+    trainer = replica_trainer(os.path.join(out, "hsdp"), dims, steps=DBS_STEPS, ep=2, dp_shard=2, zero=1,
+                              dynamic_batch=True, dynamic_batch_every=2, faults=SLOW, **keys)
+    losses, shares = [], []
+    for _ in range(DBS_STEPS):
+        record = trainer.train_step()
+        trainer.agree()
+        losses.append(record["loss"])
+        shares.append(record["dbs_shares"])
+    return want, losses, shares
+
+
+def test_ep2_under_hsdp_with_a_dynamic_batch_gives_the_single_process_loss(tmp_path):
+    """Each ep group lies inside one replica, so its ranks run the same microbatch count while the split moves
+    microbatches between the replicas (from 4 + 4 to fewer on the slowed one): the all-to-alls pair up, and the
+    loss is the single process's at every step."""
+    for want, losses, shares in rank_results(4, _dbs_worker, str(tmp_path)):
+        torch.testing.assert_close(losses[0], want[0], **EXACT_FP32)
+        torch.testing.assert_close(losses, want, **LAYOUT_AFTER_ADAM)
+        assert shares[0] == [4, 4] and all(sum(s) == 8 for s in shares), shares
+        assert shares[-1][-1] < 4, shares  # the slowed replica (the last) gave microbatches away

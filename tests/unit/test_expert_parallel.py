@@ -35,7 +35,8 @@ def test_ep_refusals_are_one_line_each():
     assert odd.startswith("parallel.ep: must divide model.num_experts=4") and "got 3" in odd
     assert not parallel_problems(_recipe(ep=2, zero=3))  # experts gathered over expert-dp (parallel/expert/zero.py)
     [dynamic] = [p for p in parallel_problems(_recipe(ep=2, dynamic_batch=True)) if "parallel.ep=2" in p]
-    assert dynamic.startswith("parallel.dynamic_batch: does not combine with parallel.ep=2"), dynamic
+    assert dynamic.startswith("parallel.dynamic_batch: with parallel.ep=2 needs every ep group inside one replica")
+    assert not parallel_problems(_recipe(ep=2, dynamic_batch=True, dp_shard=2, zero=1))  # tests/dist/test_expert_hsdp
     # HSDP: an ep group inside one replica (parallel/expert/zero.py), so ep divides dp_shard
     assert not parallel_problems(_recipe(ep=2, dp_shard=2, zero=1))
     assert not parallel_problems(_recipe(ep=2, dp_shard=4, zero=3))

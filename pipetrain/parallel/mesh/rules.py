@@ -61,9 +61,10 @@ def expert_parallel_problems(r: Recipe) -> list[str]:
         out.append(f"parallel.dp_shard: must be a multiple of parallel.ep={p.ep} (an ep group, whose ranks trade "
                    f"tokens every layer, lies inside one replica), got {p.dp_shard}; set dp_shard to a multiple "
                    f"of {p.ep}")
-    if p.dynamic_batch:
-        out.append(f"parallel.dynamic_batch: does not combine with parallel.ep={p.ep} yet (every ep rank must run "
-                   "the same microbatches to pair its all-to-alls); set parallel.dynamic_batch=false")
+    if p.dynamic_batch and p.dp_shard is None:  # dp_shard a multiple of ep: each ep group inside one replica
+        out.append(f"parallel.dynamic_batch: with parallel.ep={p.ep} needs every ep group inside one replica (its "
+                   "ranks must run the same microbatches to pair their all-to-alls, and the split moves them between "
+                   f"replicas); set parallel.dp_shard to a multiple of {p.ep} or drop dynamic_batch")
     return out
 
 
