@@ -6,7 +6,8 @@ fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers with th
 pipetrain.plan.shapes gives (tp's splits, experts / ep). ZeRO shards
 each parameter's dim 0 in dp row ranges (parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
 Expert parallelism (parallel.ep) keeps num_experts/ep experts per rank; ZeRO shards them over expert-dp
-(dp/ep ranks, times cp under cp: parallel/expert/zero.py), the rest over dp (times cp).
+(dp/ep ranks, times cp under cp: parallel/expert/zero.py), the rest over dp (times cp); under HSDP over one
+replica's dp_shard/ep and dp_shard ranks.
 
 Activations: the bytes autograd saves for backward per microbatch, listed tensor by tensor from what the
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
@@ -122,7 +123,7 @@ def model_state_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> tuple[in
     full = sum(map(numel, ends)) + len(layers) * sum(map(numel, block)) + adapters
     shard = sum(rows_numel(s, shards) for s in ends) + len(layers) * sum(rows_numel(s, shards) for s in block) \
         + adapters
-    if p.ep > 1 and shards > 1:  # experts shard over expert-dp (x cp: dp * cp / ep ranks) instead of dp (x cp)
+    if p.ep > 1 and shards > 1:  # experts over shards / ep ranks: expert-dp (x cp), or under HSDP dp_shard / ep
         experts = expert_shapes(m, p.tp, p.ep)
         shard += len(layers) * sum(rows_numel(s, max(1, shards // p.ep)) - rows_numel(s, shards) for s in experts)
     if p.zero == 3 and shards > 1:  # parallel/data/zero3.py: rows of everything, plus two neighbouring units
