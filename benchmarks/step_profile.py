@@ -140,7 +140,8 @@ def _gaps(events) -> list[tuple[float, float]]:
 def busy_seconds(events, steps: int) -> float:
     """Seconds per step in which at least one kernel ran: the profiled step's wall time less this is the time
     the GPU waited, in gaps of any length, measured on the same steps (a timed step less the kernels' total
-    mixes two runs, which on a card that changes its clock between them differ by more than the idle time)."""
+    mixes two runs, which on a card that changes its clock between them differ by more than the idle time).
+    The profiler's own host cost per op is in that wall time: an upper bound on an unprofiled step's idle."""
     return sum(end - start for start, end in _busy_intervals(events)) / 1e6 / steps
 
 

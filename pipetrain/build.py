@@ -291,8 +291,10 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
 # device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
 # as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
 # the logits it never builds are tokens x vocab). CUDA: on an H200 (2026-11-28, chunks of 4096 rows) it ran at
-# 1.004x at vocab 128,256, at 0.80x the peak memory (docs/benchmarks.md); at 8192 it was slower (0.985x, with
-# chunks of 1024), and nothing between is measured. The CPU path saves memory, not time, so the CPU stays off.
+# 1.004x at vocab 128,256, at 0.80x the peak memory (docs/benchmarks.md): one run, as fast within its noise
+# (0.992x with chunks of 1024 before), so what it buys is the memory; at 8192 it was slower (0.985x, with chunks
+# of 1024), and nothing between is measured. The CPU path saves memory, not time, so the CPU stays off.
+# plan.memory counts the unfused loss's logits either way: an upper bound where the fused loss runs.
 FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {"cuda": 128_256}
 
 

@@ -4,9 +4,10 @@ dp = dp_replicate x dp_shard with ep dividing dp_shard: each replica holds every
 one replica, and ZeRO shards the dense rows over dp_shard and the expert rows over the replica's holders of the
 same experts (dims.expert_zero_shard: dp_shard / ep ranks). The replica wrapper (ReplicaOptimizer) then sums each
 rank's rows of both parts over dp_replicate. Checked: the loss, aux loss, gradient norm and expert loads at every
-step, the aux-free biases, the final weights and the moments' bytes against plan.memory; the checkpoint resumes the run exactly and loads into one process
-with the run's next loss. A dynamic batch (parallel.dynamic_batch) moves microbatches between the replicas while
-each ep group, inside one replica, runs one count: the single process's loss at every step.
+step, the aux-free biases, the final weights and the moments' bytes against plan.memory; the checkpoint resumes
+the run exactly and loads into one process with the run's next two losses and norms (the second reads the
+restored moments). A dynamic batch (parallel.dynamic_batch) moves microbatches between the replicas while each
+ep group, inside one replica, runs one count: the single process's loss at every step.
 
 By default dp 4 = 2 x 2 at ep 2 under ZeRO 1 (one holder of each expert per replica) and dp 8 = 2 x 4 at ep 2 under
 ZeRO 3 (the expert rows shard, gather and reduce-scatter over 2 ranks of each replica); the other stages slow."""
@@ -29,7 +30,8 @@ from tests.dist.test_zero3 import AFTER_ADAM
 from tests.harness import EXACT_FP32, rank_results, run_ranks
 from tests.unit.common import build_trainer
 
-STEPS = 3
+STEPS = 4
+SAVE_AT = 2  # two steps after it: the second reads the AdamW moments the checkpoint restored
 DBS_STEPS = 8  # tests/dist/test_dbs.py's: the split moves after two windows of two steps
 KEYS = ("loss", "aux_loss", "grad_norm")
 
@@ -64,15 +66,16 @@ def _worker(rank, world_size, out, degrees, zero, global_batch, expected):
     assert isinstance(opt, ReplicaOptimizer), type(opt)
     # the dense rows shard over dp_shard, the expert rows over this replica's holders of the same experts
     assert (opt.dense.dp_size, opt.experts.dp_size) == (dims.dp_shard, dims.dp_shard // dims.ep)
-    losses = []
+    after = []  # (loss, grad norm) of the steps after SAVE_AT
     for step in range(STEPS):
         got = trainer.train_step()
-        losses.append(got["loss"])
+        if step >= SAVE_AT:
+            after.append((got["loss"], got["grad_norm"]))
         for key in KEYS:
             torch.testing.assert_close(got[key], history[step][key], **EXACT_FP32,
                                        msg=f"{dims.coords} step {step + 1} {key}")
         assert got["expert_load_max"] == history[step]["expert_load_max"], f"{dims.coords} step {step + 1} load"
-        if step == STEPS - 2:
+        if step == SAVE_AT - 1:
             trainer.checkpointer.save(trainer)
     # plan.memory's count of dp rank 0's AdamW moments (the most rows): dp_shard's dense rows, dp_shard / ep's experts
     modeled = model_state_bytes(trainer.recipe, world_size, dims.pp_rank)[2]
@@ -83,8 +86,9 @@ def _worker(rank, world_size, out, degrees, zero, global_batch, expected):
         torch.testing.assert_close(mine[name], params[name][slices], **AFTER_ADAM, msg=f"{dims.coords} {name}")
     for i, m in moe_layers(trainer.model).items():
         torch.testing.assert_close(m.router.expert_bias, bias[i], rtol=0, atol=0, msg=f"{dims.coords} bias {i}")
-    resumed = build_trainer(MOE, out, dims, resume="auto", **keys)
-    assert resumed.train_step()["loss"] == losses[-1], f"{dims.coords} the HSDP checkpoint resumes exactly"
+    resumed = build_trainer(MOE, out, dims, resume=os.path.join(out, "checkpoints", f"step-{SAVE_AT:08d}"), **keys)
+    again = [(r["loss"], r["grad_norm"]) for r in (resumed.train_step() for _ in range(STEPS - SAVE_AT))]
+    assert again == after, f"{dims.coords} the HSDP checkpoint resumes exactly: {again} != {after}"
 
 
 def _matches_single_process(tmp_path, dp, dp_shard, zero):
@@ -96,8 +100,11 @@ def _matches_single_process(tmp_path, dp, dp_shard, zero):
     # its checkpoint (one replica's row boxes) loads into one process: the same next loss
     os.makedirs(tmp_path / "one_resumed")
     one = build_trainer(MOE, str(tmp_path / "one_resumed"), steps=STEPS, global_batch=global_batch, seq_len=16,
-                        resume=os.path.join(out, "checkpoints", f"step-{STEPS - 1:08d}"))
-    torch.testing.assert_close(one.train_step()["loss"], expected[0][-1]["loss"], **EXACT_FP32)
+                        resume=os.path.join(out, "checkpoints", f"step-{SAVE_AT:08d}"))
+    for step in range(SAVE_AT, STEPS):
+        got = one.train_step()
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(got[key], expected[0][step][key], **EXACT_FP32, msg=f"step {step + 1} {key}")
 
 
 @pytest.mark.parametrize("dp, dp_shard, zero", [(4, 2, 1), (8, 4, 3)], ids=["dp4-shard2-zero1", "dp8-shard4-zero3"])

@@ -15,16 +15,16 @@ hold the same rows.
 
 Clipping: each rank's squares of its rows, over both optimizers, summed over all of dp (x cp) give the
 global norm: the non-expert rows are split over dp (x cp), the expert rows over ep (which experts) x
-expert-dp (x cp) (which rows) = dp (x cp); under HSDP
-the same over one replica's dp_shard (its replicas hold the same rows). The AdamW step count is written once, by the non-expert
-optimizer. With fused AdamWs (CUDA) the clip, the check and both updates stay on the device (clip_and_step,
+expert-dp (x cp) (which rows) = dp (x cp); under HSDP the same over one replica's dp_shard (its replicas hold
+the same rows). The AdamW step count is written once, by the non-expert optimizer. With fused AdamWs (CUDA) the clip, the check and both updates stay on the device (clip_and_step,
 as ZeroOptimizer's).
 
 ZeRO 3 (ExpertZero3Optimizer, torchtitan's FSDP of the experts over expert-dp): the parameters themselves are
 those rows. Each part's UnitGatherer (pipetrain.parallel.data.units) hooks the same blocks: before a block runs,
 the non-expert part all-gathers its dense weights over dp and the expert part its E/ep local experts over
-expert-dp (x cp), each frees them after, and each reduce-scatters its gradients over its own group. A checkpoint's
-weights are both parts' row boxes (param_items), as its moments are.
+expert-dp (x cp), each frees them after, and each reduce-scatters its gradients over its own group; under HSDP
+over dp_shard and the replica's dp_shard / ep holders of its experts. A checkpoint's weights are both parts' row
+boxes (param_items), as its moments are.
 """
 from __future__ import annotations
 

@@ -262,6 +262,7 @@ class ParallelDims:
         HSDP those of this replica (expert_dp_shard, as zero_shard is dp_shard), the replica wrapper then
         summing each rank's rows over dp_replicate as it does the other rows (cp refuses a dp split)."""
         if self.dp_replicate > 1:
+            assert self.dp_shard % self.ep == 0, f"{self.coords} ep={self.ep} must divide dp_shard={self.dp_shard}"
             return self.expert_dp_shard, self.dp_shard_rank // self.ep, self.expert_dp_shard_group
         return self.expert_dp * self.cp, self.expert_dp_rank * self.cp + self.cp_rank, self.expert_dp_cp_group
 
