@@ -95,7 +95,7 @@ ROWS = [
     # row kept no fp8 row (2026-11-28)
     ("pipetrain, train.precision=fp8 + train.compile=true", "pipetrain", ["train.precision=fp8", "train.compile=true"]),
     ("torch.compile of the plain loop", "compiled", None),
-    # the fused loss on and off whatever "auto" makes of the model's vocabulary (build.fused_loss_on)
+    # the fused loss on and off whatever "auto" makes of the model's vocabulary (config.fused_loss_on)
     ("pipetrain, train.fused_loss=true", "pipetrain", ["train.fused_loss=true"]),
     ("pipetrain, train.fused_loss=false", "pipetrain", ["train.fused_loss=false"]),
     # the Triton ops as custom ops inside the compiled blocks (above) against inductor's own fusions of the

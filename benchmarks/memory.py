@@ -1,7 +1,7 @@
 """Memory benchmark: ZeRO model-state bytes per rank, activation memory and time under recomputation,
 and the bf16 / fp32 step-time ratio on CPU.
 
-    python benchmarks/memory.py [zero] [recompute] [bf16] [modes] [ps-init] [--steps 6] [--threads 1]
+    python benchmarks/memory.py [zero] [recompute] [bf16] [modes] [ps-init] [gpu-peaks] [--steps 6] [--threads 1]
 
 zero: gloo processes at dp 2 and 4 (one thread each) train the tiny recipe's model (llama D=256 L=8
   V=8192, 10.1M parameters) for --steps steps at parallel.zero 0, 1, 2 (and 2 without overlap); after reduce_grads of the
@@ -25,6 +25,9 @@ modes: the one memory model (pipetrain.plan.memory.run_memory, what the pre-flig
   RSS before the build. Reported per kind of rank: the largest measured over its ranks against the model.
 ps-init: a parameter server's peak while it builds its rows of a V=128k, d=1024 table with 2 servers, the
   rows drawn in chunks (today) against drawing the full table and slicing it (before issue 33).
+gpu-peaks: the one memory model for a CUDA run (the Triton kernels' path) against the peak allocated memory an
+  H200 measured for benchmarks/gpu.py's rows (tests/unit/test_plan_memory_gpu.py holds the figures and bounds
+  each ratio), and the model as it counts a CPU run, which it used on every device before. Nothing runs.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from pipetrain.parallel.mesh.dims import ParallelDims  # noqa: E402
 from pipetrain.parallel.pipeline.recompute import apply_recompute  # noqa: E402
 from pipetrain.parallel.data.zero import ZeroOptimizer  # noqa: E402
 from pipetrain.parallel.ps.protocol import row_range  # noqa: E402
-from pipetrain.plan.memory import run_memory  # noqa: E402
+from pipetrain.plan.memory import rank_memory, run_memory  # noqa: E402
 from tests.harness import saved_activation_bytes  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=8192, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -354,6 +357,20 @@ def _cpu_has_bf16() -> str:
     return ", ".join(found) if found else "none"
 
 
+def bench_gpu_peaks() -> None:
+    from tests.unit.test_plan_memory_gpu import H200_PEAKS, recipe_of  # noqa: E402 -- the measured figures
+    print("## The memory model against an H200's measured peaks (benchmarks/gpu.py rows, seq 2048 x 16, one process)")
+    print("| model | train keys | measured GiB | CUDA model GiB | CUDA / measured | CPU model GiB | CPU / measured |")
+    print("|---|---|---|---|---|---|---|")
+    os.environ.pop("PIPETRAIN_KERNELS", None)
+    for model, train, measured in H200_PEAKS:
+        recipe = recipe_of(model, train)
+        cuda, cpu = (rank_memory(recipe, 1, staged_collectives=staged)[0].total / 2**30 for staged in (False, True))
+        keys = ", ".join(f"{k}={v}" for k, v in train.items())
+        print(f"| {model['family']} vocab {model['vocab_size']} | {keys} | {measured:.1f} | {cuda:.1f} | "
+              f"{cuda / measured:.2f} | {cpu:.1f} | {cpu / measured:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", default=["zero", "recompute", "bf16"])
@@ -373,7 +390,7 @@ def main() -> None:
     for section in args.sections:
         {"zero": lambda: bench_zero(args.steps), "recompute": lambda: bench_recompute(args.steps, args.threads),
          "bf16": lambda: bench_bf16(args.steps, args.threads), "modes": lambda: bench_modes(args.steps, args.width),
-         "ps-init": bench_ps_init}[section]()
+         "ps-init": bench_ps_init, "gpu-peaks": bench_gpu_peaks}[section]()
         print()
 
 

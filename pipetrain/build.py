@@ -35,7 +35,7 @@ from pipetrain.checkpoint.load import check_compatible, check_resume_dir, find_r
 from pipetrain.checkpoint.read import TensorReader, checkpoint_dirs, read_manifest
 from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.checkpoint.save import Checkpointer
-from pipetrain.config import ConfigError, Recipe, validate
+from pipetrain.config import ConfigError, Recipe, fused_loss_on, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.tokenizer import check_tokenizer_vocab
@@ -270,7 +270,7 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
             return torch.autocast(dims.device.type, dtype=torch.bfloat16)
     else:
         autocast = contextlib.nullcontext
-    if fused_loss_on(recipe, dims.device) and any(spec.is_last for spec in specs):
+    if fused_loss_on(recipe, dims.device.type) and any(spec.is_last for spec in specs):
         head = next(c.head for c, spec in zip(chunks, specs) if spec.is_last)
         chunks = [without_head(c) if spec.is_last else c for c, spec in zip(chunks, specs)]
 
@@ -286,25 +286,6 @@ def _build_executor(recipe: Recipe, dims: ParallelDims, chunks, specs, act_dtype
             return loss_sum(logits, targets, tp_group)
     return Executor(chunks, specs, dims, (micro, seq, recipe.model.d_model), act_dtype, loss_fn=loss_fn,
                     autocast=autocast)
-
-
-# device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
-# as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
-# the logits it never builds are tokens x vocab). CUDA: on an H200 (2026-11-28, chunks of 4096 rows) it ran at
-# 1.004x at vocab 128,256, at 0.80x the peak memory (docs/benchmarks.md): one run, as fast within its noise
-# (0.992x with chunks of 1024 before), so what it buys is the memory; at 8192 it was slower (0.985x, with chunks
-# of 1024), and nothing between is measured. The CPU path saves memory, not time, so the CPU stays off.
-# plan.memory counts the unfused loss's logits either way: an upper bound where the fused loss runs.
-FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {"cuda": 128_256}
-
-
-def fused_loss_on(recipe: Recipe, device: torch.device) -> bool:
-    """train.fused_loss resolved: true / false as set; "auto" fuses where it was measured faster (a device type
-    and a vocabulary per tp rank of at least FUSED_LOSS_FASTER_FROM_VOCAB's)."""
-    if recipe.train.fused_loss == "auto":
-        smallest = FUSED_LOSS_FASTER_FROM_VOCAB.get(device.type)
-        return smallest is not None and recipe.model.vocab_size // recipe.parallel.tp >= smallest
-    return bool(recipe.train.fused_loss)
 
 
 def _training_schedule(recipe: Recipe, dims: ParallelDims, microbatches: int) -> list:

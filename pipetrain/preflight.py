@@ -64,8 +64,14 @@ def preflight(recipe: Recipe, world_size: int) -> None:
 
 
 def memory_estimate(recipe: Recipe, world_size: int) -> list[RankMemory]:
-    """run_memory for the backend this machine runs: gloo on CPU stages its collectives' outputs."""
-    return run_memory(recipe, world_size, staged_collectives=not torch.cuda.is_available())
+    """run_memory for the device the run is checked against (device_memory's): PIPETRAIN_DEVICE's profile, else
+    this machine's, CUDA or the CPU (gloo there stages its collectives' outputs; the CPU runs the torch
+    references, CUDA the Triton kernels, which keep less for backward)."""
+    if os.environ.get("PIPETRAIN_DEVICE"):
+        staged = load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE").staged_collectives
+    else:
+        staged = not torch.cuda.is_available()
+    return run_memory(recipe, world_size, staged_collectives=staged)
 
 
 def check_model_fits(recipe: Recipe, world_size: int) -> list[RankMemory]:

@@ -2,7 +2,7 @@
 (`from pipetrain.config import Recipe, ConfigError, load_recipe`).
 
     schema.py      the frozen dataclasses of every section (Recipe, ModelConfig, ParallelConfig, ...),
-                   ConfigError, clip, lora_projections
+                   ConfigError, clip, lora_projections, fused_loss_on
     loading.py     YAML (bounded), --set overrides, path resolution, build_recipe, load_recipe, dump_recipe
     validation.py  validate: the rules of the keys config owns, plus the parallel rules it is handed
     arguments.py   ArgumentParser: argparse's, with its errors on one line (every command line uses it)
@@ -20,12 +20,13 @@ problem at once.
 from pipetrain.config.arguments import ArgumentParser
 from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, parse_override, section_type_problems
 from pipetrain.config.schema import (CheckpointConfig, ConfigError, DataConfig, FaultsConfig, ModelConfig,
-                                     ParallelConfig, Recipe, RunConfig, TrainConfig, clip, lora_projections)
+                                     ParallelConfig, Recipe, RunConfig, TrainConfig, clip, fused_loss_on,
+                                     lora_projections)
 from pipetrain.config.validation import validate
 
 __all__ = [
     "Recipe", "ModelConfig", "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "RunConfig",
-    "FaultsConfig", "ConfigError", "clip", "lora_projections",
+    "FaultsConfig", "ConfigError", "clip", "fused_loss_on", "lora_projections",
     "load_recipe", "build_recipe", "dump_recipe", "parse_override", "section_type_problems", "validate",
     "ArgumentParser",
 ]

@@ -179,7 +179,7 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum train.momentum, weight decay train.weight_decay
     momentum: float = 0.0            # sgd only
     compile: bool = False            # torch.compile each transformer block, fullgraph (pipetrain.models.compile)
-    fused_loss: Literal["auto", True, False] = "auto"  # LM head fused into the loss; auto = where measured faster (build.fused_loss_on)
+    fused_loss: Literal["auto", True, False] = "auto"  # LM head fused into the loss; auto = where measured faster (fused_loss_on)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,3 +254,22 @@ SECTIONS = {
 }
 # Recipe keys that are Python keywords, and their dataclass fields.
 KEY_ALIASES = {("checkpoint", "async"): "async_", ("model", "head_dim"): "head_dim_"}
+
+
+# device type -> the smallest vocabulary per tp rank at which benchmarks/gpu.py measured the fused loss at least
+# as fast as the unfused Trainer in training; "auto" turns it on from there (its gain grows with the vocabulary:
+# the logits it never builds are tokens x vocab). CUDA: on an H200 (2026-11-28, chunks of 4096 rows) it ran at
+# 1.004x at vocab 128,256, at 0.80x the peak memory (docs/benchmarks.md): one run, as fast within its noise
+# (0.992x with chunks of 1024 before), so what it buys is the memory; at 8192 it was slower (0.985x, with chunks
+# of 1024), and nothing between is measured. The CPU path saves memory, not time, so the CPU stays off.
+FUSED_LOSS_FASTER_FROM_VOCAB: dict[str, int] = {"cuda": 128_256}
+
+
+def fused_loss_on(recipe: Recipe, device_type: str) -> bool:
+    """train.fused_loss resolved for a run on device_type ("cuda", "cpu"): true / false as set; "auto" fuses where
+    it was measured faster (a device type and a vocabulary per tp rank of at least FUSED_LOSS_FASTER_FROM_VOCAB's).
+    What the build runs and what plan.memory counts."""
+    if recipe.train.fused_loss == "auto":
+        smallest = FUSED_LOSS_FASTER_FROM_VOCAB.get(device_type)
+        return smallest is not None and recipe.model.vocab_size // recipe.parallel.tp >= smallest
+    return bool(recipe.train.fused_loss)

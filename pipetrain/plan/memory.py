@@ -31,17 +31,19 @@ import warnings
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 
-from pipetrain.config import ModelConfig, Recipe
+from pipetrain.config import ModelConfig, Recipe, fused_loss_on
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, simulate
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
+from pipetrain.plan.loss import fused_loss_bytes, fused_loss_weight_grad, loss_backward_bytes
+from pipetrain.plan.precision import fp8_linear_input_savings, loss_dtype_bytes, triton_path
 from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stages,
                                    rows_numel)
 
-FP32 = 4
+from pipetrain.plan.precision import FP32
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
 
 
@@ -65,7 +67,8 @@ class RankMemory:
     exchange_temp: int = 0   # the flat gradient the replica exchange installs, alive while the update runs
     sync_temp: int = 0       # after the update: local SGD's flat copy, DiLoCo's pseudo-gradient and its
                              # average; a server: the squared norm's fp64 copies (bsp), the scaled push (async)
-    loss_temp: int = 0       # the last stage's loss backward: the logits and two gradients of their size
+    loss_temp: int = 0       # the last stage's loss backward: the logits and two gradients of their size (fused:
+                             # its forward's chunk buffer, fused_loss_bytes)
     ps_tables: int = 0       # a worker under parameter servers: the step's compact rows, their gradient, the
                              # next step's prefetched rows
     role: str = "worker"     # "worker" (pp_rank is its pp rank) or "server" (pp_rank is the server index)
@@ -191,8 +194,8 @@ def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int]:
     return embed + rest, rest
 
 
-def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool,
-                          recompute: str, cp: int = 1) -> tuple[float, float, float]:
+def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool, recompute: str,
+                          cp: int = 1, kernels: bool = False, logit_bytes: int = FP32) -> tuple[float, float, float]:
     """(one block, the first stage's extras, the last stage's extras) bytes saved for backward per token.
 
     Per block (fp32 elements per token, none): the norm's input, statistics and output and the flattened
@@ -202,18 +205,25 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     selective drops the log-sum-exp (the attention core's own saved state); full keeps the block input.
     cp > 1 (per token of a rank's slice): the cp attention core (parallel/context/attention.py) checkpoints
     its chunks, so no log-sum-exp, and keeps the all-gathered K and V of the whole sequence, cp x the slice's;
-    under selective recompute the core's own checkpoint keeps only the slice's q, k, v, as without cp."""
+    under selective recompute the core's own checkpoint keeps only the slice's q, k, v, as without cp.
+    kernels: the Triton kernels run (CUDA, plan.precision.triton_path): their SwiGLU keeps gate and up only, where
+    the torch reference also keeps silu(gate), and their RMSNorm x and rstd, where the reference also keeps
+    x * rstd. logit_bytes: per logit the loss keeps, fp32 from the torch path's
+    log-softmax, the logits' own dtype on the Triton path (train.precision's compute dtype), 0 under
+    train.fused_loss, whose op keeps its input's gradient (the head's input's size) and the head's instead."""
     D, K, Fh, V = m.d_model, m.head_dim, m.active_ffn, m.vocab_size
     gpt2 = m.family == "gpt2"
     sp = tp if sequence_parallel and tp > 1 else 1
     stats = 2 if gpt2 else 1                       # LayerNorm: mean and rstd; RMSNorm: rstd
-    norm_group = (D + stats + (0 if gpt2 else D)) / sp + D  # x, stats, (RMSNorm output), flattened input
+    normed = 0 if gpt2 or kernels else D  # the torch RMSNorm's x * rstd, which the Triton kernel does not keep
+    norm_group = (D + stats + normed) / sp + D  # x, stats, (x * rstd), the output the linears keep
     q, kv = m.n_heads * K / tp, kv_rows(m, tp)
     lse = m.n_heads / tp
     if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp (the chunks are checkpointed)
         kv, lse = kv * cp, 0
     attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
-    mlp = norm_group + (2 * Fh / tp if gpt2 else 4 * Fh / tp)
+    gated = 3 if kernels and not m.is_moe else 4  # gate, up, (silu(gate)), the product the down linear keeps
+    mlp = norm_group + (2 * Fh / tp if gpt2 else gated * Fh / tp)
     # router probabilities; each of the k copies of the token sorted to its expert and its output. Not / sp:
     # under sequence parallelism every tp rank routes and dispatches the whole sequence (gathered along T)
     if m.is_moe:
@@ -225,21 +235,31 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     else:
         block = attn + mlp
     first = 2.0  # token ids, int64 (2 fp32 words)
-    last = (D + stats + (0 if gpt2 else D)) / sp + D + V / tp + 2  # final norm group, fp32 logits, targets
+    last = (D + stats + normed) / sp + D + V / tp * logit_bytes / FP32 + 2  # final norm, logits, targets
     return FP32 * block, FP32 * first, FP32 * last
 
 
-def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: int | None = None) -> int:
+def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: int | None = None,
+                     fused_loss: bool = False, kernels: bool = False) -> int:
     """Bytes saved for backward that this pp rank holds at its peak: per-microbatch bytes of one chunk
-    times the (microbatch, chunk) units in flight. in_flight None: from the schedule. bf16 halves the
-    block's tensors and adds the autocast weight copies (an estimate the tests check only in fp32)."""
+    times the (microbatch, chunk) units in flight. in_flight None: from the schedule. bf16 (and fp8, whose
+    other ops run under bf16 autocast) halves the block's tensors and adds the autocast weight copies; fp8's
+    linears keep their inputs in float8. fused_loss: train.fused_loss runs (fused_loss_on for the run's
+    device); kernels: the Triton kernels do (triton_path). Checked against the tensors autograd saves in
+    fp32 on the CPU (tests/unit/test_plan_memory.py) and against a GPU's measured peaks in bf16 and fp8
+    (docs/planner.md)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tokens = rank_tokens(recipe, world_size)
+    low = t.precision in ("bf16", "fp8")
+    logit_bytes = 0 if fused_loss else loss_dtype_bytes(recipe) if kernels else FP32
     block, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute,
-                                                           p.cp if p.recompute != "selective" else 1)
+                                                           p.cp if p.recompute != "selective" else 1, kernels,
+                                                           logit_bytes)
     weight_casts = 0
-    if t.precision == "bf16":  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
+    if low:  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
         block /= 2
+        if t.precision == "fp8" and p.recompute != "full":
+            block -= fp8_linear_input_savings(m, p.tp)
         if p.recompute != "full" and p.zero == 3 and zero_shards(recipe, world_size) > 1:
             # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit), but
             # for the few it keeps fp32
@@ -257,6 +277,8 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     if in_flight is None:
         in_flight = schedule_in_flight(recipe, world_size)[pp_rank]
     extra = tokens * ((first_extra if first else 0) + (last_extra if last else 0))
+    if last and fused_loss:
+        extra += fused_loss_weight_grad(recipe)
     # The first / last stage's extras live with their own chunk's units only; with one chunk per rank that
     # is every unit, interleaved it is about one in virtual_stages.
     extra_units = in_flight if p.virtual_stages == 1 else max(1, in_flight // p.virtual_stages)
@@ -313,17 +335,17 @@ def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
     return total
 
 
-def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
+def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool = False) -> int:
     """Full recompute: the backward of a block first reruns its forward, so one block's activations of one
-    microbatch (as saved without recompute) are live on top of the stored block inputs."""
+    microbatch (as saved without recompute) are live on top of the stored block inputs. kernels: triton_path."""
     p = recipe.parallel
     if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
         return 0
     m, t = recipe.model, recipe.train
     tokens = rank_tokens(recipe, world_size)
-    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none", p.cp)[0]
+    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none", p.cp, kernels)[0]
     rope = 0 if m.family == "gpt2" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
-    return int((tokens * block + rope) / (2 if t.precision == "bf16" else 1))
+    return int((tokens * block + rope) / (2 if t.precision in ("bf16", "fp8") else 1))
 
 
 def deferred_w_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
@@ -381,35 +403,29 @@ def _grads_beside_activations(recipe: Recipe, world_size: int, grad_bytes: int, 
 def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = None,
                 staged_collectives: bool = False) -> list[RankMemory]:
     """Every pp rank's predicted peak memory (dp rank 0, tp rank 0). staged_collectives: the backend copies
-    collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives)."""
+    collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives); it also
+    says the run is on the CPU, where otherwise it is on CUDA, for what train.fused_loss "auto" resolves to."""
     in_flight = in_flight or schedule_in_flight(recipe, world_size)
+    device_type = "cpu" if staged_collectives else "cuda"
+    fused, kernels = fused_loss_on(recipe, device_type), triton_path(device_type)
     out = []
     for r in range(recipe.parallel.pp):
         params, grads, optim = model_state_bytes(recipe, world_size, r)
-        acts = activation_bytes(recipe, world_size, r, in_flight[r])
+        acts = activation_bytes(recipe, world_size, r, in_flight[r], fused, kernels)
+        last = rank_stages(recipe, r)[2]
+        tokens = rank_tokens(recipe, world_size)
+        loss_temp = (fused_loss_bytes(recipe, tokens, device_type) if fused else
+                     loss_backward_bytes(recipe, tokens, kernels)) if last else 0
         out.append(RankMemory(r, params, grads, optim, acts, comm_bytes(recipe, world_size, params),
-                              step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r),
+                              step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r, kernels),
                               deferred_w=deferred_w_bytes(recipe, world_size, r),
                               grads_live=_grads_beside_activations(recipe, world_size, params, acts, in_flight[r]),
                               full_grads=params,
                               gather=_gather_bytes(recipe, world_size, params, staged_collectives),
                               ps_tables=_ps_table_bytes(recipe, world_size, r),
-                              loss_temp=loss_backward_bytes(recipe, world_size, r),
+                              loss_temp=loss_temp,
                               **replica_bytes(recipe, world_size, params, optim // MOMENTS)))
     return out
-
-
-def loss_backward_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
-    """The last stage's loss backward, on top of the saved log-softmax (counted in the activations): the
-    logits themselves (the executor still holds the stage output its loss was computed from), the gradient
-    of the log-softmax output and then of the logits: one microbatch's N x V/tp fp32 each, alive together
-    while the log-softmax's backward runs. Measured: a V 65536 parameter-server run peaked 258 MiB (two
-    such tensors) above the model without this term, 23% (docs/benchmarks.md, issue 33)."""
-    if not rank_stages(recipe, pp_rank)[2]:
-        return 0
-    m, p = recipe.model, recipe.parallel
-    tokens = rank_tokens(recipe, world_size)
-    return 3 * FP32 * tokens * (m.vocab_size // p.tp)
 
 
 def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False) -> list[RankMemory]:

@@ -92,3 +92,42 @@ def test_tiny_bf16_model_on_triton_kernels_matches_reference_within_bf16_noise(m
     for name in want:
         rel = ((got[name] - want[name]).norm() / want[name].norm()).item()
         assert rel < MODEL_BF16_REL, f"seed={seed} {name}: relative gradient difference {rel:.3g}"
+
+
+def _saved_block_bytes(model, tokens) -> int:
+    """Bytes of the unique non-parameter storages the model's blocks save for backward in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    h = model.embed(tokens).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in model.layers.values():
+            h = layer(h)
+    return sum(storages.values())
+
+
+@pytest.mark.triton
+def test_planned_block_bytes_follow_what_the_triton_path_saves(monkeypatch):
+    """plan.memory counts a block's saved tensors per path (kernels=True: the Triton path, which a CUDA run takes):
+    the SwiGLU kernel keeps gate and up where the torch reference keeps silu(gate) too, the RMSNorm kernel x and
+    rstd where the reference keeps x * rstd too. The measured difference between the paths is the planned one,
+    and each path's bytes are within the planner's 15%."""
+    from pipetrain.plan.memory import saved_bytes_per_token
+    cfg = ModelConfig(family="llama", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32,
+                      ffn_hidden=256)
+    B, T = 2, 16
+    tokens = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(0))
+    measured, planned = {}, {}
+    for path, kernels in (("torch", False), ("triton", True)):
+        monkeypatch.setenv("PIPETRAIN_KERNELS", path)
+        measured[path] = _saved_block_bytes(materialize(build(cfg), cfg, seed=0, device="cpu"), tokens)
+        # RoPE's cos/sin tables (T x K, fp32) each block keeps beside the per-token bytes (plan.memory)
+        planned[path] = cfg.n_layers * (B * T * saved_bytes_per_token(cfg, 1, T, False, "none", kernels=kernels)[0]
+                                        + 4 * 2 * T * cfg.head_dim)
+        assert abs(planned[path] - measured[path]) <= 0.15 * measured[path], (path, planned[path], measured[path])
+    assert measured["torch"] - measured["triton"] == planned["torch"] - planned["triton"] == \
+        cfg.n_layers * B * T * (cfg.ffn + 2 * cfg.d_model) * 4  # (tokens, F) and two (tokens, D) fp32 a block

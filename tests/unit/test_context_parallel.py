@@ -157,8 +157,8 @@ def test_the_long_context_recipe_dry_runs_on_8_ranks_and_fits_80gb_cards(capsys,
     assert "cp=4" in out and "tp=2" in out and "8 x 32768" in out
     (verdict,) = [line for line in out.splitlines() if "largest predicted peak" in line]
     assert verdict.startswith("fits:") and "h100-sxm-80gb, from PIPETRAIN_DEVICE" in verdict, verdict
-    # 8x the sequence on the same cards: refused in one line, against the same device
+    # 16x the sequence on the same cards: refused in one line, against the same device
     code = cli.main(["--recipe", os.path.join(ROOT, "recipes", "long-context.yaml"), "--dry-run", "--nproc", "8",
-                     "--set", "train.seq_len=262144", "--set", "model.max_seq_len=262144"])
+                     "--set", "train.seq_len=524288", "--set", "model.max_seq_len=524288"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "80.0 GB is available (h100-sxm-80gb" in err[0], (code, err)

@@ -11,9 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pipetrain import build as build_module
-from pipetrain.build import fused_loss_on
-from pipetrain.config import ConfigError, build_recipe
+from pipetrain.config import ConfigError, build_recipe, fused_loss_on, schema
 from tests.harness import EXACT_FP32
 from tests.unit.common import BF16_LOSS, GPT2, LLAMA, build_trainer
 from tests.unit.test_moe import MOE
@@ -105,24 +103,24 @@ def test_fused_loss_never_builds_the_whole_logits(tmp_path, monkeypatch, fused):
 def test_fused_loss_auto_follows_the_measured_devices_and_vocabularies_and_the_key_takes_bools(monkeypatch):
     auto = build_recipe({"model": MODEL, "data": DATA})
     assert auto.train.fused_loss == "auto"
-    assert not fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
+    assert not fused_loss_on(auto, "cuda") and not fused_loss_on(auto, "cpu")
     # as shipped: on CUDA from the vocabulary per tp rank an H200 measured it at least as fast (llama-3's 128,256)
     llama3 = build_recipe({"model": {**MODEL, "vocab_size": 128_256}, "data": DATA})
-    assert fused_loss_on(llama3, torch.device("cuda")) and not fused_loss_on(llama3, torch.device("cpu"))
+    assert fused_loss_on(llama3, "cuda") and not fused_loss_on(llama3, "cpu")
     llama3_tp2 = build_recipe({"model": {**MODEL, "vocab_size": 128_256}, "data": DATA, "parallel": {"tp": 2}})
-    assert not fused_loss_on(llama3_tp2, torch.device("cuda"))  # 64,128 a rank: not measured faster
+    assert not fused_loss_on(llama3_tp2, "cuda")  # 64,128 a rank: not measured faster
     vocab = auto.model.vocab_size
-    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab})
-    assert fused_loss_on(auto, torch.device("cuda")) and not fused_loss_on(auto, torch.device("cpu"))
-    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab + 1})
-    assert not fused_loss_on(auto, torch.device("cuda"))  # measured faster only from a larger vocabulary
+    monkeypatch.setattr(schema, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab})
+    assert fused_loss_on(auto, "cuda") and not fused_loss_on(auto, "cpu")
+    monkeypatch.setattr(schema, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab + 1})
+    assert not fused_loss_on(auto, "cuda")  # measured faster only from a larger vocabulary
     tp2 = build_recipe({"model": MODEL, "data": DATA, "parallel": {"tp": 2}})
-    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2})
-    assert fused_loss_on(tp2, torch.device("cuda")) and fused_loss_on(auto, torch.device("cuda"))
-    monkeypatch.setattr(build_module, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2 + 1})
-    assert not fused_loss_on(tp2, torch.device("cuda"))  # each tp rank holds vocab / tp of the head
+    monkeypatch.setattr(schema, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2})
+    assert fused_loss_on(tp2, "cuda") and fused_loss_on(auto, "cuda")
+    monkeypatch.setattr(schema, "FUSED_LOSS_FASTER_FROM_VOCAB", {"cuda": vocab // 2 + 1})
+    assert not fused_loss_on(tp2, "cuda")  # each tp rank holds vocab / tp of the head
     on = build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": True}})
-    assert fused_loss_on(on, torch.device("cpu"))
+    assert fused_loss_on(on, "cpu")
     with pytest.raises(ConfigError, match="train.fused_loss='yes' is not one of"):
         build_recipe({"model": MODEL, "data": DATA, "train": {"fused_loss": "yes"}})
     # 1 == True in Python: matched by value alone, 1 passed as true past the rules that test `is True`

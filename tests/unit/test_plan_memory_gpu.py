@@ -1,0 +1,84 @@
+"""The memory model on a GPU: the Triton kernels' path, bf16, fp8 and the fused loss, against the peaks an H200
+measured (benchmarks/gpu.py, third GPU run in docs/benchmarks.md), and the pre-flight check of a run on a card
+that PIPETRAIN_DEVICE names.
+
+The CPU tests check the model in fp32 against the tensors autograd saves (test_plan_memory.py); this machine
+cannot measure a CUDA run, so the figures below are the H200's, each the peak allocated GiB of one row of one
+run (one process, seq 2048, 16 sequences, bf16 autocast over fp32 masters unless the row says fp8). The model
+must stay within the pre-flight check's MARGIN of each: the check refuses a run only when its estimate less
+MARGIN exceeds the card, so a model 2.3x over (fp8, before it knew the Triton path and fp8's float8 inputs)
+refused runs that fit.
+"""
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
+from pipetrain.plan.memory import rank_memory
+from pipetrain.preflight import MARGIN, check_model_fits
+
+LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                ffn_hidden=8192, max_seq_len=2048, tie_embeddings=False)
+GPT_1B = dict(family="gpt2", vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, max_seq_len=2048,
+              tie_embeddings=True)
+LLAMA_1B5 = dict(LLAMA_1B, vocab_size=128256)
+BF16, FP8 = {"precision": "bf16"}, {"precision": "fp8"}
+# (model, train keys, the H200's peak allocated GiB; docs/benchmarks.md, "Third GPU run", 2026-11-28)
+H200_PEAKS = [
+    (GPT_1B, BF16, 76.0),
+    (GPT_1B, {**BF16, "compile": True}, 75.3),
+    (GPT_1B, {**FP8, "compile": True}, 55.0),  # the second run's (2026-11-27): the third's step ran out first
+    (LLAMA_1B, BF16, 55.6),
+    (LLAMA_1B, {**BF16, "compile": True}, 57.5),
+    (LLAMA_1B, {**FP8, "compile": True}, 49.9),
+    (LLAMA_1B, FP8, 51.8),
+    (LLAMA_1B5, {**BF16, "fused_loss": False}, 76.9),
+    (LLAMA_1B5, {**BF16, "fused_loss": True}, 61.7),
+]
+
+
+def recipe_of(model: dict, train: dict, sequences: int = 16) -> Recipe:
+    return Recipe(model=ModelConfig(**model), parallel=ParallelConfig(),
+                  train=TrainConfig(global_batch=sequences, seq_len=2048, **train))
+
+
+@pytest.mark.parametrize("model,train,measured", H200_PEAKS,
+                         ids=[f"{m['family']}-{m['vocab_size']}-{'-'.join(f'{k}={v}' for k, v in t.items())}"
+                              for m, t, _ in H200_PEAKS])
+def test_cuda_estimate_within_the_preflight_margin_of_the_h200s_measured_peak(monkeypatch, model, train, measured):
+    monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)  # the Triton kernels, as the H200's rows ran
+    (rank,) = rank_memory(recipe_of(model, train), 1, staged_collectives=False)  # not gloo: a CUDA run
+    predicted = rank.total / 2**30
+    assert abs(predicted / measured - 1) <= MARGIN, f"predicted {predicted:.1f} GiB, the H200 measured {measured}"
+
+
+def test_cuda_estimate_counts_what_the_triton_path_and_fp8_and_the_fused_loss_keep(monkeypatch):
+    """Each of the GPU's differences moves the estimate the way the kernels do (the sizes: the test above)."""
+    monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)
+
+    def total(model, train, staged=False):
+        return rank_memory(recipe_of(model, train), 1, staged_collectives=staged)[0]
+
+    cuda, cpu = total(LLAMA_1B, BF16), total(LLAMA_1B, BF16, staged=True)
+    assert cuda.activations < cpu.activations  # the SwiGLU kernel keeps gate and up, not silu(gate) too
+    assert cuda.loss_temp < cpu.loss_temp  # the cross-entropy kernel: one bf16 gradient, not three fp32 tensors
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "torch")  # the torch references on CUDA keep what the CPU keeps
+    assert total(LLAMA_1B, BF16).activations == cpu.activations
+    monkeypatch.delenv("PIPETRAIN_KERNELS")
+    assert total(LLAMA_1B, FP8).activations < cuda.activations  # linear inputs in float8
+    unfused, fused = total(LLAMA_1B5, {**BF16, "fused_loss": False}), total(LLAMA_1B5, {**BF16, "fused_loss": True})
+    assert fused.total < unfused.total and fused.loss_temp < unfused.loss_temp
+    # "auto" is the fused loss on CUDA at this vocabulary (config.fused_loss_on), the unfused one on the CPU
+    assert total(LLAMA_1B5, BF16).as_dict() == fused.as_dict()
+    assert total(LLAMA_1B5, BF16, staged=True).loss_temp > fused.loss_temp
+
+
+def test_preflight_checks_the_card_pipetrain_device_names_with_that_cards_model(monkeypatch):
+    """A dry run on this CPU machine for an 80 GB H100: the llama 1.0B in fp8 at 16 sequences of 2048 (the H200
+    measured 51.8 GiB) fits; the CPU's model (the torch references, fp8 counted as fp32) refused it at 125 GB.
+    A batch four times as large is still refused."""
+    monkeypatch.setenv("PIPETRAIN_DEVICE", "h100-sxm-80gb")
+    monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)
+    check_model_fits(recipe_of(LLAMA_1B, FP8), 1)
+    with pytest.raises(ConfigError, match=r"^train.global_batch=64: pp rank 0 needs about .* GB at its peak"):
+        check_model_fits(recipe_of(LLAMA_1B, FP8, sequences=64), 1)
