@@ -5,7 +5,8 @@ kernel table, in one command and one run, so every ratio in its output comes fro
                              [--no-kernel-table] [--out gpu-benchmark.md]
     python benchmarks/gpu.py --cpu-smoke      # seconds, any machine: the wiring, not a measurement
 
-Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, first-step seconds = compile time plus
+Rows (each: tokens/s, MFU against the card's dense bf16 peak, peak GiB, the memory model's
+planned peak for a pipetrain row (what the pre-flight check counts), first-step seconds = compile time plus
 one step): the pipetrain Trainer as shipped (Triton kernels), with PIPETRAIN_KERNELS=torch, and with the recipe
 overrides `train.compile=true` (with the Triton ops and with PIPETRAIN_KERNELS=torch), `train.precision=fp8`
 (with and without compile) and `train.fused_loss=true` and `=false` (whatever "auto" makes of the vocabulary); the
@@ -51,6 +52,7 @@ from pipetrain.data import Loader, PackedData  # noqa: E402
 from pipetrain.metrics import peak_tflops  # noqa: E402
 from pipetrain.models import build, flops_per_token, materialize  # noqa: E402
 from pipetrain.models.compile import BACKEND_ENV  # noqa: E402
+from pipetrain.plan.memory import rank_memory  # noqa: E402
 
 
 def _load_benchmark(name: str):
@@ -185,7 +187,9 @@ def _pipetrain_row(model: dict, overrides: list[str], setup: Setup, out_dir: str
     data = PackedData(rng.integers(0, recipe.model.vocab_size, num).astype(np.int32), np.ones(num, dtype=bool),
                       setup.seq_len, 0.0, 0)
     trainer = build_trainer(recipe, loader=Loader(data, setup.batch, 0, 1))
-    return trainer.train_step, recipe.model
+    # the memory model's peak for this run (what the pre-flight check and the planner count), beside the measured
+    planned = max(r.total for r in rank_memory(recipe, 1, staged_collectives=setup.device.type == "cpu")) / 2**30
+    return trainer.train_step, recipe.model, planned
 
 
 def _check_overrides(recipe, overrides: list[str]) -> None:
@@ -270,7 +274,7 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
     try:
         with _kernels_env("torch" if kind in ("pipetrain-torch", "plain", "compiled") else None):
             if kind.startswith("pipetrain"):
-                step, cfg = _pipetrain_row(model, overrides, setup, out_dir)
+                step, cfg, row["planned_gib"] = _pipetrain_row(model, overrides, setup, out_dir)
             else:
                 step, cfg = _loop_row(model, kind, setup)
             first, median, row["clocks"] = _timed(step, setup)
@@ -303,18 +307,19 @@ def run_row(model: dict, label: str, kind: str, overrides, setup: Setup, out_dir
 
 def format_model_table(name: str, rows: list[dict], peak: float | None) -> list[str]:
     """graphs: the graphs torch.compile made for the row (0: eager), its first step's seconds include compiling
-    them."""
+    them. planned GiB: pipetrain.plan.memory's peak for a pipetrain row's recipe (the pre-flight check's figure)."""
     mfu_head = f"MFU ({peak:g} TFLOP/s)" if peak else "MFU"
-    lines = [f"| model | implementation | tokens/s | {mfu_head} | peak GiB | first step s | graphs |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"| model | implementation | tokens/s | {mfu_head} | peak GiB | planned GiB | first step s | graphs |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rows):
         model = name if i == 0 else ""
         if "status" in r:
-            lines.append(f"| {model} | {r['implementation']} | {r['status']} | | | | |")
+            lines.append(f"| {model} | {r['implementation']} | {r['status']} | | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a"
         gib = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        lines.append(f"| {model} | {r['implementation']} | {r['tokens_per_s']:,.0f} | {mfu} | {gib} | "
+        planned = f"{r['planned_gib']:.1f}" if r.get("planned_gib") is not None else "n/a"
+        lines.append(f"| {model} | {r['implementation']} | {r['tokens_per_s']:,.0f} | {mfu} | {gib} | {planned} | "
                      f"{r['first_step_s']:.1f} | {r['graphs']} |")
     return lines
 

@@ -37,7 +37,11 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     assert len(measured) == len(ROWS), text
     # each compiled row compiles its own graph (dynamo is reset between rows: no row reuses another's trace, which
     # would leave the PIPETRAIN_KERNELS=torch row running the Triton ops' graph), and an eager row none
-    graphs = {line.split("|")[2].strip(): int(line.split("|")[7]) for line in measured}
+    graphs = {line.split("|")[2].strip(): int(line.split("|")[8]) for line in measured}
+    # the memory model's planned peak beside each pipetrain row (on the CPU: the torch references' count)
+    planned = {line.split("|")[2].strip(): line.split("|")[6].strip() for line in measured}
+    assert all(float(v) >= 0 for row, v in planned.items() if row.startswith("pipetrain")), planned  # a d-64 model: 0.0
+    assert all(v == "n/a" for row, v in planned.items() if not row.startswith("pipetrain")), planned
     compiled = [row for row in graphs if "compile" in row]
     assert len(compiled) == 7 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
