@@ -18,7 +18,8 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
         "pipetrain, train.compile=true + PIPETRAIN_KERNELS=torch",
         "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
         "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true",  # --full's
-        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise_with_gw_hp + train.compile=true"]
+        "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise_with_gw_hp + train.compile=true",
+        "pipetrain, train.compile=true + inductor.coordinate_descent_tuning"]
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
@@ -43,7 +44,7 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     assert all(float(v) >= 0 for row, v in planned.items() if row.startswith("pipetrain")), planned  # a d-64 model: 0.0
     assert all(v == "n/a" for row, v in planned.items() if not row.startswith("pipetrain")), planned
     compiled = [row for row in graphs if "compile" in row]
-    assert len(compiled) == 7 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert len(compiled) == 8 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
@@ -331,3 +332,27 @@ exit 0
         assert bench.main(argv) == 0, argv
     with pytest.raises(SystemExit):  # what a typo'd label does
         bench.main(["--only", "pipetrain, train.precision=fp9"])
+
+
+def test_an_inductor_override_is_set_for_its_row_alone_and_never_reaches_the_recipe(monkeypatch):
+    import torch._inductor.config as inductor_config
+    bench = _load("gpu", monkeypatch)
+    assert bench._split_inductor(["train.compile=true", "inductor.coordinate_descent_tuning=true",
+                                  "inductor.max_autotune=false", "inductor.unroll_reductions_threshold=4"]) == \
+        (["train.compile=true"], {"coordinate_descent_tuning": True, "max_autotune": False,
+                                  "unroll_reductions_threshold": 4})
+    assert bench._split_inductor(None) == (None, {})
+    seen = []
+
+    def fake_pipetrain_row(model, overrides, setup, out_dir):
+        seen.append((overrides, inductor_config.coordinate_descent_tuning))
+        raise bench.ConfigError("stop here")
+    monkeypatch.setattr(bench, "_pipetrain_row", fake_pipetrain_row)
+    before = inductor_config.coordinate_descent_tuning
+    setup = bench.Setup(torch.device("cpu"), torch.float32, 32, 2, 2, True, ())
+    for label, kind, overrides in bench.FULL_ROWS:
+        if "inductor." in " ".join(overrides):
+            row = bench.run_row(bench.SMOKE, label, kind, overrides, setup, "/nonexistent", None)
+            assert row["status"].startswith("unsupported: stop here"), row
+    assert seen == [(["train.compile=true"], True)]
+    assert inductor_config.coordinate_descent_tuning == before  # restored after the row
