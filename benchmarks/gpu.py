@@ -196,7 +196,8 @@ def _pipetrain_row(model: dict, overrides: list[str], setup: Setup, out_dir: str
                       setup.seq_len, 0.0, 0)
     trainer = build_trainer(recipe, loader=Loader(data, setup.batch, 0, 1))
     # the memory model's peak for this run (what the pre-flight check and the planner count), beside the measured
-    planned = max(r.total for r in rank_memory(recipe, 1, staged_collectives=setup.device.type == "cpu")) / 2**30
+    planned = max(r.total for r in rank_memory(recipe, 1, staged_collectives=setup.device.type == "cpu",
+                                               device_type=setup.device.type)) / 2**30
     return trainer.train_step, recipe.model, planned
 
 
@@ -354,7 +355,8 @@ def format_model_table(name: str, rows: list[dict], peak: float | None) -> list[
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a"
         gib = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        planned = f"{r['planned_gib']:.1f}" if r.get("planned_gib") is not None else "n/a"
+        planned = "n/a" if r.get("planned_gib") is None else (  # 3 digits below 1 GiB: the CPU smoke's d-64 model
+            f"{r['planned_gib']:.1f}" if r["planned_gib"] >= 1 else f"{r['planned_gib']:.3g}")
         lines.append(f"| {model} | {r['implementation']} | {r['tokens_per_s']:,.0f} | {mfu} | {gib} | {planned} | "
                      f"{r['first_step_s']:.1f} | {r['graphs']} |")
     return lines

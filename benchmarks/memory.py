@@ -362,13 +362,16 @@ def bench_gpu_peaks() -> None:
     print("## The memory model against an H200's measured peaks (benchmarks/gpu.py rows, seq 2048 x 16, one process)")
     print("| model | train keys | measured GiB | CUDA model GiB | CUDA / measured | CPU model GiB | CPU / measured |")
     print("|---|---|---|---|---|---|---|")
-    os.environ.pop("PIPETRAIN_KERNELS", None)
+    kernels = os.environ.pop("PIPETRAIN_KERNELS", None)  # the H200's rows ran the Triton kernels
     for model, train, measured in H200_PEAKS:
         recipe = recipe_of(model, train)
-        cuda, cpu = (rank_memory(recipe, 1, staged_collectives=staged)[0].total / 2**30 for staged in (False, True))
+        cuda, cpu = (rank_memory(recipe, 1, staged_collectives=device == "cpu", device_type=device)[0].total / 2**30
+                     for device in ("cuda", "cpu"))
         keys = ", ".join(f"{k}={v}" for k, v in train.items())
         print(f"| {model['family']} vocab {model['vocab_size']} | {keys} | {measured:.1f} | {cuda:.1f} | "
               f"{cuda / measured:.2f} | {cpu:.1f} | {cpu / measured:.2f} |")
+    if kernels is not None:
+        os.environ["PIPETRAIN_KERNELS"] = kernels
 
 
 def main() -> None:

@@ -231,7 +231,8 @@ class MetricsLogger:
         self.write(f"output: {os.path.abspath(recipe.run.output_dir)}")
         self.write(f"start: resuming at step {start_step} of {t.steps}" if start_step else
                    f"start: fresh run from step 0 of {t.steps}")
-        busiest = max(rank_memory(recipe, dims.world_size, staged_collectives=dims.device.type == "cpu"),
+        busiest = max(rank_memory(recipe, dims.world_size, staged_collectives=dims.device.type == "cpu",
+                                  device_type=dims.device.type),
                       key=lambda r: r.total)
         self.write(f"memory: predicted peak {busiest.total / 2**30:.2f} GiB per rank (pp rank {busiest.pp_rank}: "
                    f"parameters {busiest.params / 2**30:.2f}, gradients {busiest.grads / 2**30:.2f}, optimizer "

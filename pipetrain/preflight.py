@@ -68,10 +68,11 @@ def memory_estimate(recipe: Recipe, world_size: int) -> list[RankMemory]:
     this machine's, CUDA or the CPU (gloo there stages its collectives' outputs; the CPU runs the torch
     references, CUDA the Triton kernels, which keep less for backward)."""
     if os.environ.get("PIPETRAIN_DEVICE"):
-        staged = load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE").staged_collectives
+        profile = load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE")
+        staged, device_type = profile.staged_collectives, profile.device_type
     else:
-        staged = not torch.cuda.is_available()
-    return run_memory(recipe, world_size, staged_collectives=staged)
+        staged, device_type = not torch.cuda.is_available(), "cuda" if torch.cuda.is_available() else "cpu"
+    return run_memory(recipe, world_size, staged_collectives=staged, device_type=device_type)
 
 
 def check_model_fits(recipe: Recipe, world_size: int) -> list[RankMemory]:

@@ -41,7 +41,8 @@ from pipetrain.models import flops_per_token
 from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_tokens, schedule_shape, zero3_gather_bytes
+from pipetrain.plan.in_flight import schedule_shape
+from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_tokens, zero3_gather_bytes
 from pipetrain.plan.shapes import kv_rows, rank_stages
 
 

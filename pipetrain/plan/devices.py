@@ -46,6 +46,12 @@ class DeviceProfile:
         so parallel.auto's estimate is the pre-flight check's."""
         return self.cores > 0 or self.name == "cpu"
 
+    @property
+    def device_type(self) -> str:
+        """The device kind whose ops the memory model counts: "cpu" for a CPU profile (the torch references),
+        else "cuda" (the GPUs' profiles: the Triton kernels, plan/precision.py)."""
+        return "cpu" if self.staged_collectives else "cuda"
+
     def flops(self, precision: str) -> float:
         return self.bf16_flops if precision == "bf16" else self.fp32_flops
 

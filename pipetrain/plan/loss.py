@@ -13,6 +13,7 @@ from pipetrain.config import Recipe
 from pipetrain.kernels.linear_cross_entropy import chunk_rows
 from pipetrain.plan.precision import FP32, loss_dtype_bytes
 
+
 def fused_loss_weight_grad(recipe: Recipe) -> int:
     """Bytes of the head's weight gradient that the fused loss computes in a microbatch's forward and keeps until
     its backward: this tp rank's V/tp x D rows, in the dtype its GEMMs run in."""

@@ -11,7 +11,7 @@ replica's dp_shard/ep and dp_shard ranks.
 
 Activations: the bytes autograd saves for backward per microbatch, listed tensor by tensor from what the
 decoder saves (docs/planner.md has the list), times the most (microbatch, chunk) units the schedule holds
-at once (schedules.peak_in_flight of the simulated action lists). Legend: B microbatch sequences, T
+at once (plan/in_flight.py, from the simulated action lists). Legend: B microbatch sequences, T
 seq_len, D d_model, Hq/Hkv heads, K head dim, F ffn, V vocab.
 
 The replica modes (parallel/replicas/stale.py, periodic.py) add what their exchange holds: ssp / dssp keep the summed
@@ -26,24 +26,22 @@ the pre-flight check (pipetrain.preflight), train.py --dry-run and parallel.auto
 """
 from __future__ import annotations
 
-import functools
-import warnings
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 
 from pipetrain.config import ModelConfig, Recipe, fused_loss_on
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
-from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
-from pipetrain.parallel.pipeline.schedules import build_all_schedules, peak_in_flight, placement_of, simulate
+from pipetrain.parallel.mesh.rules import resolve_dp, resolve_dp_shard
+from pipetrain.parallel.pipeline.schedules import placement_of
 from pipetrain.parallel.data.zero import MAX_IN_FLIGHT
 from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
+from pipetrain.plan.in_flight import busiest_microbatches, end_chunks_in_flight, schedule_in_flight
 from pipetrain.plan.loss import fused_loss_bytes, fused_loss_weight_grad, loss_backward_bytes
-from pipetrain.plan.precision import fp8_linear_input_savings, loss_dtype_bytes, triton_path
+from pipetrain.plan.precision import FP32, fp8_linear_input_savings, loss_dtype_bytes, triton_path
 from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stages,
                                    rows_numel)
 
-from pipetrain.plan.precision import FP32
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
 
 
@@ -222,7 +220,7 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp (the chunks are checkpointed)
         kv, lse = kv * cp, 0
     attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
-    gated = 3 if kernels and not m.is_moe else 4  # gate, up, (silu(gate)), the product the down linear keeps
+    gated = 3 if kernels else 4  # gate, up, (silu(gate)), the product the down linear keeps (experts: the same)
     mlp = norm_group + (2 * Fh / tp if gpt2 else gated * Fh / tp)
     # router probabilities; each of the k copies of the token sorted to its expert and its output. Not / sp:
     # under sequence parallelism every tp rank routes and dispatches the whole sequence (gathered along T)
@@ -241,13 +239,10 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
 
 def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: int | None = None,
                      fused_loss: bool = False, kernels: bool = False) -> int:
-    """Bytes saved for backward that this pp rank holds at its peak: per-microbatch bytes of one chunk
-    times the (microbatch, chunk) units in flight. in_flight None: from the schedule. bf16 (and fp8, whose
-    other ops run under bf16 autocast) halves the block's tensors and adds the autocast weight copies; fp8's
-    linears keep their inputs in float8. fused_loss: train.fused_loss runs (fused_loss_on for the run's
-    device); kernels: the Triton kernels do (triton_path). Checked against the tensors autograd saves in
-    fp32 on the CPU (tests/unit/test_plan_memory.py) and against a GPU's measured peaks in bf16 and fp8
-    (docs/planner.md)."""
+    """Bytes saved for backward that this pp rank holds at its peak: per-microbatch bytes of one chunk times the
+    (microbatch, chunk) units in flight (in_flight None: from the schedule). bf16 and fp8 (bf16 autocast, float8
+    linear inputs) halve the block's tensors and add the weight copies (plan/precision.py). fused_loss, kernels:
+    train.fused_loss and the Triton kernels run. Checked against an H200's peaks (test_plan_memory_gpu.py)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tokens = rank_tokens(recipe, world_size)
     low = t.precision in ("bf16", "fp8")
@@ -256,16 +251,16 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
                                                            p.cp if p.recompute != "selective" else 1, kernels,
                                                            logit_bytes)
     weight_casts = 0
-    if low:  # autocast saves bf16 matmul inputs and the bf16 copies of the weights
+    if low and p.recompute != "full":  # bf16 matmul inputs and copies of the weights; full: the fp32 block input
         block /= 2
-        if t.precision == "fp8" and p.recompute != "full":
-            block -= fp8_linear_input_savings(m, p.tp)
-        if p.recompute != "full" and p.zero == 3 and zero_shards(recipe, world_size) > 1:
+        if t.precision == "fp8":
+            block -= fp8_linear_input_savings(m, p.tp, p.recompute == "none" and p.cp == 1, t.compile)
+        if p.zero == 3 and zero_shards(recipe, world_size) > 1:
             # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit), but
             # for the few it keeps fp32
             kv, head = _fp32_matmul_weights(recipe, pp_rank)
             weight_casts = 2 * (kv * len(rank_stages(recipe, pp_rank)[0]) + head) // p.virtual_stages
-        elif p.recompute != "full":
+        else:
             params = model_state_bytes(recipe, world_size, pp_rank)[0]
             weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
     rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence
@@ -276,48 +271,13 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     unit = tokens * block * per_chunk_layers + rope * per_chunk_layers + weight_casts
     if in_flight is None:
         in_flight = schedule_in_flight(recipe, world_size)[pp_rank]
-    extra = tokens * ((first_extra if first else 0) + (last_extra if last else 0))
-    if last and fused_loss:
-        extra += fused_loss_weight_grad(recipe)
-    # The first / last stage's extras live with their own chunk's units only; with one chunk per rank that
-    # is every unit, interleaved it is about one in virtual_stages.
-    extra_units = in_flight if p.virtual_stages == 1 else max(1, in_flight // p.virtual_stages)
-    return int(unit * in_flight + extra * extra_units)
-
-
-def busiest_microbatches(recipe: Recipe, world_size: int) -> int:
-    """Microbatches of the busiest rank's step: parallel.microbatches, or under parallel.dynamic_batch the
-    largest share a replica can be given (all the replicas' microbatches but the minimum each other replica
-    keeps: DynamicBatch's rules); the microbatch size does not change."""
-    p = recipe.parallel
-    if not p.dynamic_batch:
-        return p.microbatches
-    dp = resolve_dp(recipe, world_size)
-    replicas = dp // resolve_dp_shard(p, dp)
-    minimum = count_rules(p.schedule, p.pp, p.virtual_stages)[1]
-    return replicas * p.microbatches - (replicas - 1) * minimum
-
-
-def schedule_in_flight(recipe: Recipe, world_size: int) -> list[int]:
-    """Most (microbatch, chunk) activations each pp rank holds at once under the recipe's schedule."""
-    p = recipe.parallel
-    if p.pp == 1:
-        return [1]  # forward and backward of one microbatch at a time
-    return list(schedule_shape(p.schedule, p.pp, busiest_microbatches(recipe, world_size), p.virtual_stages,
-                               p.split_backward, 3.0 if p.recompute == "full" else 2.0)[1])
-
-
-@functools.lru_cache(maxsize=4096)
-def schedule_shape(schedule: str, pp: int, microbatches: int, virtual_stages: int, split_backward: bool,
-                   backward_cost: float) -> tuple[float, tuple[int, ...]]:
-    """(makespan at F = 1, peak in-flight units per rank) of the schedule; cached: the search asks often."""
-    with warnings.catch_warnings():  # 1f1b with microbatches < pp warns; the search scores it instead
-        warnings.simplefilter("ignore")
-        actions = build_all_schedules(schedule, pp, microbatches, virtual_stages, backward_cost=backward_cost,
-                                      split_backward=split_backward)
-    result = simulate(actions, cost_f=1.0, cost_b=backward_cost, virtual_stages=virtual_stages,
-                      placement=placement_of(schedule))
-    return result.makespan, tuple(peak_in_flight(a) for a in actions)
+        first_units, last_units = end_chunks_in_flight(recipe, world_size)[pp_rank]
+    else:  # a caller's bound: the ends' extras live with their own chunk's units, about one in virtual_stages
+        first_units = last_units = in_flight if p.virtual_stages == 1 else max(1, in_flight // p.virtual_stages)
+    extra = tokens * first_extra * first_units if first else 0
+    if last:
+        extra += (tokens * last_extra + (fused_loss_weight_grad(recipe) if fused_loss else 0)) * last_units
+    return int(unit * in_flight + extra)
 
 
 def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
@@ -401,12 +361,12 @@ def _grads_beside_activations(recipe: Recipe, world_size: int, grad_bytes: int, 
 
 
 def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = None,
-                staged_collectives: bool = False) -> list[RankMemory]:
+                staged_collectives: bool = False, device_type: str = "cpu") -> list[RankMemory]:
     """Every pp rank's predicted peak memory (dp rank 0, tp rank 0). staged_collectives: the backend copies
-    collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives); it also
-    says the run is on the CPU, where otherwise it is on CUDA, for what train.fused_loss "auto" resolves to."""
+    collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives).
+    device_type ("cpu", "cuda"; DeviceProfile.device_type): what the run's ops keep (the Triton kernels on CUDA,
+    plan/precision.py) and what train.fused_loss "auto" resolves to there."""
     in_flight = in_flight or schedule_in_flight(recipe, world_size)
-    device_type = "cpu" if staged_collectives else "cuda"
     fused, kernels = fused_loss_on(recipe, device_type), triton_path(device_type)
     out = []
     for r in range(recipe.parallel.pp):
@@ -428,11 +388,13 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
     return out
 
 
-def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False) -> list[RankMemory]:
+def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False,
+               device_type: str = "cpu") -> list[RankMemory]:
     """Every kind of rank's predicted peak: the workers' pp ranks (rank_memory), then each parameter server
     (server_memory). world_size: the mesh's ranks, servers excluded. The one estimate the pre-flight check,
     --dry-run and parallel.auto report."""
-    return rank_memory(recipe, world_size, staged_collectives=staged_collectives) + server_memory(recipe)
+    return rank_memory(recipe, world_size, staged_collectives=staged_collectives, device_type=device_type) + \
+        server_memory(recipe)
 
 
 def _wrapped(recipe: Recipe, world_size: int) -> bool:

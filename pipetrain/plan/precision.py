@@ -8,7 +8,7 @@ bf16 and fp8 check these (docs/planner.md).
 from __future__ import annotations
 
 from pipetrain.config import ModelConfig, Recipe
-from pipetrain.kernels.dispatch import kernel_mode
+from pipetrain.kernels.dispatch import HAS_TRITON, kernel_mode
 
 FP32 = 4
 
@@ -19,15 +19,24 @@ def loss_dtype_bytes(recipe: Recipe) -> int:
 
 
 def triton_path(device_type: str) -> bool:
-    """Whether a run on device_type takes the Triton kernels' path (kernels/dispatch.use_triton: CUDA, unless
-    PIPETRAIN_KERNELS=torch), whose ops keep less for backward than the torch references that the CPU runs."""
-    return device_type == "cuda" and kernel_mode() != "torch"
+    """Whether a run on device_type takes the Triton kernels' path (kernels/dispatch.use_triton: CUDA where triton
+    imports, unless PIPETRAIN_KERNELS=torch), whose ops keep less for backward than the torch references that the
+    CPU runs. Checking a card this machine lacks (PIPETRAIN_DEVICE) on one without triton counts the references:
+    more, never less."""
+    mode = kernel_mode()
+    return device_type == "cuda" and mode != "torch" and (HAS_TRITON or mode == "triton")
 
 
-def fp8_linear_input_savings(m: ModelConfig, tp: int) -> float:
+def fp8_linear_input_savings(m: ModelConfig, tp: int, attention_keeps_output: bool, compiled: bool) -> float:
     """Bytes per token and block that train.precision=fp8 saves against bf16: its linears keep their inputs in
-    float8 (1 byte, one copy per input: parallel/tensor/fp8.py), the attention norm's and the MLP norm's outputs
-    (whole under sequence parallelism, as the linears gather them), the attention output and the down linear's
-    input (a MoE's experts: not counted)."""
+    float8 (1 byte, one copy per input: parallel/tensor/fp8.py) where bf16 keeps them in 2, the attention norm's
+    and the MLP norm's outputs (whole under sequence parallelism, as the linears gather them) and the down
+    linear's input (a MoE's experts: not counted). The attention output is the output projection's input, and
+    also what the attention kernel keeps for its own backward where it keeps anything (attention_keeps_output:
+    no recomputation and no context parallelism, whose core checkpoints its chunks): in bf16 the two share one
+    tensor, so in fp8 the float8 copy comes on top of it (one byte more), unless inductor recomputes the cast
+    from the kept output in the backward (compiled: no change); where the kernel keeps nothing, one byte less."""
+    attn = m.n_heads * m.head_dim / tp
+    attn_saving = (0 if compiled else -attn) if attention_keeps_output else attn
     down = 0 if m.is_moe else m.active_ffn / tp
-    return 2 * m.d_model + m.n_heads * m.head_dim / tp + down
+    return 2 * m.d_model + attn_saving + down

@@ -154,7 +154,8 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
     if problems:
         return "does not divide: " + problems[0]
     try:
-        memory = run_memory(candidate, world_size, staged_collectives=profile.staged_collectives)
+        memory = run_memory(candidate, world_size, staged_collectives=profile.staged_collectives,
+                            device_type=profile.device_type)
     except (AssertionError, ValueError) as exc:  # the schedule builder refuses these sizes
         return f"schedule: {exc}"
     workers = [r for r in memory if r.role == "worker"]  # servers: host memory, which the profile does not give
@@ -191,7 +192,7 @@ def _fits(candidate: Recipe, world_size: int, profile: DeviceProfile) -> bool:
     if layout_problems(candidate, world_size):
         return False
     memory = rank_memory(candidate, world_size, in_flight=[min(p.pp - r, p.microbatches) for r in range(p.pp)],
-                         staged_collectives=profile.staged_collectives)
+                         staged_collectives=profile.staged_collectives, device_type=profile.device_type)
     return max(r.total for r in memory) <= profile.memory_bytes
 
 

@@ -18,7 +18,8 @@ from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
 from pipetrain.plan import shapes as shapes_module
 from pipetrain.plan.auto import resolve_auto
 from pipetrain.plan.devices import DEVICES, DeviceProfile
-from pipetrain.plan.memory import FP32, model_state_bytes, rank_memory, schedule_shape
+from pipetrain.plan.in_flight import schedule_shape
+from pipetrain.plan.memory import FP32, model_state_bytes, rank_memory
 from pipetrain.plan.search import KEYS
 from pipetrain.preflight import check_model_fits
 from tests.unit.common import LLAMA

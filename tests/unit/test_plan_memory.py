@@ -210,3 +210,24 @@ def test_lora_adapters_are_counted_as_trainable_state():
         return sum(model_state_bytes(Recipe(model=model), 1, 0))
     # wq: d 32 in, 4 heads x 8 out; down: ffn 64 in, 32 out
     assert state(16) - state(8) == 8 * ((32 + 32) + (64 + 32)) * LLAMA.n_layers * 4 * (1 + 1 + 2)
+
+
+@pytest.mark.parametrize("schedule,v,split,last_units", [
+    ("gpipe", 1, False, 8), ("1f1b", 1, False, 1), ("1f1b", 1, True, 1), ("interleaved-1f1b", 2, False, 1),
+    ("zbv", 2, False, 1), ("dualpipev", 2, False, 1)])
+def test_the_last_stages_loss_state_counts_the_microbatches_its_own_chunk_holds(schedule, v, split, last_units):
+    """The loss's logits (or the fused loss's two gradients) live from the last chunk's F to its B: GPipe holds
+    every microbatch's there, the others one, though the rank holds more units of its other chunk (V schedules,
+    interleaving) or until their W (split backward). The model once counted them per unit of the rank."""
+    from pipetrain.plan.in_flight import end_chunks_in_flight
+    from pipetrain.plan.loss import fused_loss_weight_grad
+    model = dataclasses.replace(LLAMA, n_layers=8, vocab_size=4096)
+    recipes = {fused: Recipe(model=model, parallel=ParallelConfig(pp=4, microbatches=8, schedule=schedule,
+                                                                  virtual_stages=v, split_backward=split),
+                             train=TrainConfig(global_batch=16, seq_len=32, fused_loss=fused)) for fused in (False, True)}
+    last_rank = 0 if schedule in ("zbv", "dualpipev") else 3
+    assert end_chunks_in_flight(recipes[False], 4)[last_rank][1] == last_units
+    tokens = 2 * 32  # a microbatch: 2 sequences of 32
+    unfused, fused = (activation_bytes(recipes[f], 4, last_rank, fused_loss=f) for f in (False, True))
+    # fused: no fp32 logits per token, the head's weight gradient per microbatch instead (D 32 < 64 tokens: they differ)
+    assert fused != unfused and fused - unfused == last_units * (fused_loss_weight_grad(recipes[True]) - 4 * tokens * model.vocab_size)

@@ -12,9 +12,16 @@ refused runs that fit.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
-from pipetrain.plan.memory import rank_memory
+from pipetrain.models import build, materialize
+from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.pipeline.recompute import apply_recompute
+from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
+from pipetrain.parallel.tensor.fp8 import apply_fp8
+from pipetrain.plan.memory import activation_bytes, rank_memory, saved_bytes_per_token
+from pipetrain.plan.precision import fp8_linear_input_savings
 from pipetrain.preflight import MARGIN, check_model_fits
 
 LLAMA_1B = dict(family="llama", vocab_size=8192, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
@@ -47,7 +54,7 @@ def recipe_of(model: dict, train: dict, sequences: int = 16) -> Recipe:
                               for m, t, _ in H200_PEAKS])
 def test_cuda_estimate_within_the_preflight_margin_of_the_h200s_measured_peak(monkeypatch, model, train, measured):
     monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)  # the Triton kernels, as the H200's rows ran
-    (rank,) = rank_memory(recipe_of(model, train), 1, staged_collectives=False)  # not gloo: a CUDA run
+    (rank,) = rank_memory(recipe_of(model, train), 1, device_type="cuda")
     predicted = rank.total / 2**30
     assert abs(predicted / measured - 1) <= MARGIN, f"predicted {predicted:.1f} GiB, the H200 measured {measured}"
 
@@ -57,7 +64,8 @@ def test_cuda_estimate_counts_what_the_triton_path_and_fp8_and_the_fused_loss_ke
     monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)
 
     def total(model, train, staged=False):
-        return rank_memory(recipe_of(model, train), 1, staged_collectives=staged)[0]
+        return rank_memory(recipe_of(model, train), 1, staged_collectives=staged,
+                           device_type="cpu" if staged else "cuda")[0]
 
     cuda, cpu = total(LLAMA_1B, BF16), total(LLAMA_1B, BF16, staged=True)
     assert cuda.activations < cpu.activations  # the SwiGLU kernel keeps gate and up, not silu(gate) too
@@ -82,3 +90,68 @@ def test_preflight_checks_the_card_pipetrain_device_names_with_that_cards_model(
     check_model_fits(recipe_of(LLAMA_1B, FP8), 1)
     with pytest.raises(ConfigError, match=r"^train.global_batch=64: pp rank 0 needs about .* GB at its peak"):
         check_model_fits(recipe_of(LLAMA_1B, FP8, sequences=64), 1)
+
+
+SMALL = ModelConfig(family="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64,
+                    ffn_hidden=512)
+
+
+def _saved_block_bytes_per_token(precision: str, recompute: str, B: int = 2, T: int = 48) -> float:
+    """Bytes per token and block of the activations SMALL's blocks keep for backward under bf16 autocast on the CPU
+    (fp8 through its emulation): unique storages whose first dim is tokens or sequences (weights' copies left out)."""
+    model = materialize(build(SMALL), SMALL, seed=0, device="cpu")
+    apply_grad_accumulation_fusion(model, None)
+    apply_recompute(model, ParallelConfig(recompute=recompute))
+    if precision == "fp8":
+        apply_fp8(model, ParallelDims(), SMALL, emulate=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and t.dim() and t.shape[0] in (B * T, B):
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+    h = model.embed(torch.randint(0, SMALL.vocab_size, (B, T))).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        for layer in model.layers.values():
+            h = layer(h)
+    return sum(kept.values()) / (B * T * SMALL.n_layers)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_fp8_saves_what_the_model_says_against_bf16(recompute):
+    """fp8's linears keep float8 inputs: one byte where bf16 keeps two, but the attention output, which the
+    attention kernel keeps in bf16 for itself without recompute, costs a float8 copy on top (the model once
+    counted a saving there, 2 GiB too little on the llama 1.0B)."""
+    saving = _saved_block_bytes_per_token("bf16", recompute) - _saved_block_bytes_per_token("fp8", recompute)
+    assert saving == fp8_linear_input_savings(SMALL, 1, attention_keeps_output=recompute == "none", compiled=False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_full_recompute_keeps_the_fp32_block_input_under_autocast(precision):
+    """The residual stream stays fp32 under autocast, so a fully recomputed block keeps 4 bytes per channel; the
+    model once halved it as it halves the block's bf16 tensors."""
+    assert _saved_block_bytes_per_token(precision, "full") == 4 * SMALL.d_model
+    recipe = Recipe(model=SMALL, parallel=ParallelConfig(recompute="full"),
+                    train=TrainConfig(global_batch=2, seq_len=48, precision=precision))
+    fp32 = Recipe(model=SMALL, parallel=ParallelConfig(recompute="full"), train=TrainConfig(global_batch=2, seq_len=48))
+    assert activation_bytes(recipe, 1, 0, in_flight=1) == activation_bytes(fp32, 1, 0, in_flight=1)
+    assert saved_bytes_per_token(SMALL, 1, 48, False, "full")[0] == 4 * SMALL.d_model
+
+
+def test_the_triton_path_is_counted_only_where_the_kernels_run(monkeypatch):
+    from pipetrain.plan import precision
+    monkeypatch.delenv("PIPETRAIN_KERNELS", raising=False)
+    monkeypatch.setattr(precision, "HAS_TRITON", True)
+    assert precision.triton_path("cuda") and not precision.triton_path("cpu")
+    monkeypatch.setattr(precision, "HAS_TRITON", False)  # CUDA without triton runs the torch references
+    assert not precision.triton_path("cuda")
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "triton")
+    assert precision.triton_path("cuda")
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "torch")
+    monkeypatch.setattr(precision, "HAS_TRITON", True)
+    assert not precision.triton_path("cuda")
+    # rank_memory counts a CPU run unless told the device: a caller that forgets cannot get the smaller GPU counts
+    recipe = recipe_of(LLAMA_1B, BF16)
+    assert rank_memory(recipe, 1)[0].as_dict() == rank_memory(recipe, 1, device_type="cpu")[0].as_dict()
