@@ -26,6 +26,7 @@ the pre-flight check (pipetrain.preflight), train.py --dry-run and parallel.auto
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass
 
@@ -242,33 +243,23 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     """Bytes saved for backward that this pp rank holds at its peak: per-microbatch bytes of one chunk times the
     (microbatch, chunk) units in flight (in_flight None: from the schedule). bf16 and fp8 (bf16 autocast, float8
     linear inputs) halve the block's tensors and add the weight copies (plan/precision.py). fused_loss, kernels:
-    train.fused_loss and the Triton kernels run. Checked against an H200's peaks (test_plan_memory_gpu.py)."""
+    train.fused_loss and the Triton kernels run. Checked against an H200's peaks (test_plan_memory_gpu.py).
+    parallel.recompute_layers N: full recompute for the first N blocks of each stage, the rest keep everything."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tokens = rank_tokens(recipe, world_size)
-    low = t.precision in ("bf16", "fp8")
     logit_bytes = 0 if fused_loss else loss_dtype_bytes(recipe) if kernels else FP32
-    block, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute,
-                                                           p.cp if p.recompute != "selective" else 1, kernels,
-                                                           logit_bytes)
-    weight_casts = 0
-    if low and p.recompute != "full":  # bf16 matmul inputs and copies of the weights; full: the fp32 block input
-        block /= 2
-        if t.precision == "fp8":
-            block -= fp8_linear_input_savings(m, p.tp, p.recompute == "none" and p.cp == 1, t.compile)
-        if p.zero == 3 and zero_shards(recipe, world_size) > 1:
-            # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit), but
-            # for the few it keeps fp32
-            kv, head = _fp32_matmul_weights(recipe, pp_rank)
-            weight_casts = 2 * (kv * len(rank_stages(recipe, pp_rank)[0]) + head) // p.virtual_stages
-        else:
-            params = model_state_bytes(recipe, world_size, pp_rank)[0]
-            weight_casts = params // 2 // p.virtual_stages  # 2 of 4 bytes, one chunk's share
-    rope = 0 if m.family == "gpt2" else FP32 * 2 * t.seq_len * m.head_dim  # cos/sin per block, not per sequence
-    if p.recompute == "full" or p.cp > 1:  # cp: RoPE reads rows of the tables by position, saved per token
-        rope = 0
+    _, first_extra, last_extra = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute, 1,
+                                                       kernels, logit_bytes)
     layers, first, last, _ = rank_stages(recipe, pp_rank)
     per_chunk_layers = len(layers) / p.virtual_stages
-    unit = tokens * block * per_chunk_layers + rope * per_chunk_layers + weight_casts
+    recomputed = per_chunk_layers if p.recompute_layers is None else min(per_chunk_layers, p.recompute_layers)
+    if p.recompute != "full":
+        recomputed = 0
+    kept = dataclasses.replace(recipe, parallel=dataclasses.replace(p, recompute="none" if recomputed else p.recompute))
+    per_layer, casts = _layer_bytes(kept, world_size, pp_rank, kernels)
+    unit = per_layer * (per_chunk_layers - recomputed) + casts * (1 - recomputed / max(per_chunk_layers, 1))
+    if recomputed:
+        unit += _layer_bytes(recipe, world_size, pp_rank, kernels)[0] * recomputed
     if in_flight is None:
         in_flight = schedule_in_flight(recipe, world_size)[pp_rank]
         first_units, last_units = end_chunks_in_flight(recipe, world_size)[pp_rank]
@@ -278,6 +269,29 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     if last:
         extra += (tokens * last_extra + (fused_loss_weight_grad(recipe) if fused_loss else 0)) * last_units
     return int(unit * in_flight + extra)
+
+
+def _layer_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool) -> tuple[float, int]:
+    """(one block's saved bytes for one microbatch under recipe's parallel.recompute with RoPE's tables, the
+    weight copies autocast keeps in bf16 and fp8: one chunk's share)."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute,
+                                  p.cp if p.recompute != "selective" else 1, kernels)[0]
+    weight_casts = 0
+    if t.precision in ("bf16", "fp8") and p.recompute != "full":  # full: the block input, fp32 residual stream
+        block /= 2
+        if t.precision == "fp8":
+            block -= fp8_linear_input_savings(m, p.tp, p.recompute == "none" and p.cp == 1, t.compile)
+        if p.zero == 3 and zero_shards(recipe, world_size) > 1:
+            # ZeRO-3 computes with bf16 weights, which autocast saves as they are (freed with their unit), but
+            # for the few it keeps fp32
+            kv, head = _fp32_matmul_weights(recipe, pp_rank)
+            weight_casts = 2 * (kv * len(rank_stages(recipe, pp_rank)[0]) + head) // p.virtual_stages
+        else:
+            weight_casts = model_state_bytes(recipe, world_size, pp_rank)[0] // 2 // p.virtual_stages  # 2 of 4 bytes
+    # RoPE's cos/sin per block, not per sequence; none under cp, whose RoPE reads rows of the tables by position
+    rope = 0 if m.family == "gpt2" or p.recompute == "full" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
+    return rank_tokens(recipe, world_size) * block + rope, weight_casts
 
 
 def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:

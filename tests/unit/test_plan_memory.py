@@ -231,3 +231,27 @@ def test_the_last_stages_loss_state_counts_the_microbatches_its_own_chunk_holds(
     unfused, fused = (activation_bytes(recipes[f], 4, last_rank, fused_loss=f) for f in (False, True))
     # fused: no fp32 logits per token, the head's weight gradient per microbatch instead (D 32 < 64 tokens: they differ)
     assert fused != unfused and fused - unfused == last_units * (fused_loss_weight_grad(recipes[True]) - 4 * tokens * model.vocab_size)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_recompute_layers_counts_the_blocks_it_leaves_whole(pp):
+    """parallel.recompute_layers N: full recompute for the first N blocks of each stage, the rest keep everything
+    (the model once counted every block as recomputed)."""
+    seq_len, batch = 32, 8
+    recipes = {name: Recipe(model=dataclasses.replace(MID, max_seq_len=seq_len),
+                            parallel=ParallelConfig(pp=pp, microbatches=2, recompute=recompute, recompute_layers=n),
+                            train=TrainConfig(global_batch=batch, seq_len=seq_len))
+               for name, recompute, n in (("none", "none", None), ("full", "full", None), ("one", "full", 1))}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, MID.vocab_size, (batch // 2, seq_len + 1), generator=gen)
+    for pp_rank in range(pp):
+        model = build(recipes["one"].model, device="meta")
+        model, _, _ = build_stage(model, ParallelDims(pp=pp, rank=pp_rank), recipes["one"].parallel, seq_len)
+        materialize(model, recipes["one"].model, 0, "cpu")
+        apply_recompute(model, recipes["one"].parallel)
+        first, last = pp_rank == 0, pp_rank == pp - 1
+        x = tokens[:, :-1] if first else torch.randn(batch // 2, seq_len, MID.d_model, requires_grad=True)
+        measured = saved_activation_bytes(model, x, tokens[:, 1:] if last else None)
+        planned = {name: activation_bytes(r, pp, pp_rank, in_flight=1) for name, r in recipes.items()}
+        assert planned["full"] < planned["one"] < planned["none"], planned
+        assert abs(planned["one"] - measured) <= 0.15 * measured, (pp_rank, planned, measured)
