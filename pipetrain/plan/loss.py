@@ -24,11 +24,12 @@ def fused_loss_weight_grad(recipe: Recipe) -> int:
 def fused_loss_bytes(recipe: Recipe, tokens: int, device_type: str) -> int:
     """The fused loss's temporaries during a microbatch's forward, beside what it keeps: the (C, V/tp) chunk
     buffer its logits and their gradient share; in bf16 also autocast's bf16 copy of the head's weight and, on
-    the CPU (the torch path), the chunk's fp32 copy for the softmax."""
+    the CPU (the torch path), the chunk's fp32 copy for the softmax; under sequence parallelism the hidden states
+    gathered along T for the head (tokens: the whole sequence's, as the head sees them)."""
     m, p = recipe.model, recipe.parallel
     vocab, elt = m.vocab_size // p.tp, loss_dtype_bytes(recipe)
     rows = min(tokens, chunk_rows(tokens, m.d_model, vocab, device_type))
-    temp = elt * rows * vocab
+    temp = elt * rows * vocab + (elt * tokens * m.d_model if p.sequence_parallel and p.tp > 1 else 0)
     if elt != FP32:
         temp += elt * vocab * m.d_model + (FP32 * rows * vocab if device_type == "cpu" else 0)
     return temp
