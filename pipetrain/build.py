@@ -147,7 +147,7 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         materialize(model, recipe.model, recipe.train.seed, dims.device)
     apply_lora(model, recipe.model, dims, recipe.train.seed)  # freezes the base; a no-op without lora_rank
     set_aux_sequences(model, recipe.train.global_batch)  # MoE aux gradient per global-batch sequence
-    apply_recompute(model, recipe.parallel)
+    apply_recompute(model, recipe.parallel, [spec.layers for spec in specs])
     if recipe.train.compile:  # last: it traces what tp, fusion, LoRA and recompute made of each block
         # ZeRO-3 hooks its gathers on blocks; expert parallelism compiles a MoE block's pieces around its dispatch
         apply_compile(model, hooks_outside=recipe.parallel.zero == 3, pieces=recipe.parallel.ep > 1)

@@ -40,8 +40,8 @@ from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
 from pipetrain.plan.in_flight import busiest_microbatches, end_chunks_in_flight, schedule_in_flight
 from pipetrain.plan.loss import fused_loss_bytes, fused_loss_weight_grad, loss_backward_bytes
 from pipetrain.plan.precision import FP32, fp8_linear_input_savings, loss_dtype_bytes, triton_path
-from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stages,
-                                   rows_numel)
+from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stage_layers,
+                                   rank_stages, rows_numel)
 
 MOMENTS = 2  # AdamW exp_avg, exp_avg_sq
 
@@ -252,12 +252,16 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
                                                        kernels, logit_bytes)
     layers, first, last, _ = rank_stages(recipe, pp_rank)
     per_chunk_layers = len(layers) / p.virtual_stages
-    recomputed = per_chunk_layers if p.recompute_layers is None else min(per_chunk_layers, p.recompute_layers)
-    if p.recompute != "full":
-        recomputed = 0
-    kept = dataclasses.replace(recipe, parallel=dataclasses.replace(p, recompute="none" if recomputed else p.recompute))
+    recomputed = 0.0  # blocks per chunk (on average over the rank's stages) that full recompute reruns
+    if p.recompute == "full":
+        n = p.recompute_layers
+        recomputed = sum(len(s) if n is None else min(len(s), n) for s in rank_stage_layers(recipe, pp_rank))
+        recomputed /= p.virtual_stages
+    kept = dataclasses.replace(recipe, parallel=dataclasses.replace(p, recompute="none" if p.recompute == "full"
+                                                                       else p.recompute))
     per_layer, casts = _layer_bytes(kept, world_size, pp_rank, kernels)
-    unit = per_layer * (per_chunk_layers - recomputed) + casts * (1 - recomputed / max(per_chunk_layers, 1))
+    unit = per_layer * (per_chunk_layers - recomputed) + casts * (1 - recomputed / per_chunk_layers if
+                                                                  per_chunk_layers else p.recompute != "full")
     if recomputed:
         unit += _layer_bytes(recipe, world_size, pp_rank, kernels)[0] * recomputed
     if in_flight is None:
@@ -268,6 +272,8 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
     extra = tokens * first_extra * first_units if first else 0
     if last:
         extra += (tokens * last_extra + (fused_loss_weight_grad(recipe) if fused_loss else 0)) * last_units
+        if p.recompute == "full" and t.precision in ("bf16", "fp8") and not fused_loss:  # the head is never rerun:
+            extra += 2 * (m.vocab_size // p.tp) * m.d_model * last_units  # autocast keeps its bf16 weight copy
     return int(unit * in_flight + extra)
 
 
@@ -380,12 +386,13 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
     collective outputs through buffers of its own (gloo, on CPU; DeviceProfile.staged_collectives).
     device_type ("cpu", "cuda"; DeviceProfile.device_type): what the run's ops keep (the Triton kernels on CUDA,
     plan/precision.py) and what train.fused_loss "auto" resolves to there."""
+    given = in_flight  # a caller's bound (the search's quick 1F1B one), else the schedule's counts
     in_flight = in_flight or schedule_in_flight(recipe, world_size)
     fused, kernels = fused_loss_on(recipe, device_type), triton_path(device_type)
     out = []
     for r in range(recipe.parallel.pp):
         params, grads, optim = model_state_bytes(recipe, world_size, r)
-        acts = activation_bytes(recipe, world_size, r, in_flight[r], fused, kernels)
+        acts = activation_bytes(recipe, world_size, r, None if given is None else in_flight[r], fused, kernels)
         last = rank_stages(recipe, r)[2]
         tokens = rank_tokens(recipe, world_size)
         loss_temp = (fused_loss_bytes(recipe, tokens, device_type) if fused else

@@ -109,14 +109,24 @@ def _hashable_model(m: ModelConfig) -> ModelConfig:
 
 def rank_stages(recipe: Recipe, pp_rank: int) -> tuple[list[int], bool, bool, bool]:
     """(global layers, holds stage 0, holds the last stage, holds a tied head copy) of a pp rank."""
+    stages, mine = _rank_stages(recipe, pp_rank)
+    first, last = 0 in mine, len(stages) - 1 in mine
+    return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first
+
+
+def rank_stage_layers(recipe: Recipe, pp_rank: int) -> list[tuple[int, ...]]:
+    """The global layers of each stage a pp rank holds, in stage order."""
+    stages, mine = _rank_stages(recipe, pp_rank)
+    return [tuple(stages[s]) for s in mine]
+
+
+def _rank_stages(recipe: Recipe, pp_rank: int) -> tuple[tuple, list[int]]:
+    """(every stage's layers, the stages pp_rank holds)."""
     p = recipe.parallel
     if p.pp * p.virtual_stages == 1:  # one stage: no partition to compute (a million layers answers at once)
         stages = (tuple(range(recipe.model.n_layers)),)
     else:
         stages = _stages(_hashable_model(recipe.model), p.pp, p.virtual_stages,
                          tuple(p.stage_layers or ()) or None, recipe.train.seq_len, p.schedule)
-    num_stages = len(stages)
     placement = placement_of(p.schedule)
-    mine = [s for s in range(num_stages) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]
-    first, last = 0 in mine, num_stages - 1 in mine
-    return [i for s in mine for i in stages[s]], first, last, recipe.model.tied and last and not first
+    return stages, [s for s in range(len(stages)) if rank_chunk_of(s, p.pp, placement)[0] == pp_rank]

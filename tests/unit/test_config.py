@@ -259,3 +259,10 @@ def test_a_size_below_1_is_reported_with_the_other_problems_not_alone():
                  "checkpoint.keep=0 must be >= 1"):
         assert part in message, message
     assert "divisible" not in message, message  # d_model % n_heads is not checked with n_heads 0
+
+
+def test_a_negative_recompute_layers_is_refused():
+    """[:-1] would recompute every block but the last of each stage, silently."""
+    with pytest.raises(ConfigError, match=r"parallel.recompute_layers=-1 must be >= 0"):
+        build_recipe(_with(parallel={"recompute": "full", "recompute_layers": -1}), rules=parallel_problems)
+    build_recipe(_with(parallel={"recompute": "full", "recompute_layers": 0}), rules=parallel_problems)

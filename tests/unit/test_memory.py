@@ -252,3 +252,14 @@ def test_recompute_applied_twice_is_refused():
     apply_recompute(model, ParallelConfig(recompute="selective"))
     with pytest.raises(ValueError, match="apply it once"):
         apply_recompute(model, ParallelConfig(recompute="full"))
+
+
+def test_recompute_layers_applies_to_each_v_placed_stage_of_a_rank():
+    """zbv's last rank holds two adjacent stages (layers 2-3 and 4-5 of 8 on pp 2): consecutive indices, so runs of
+    them merged the two and recomputed one block where the pipeline split says two stages of one each."""
+    cfg = dataclasses.replace(LLAMA, n_layers=8)
+    pcfg = ParallelConfig(pp=2, virtual_stages=2, schedule="zbv", microbatches=4, recompute="full",
+                          recompute_layers=1)
+    model, _, specs = build_stage(build(cfg), ParallelDims(pp=2, rank=1), pcfg, 16)
+    assert [s.layers for s in specs] == [(2, 3), (4, 5)]
+    assert apply_recompute(model, pcfg, [s.layers for s in specs]) == ["layers.2", "layers.4"]

@@ -229,6 +229,9 @@ def test_the_last_stages_loss_state_counts_the_microbatches_its_own_chunk_holds(
     assert end_chunks_in_flight(recipes[False], 4)[last_rank][1] == last_units
     tokens = 2 * 32  # a microbatch: 2 sequences of 32
     unfused, fused = (activation_bytes(recipes[f], 4, last_rank, fused_loss=f) for f in (False, True))
+    # what the pre-flight check, the dry run and the planner report counts the same (rank_memory once passed the
+    # schedule's unit counts on as a caller's bound, and the ends' extras went back to the approximation)
+    assert rank_memory(recipes[False], 4)[last_rank].activations == unfused
     # fused: no fp32 logits per token, the head's weight gradient per microbatch instead (D 32 < 64 tokens: they differ)
     assert fused != unfused and fused - unfused == last_units * (fused_loss_weight_grad(recipes[True]) - 4 * tokens * model.vocab_size)
 
@@ -241,7 +244,8 @@ def test_recompute_layers_counts_the_blocks_it_leaves_whole(pp):
     recipes = {name: Recipe(model=dataclasses.replace(MID, max_seq_len=seq_len),
                             parallel=ParallelConfig(pp=pp, microbatches=2, recompute=recompute, recompute_layers=n),
                             train=TrainConfig(global_batch=batch, seq_len=seq_len))
-               for name, recompute, n in (("none", "none", None), ("full", "full", None), ("one", "full", 1))}
+               for name, recompute, n in (("none", "none", None), ("full", "full", None), ("one", "full", 1),
+                                          ("zero", "full", 0))}
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MID.vocab_size, (batch // 2, seq_len + 1), generator=gen)
     for pp_rank in range(pp):
@@ -253,5 +257,26 @@ def test_recompute_layers_counts_the_blocks_it_leaves_whole(pp):
         x = tokens[:, :-1] if first else torch.randn(batch // 2, seq_len, MID.d_model, requires_grad=True)
         measured = saved_activation_bytes(model, x, tokens[:, 1:] if last else None)
         planned = {name: activation_bytes(r, pp, pp_rank, in_flight=1) for name, r in recipes.items()}
-        assert planned["full"] < planned["one"] < planned["none"], planned
+        assert planned["full"] < planned["one"] < planned["none"] == planned["zero"], planned  # 0: none recomputed
         assert abs(planned["one"] - measured) <= 0.15 * measured, (pp_rank, planned, measured)
+
+
+def test_recompute_layers_counts_each_of_a_ranks_uneven_stages():
+    """recompute_layers applies per stage: on interleaved pp 2 with stages of 3 and 1 layers on a rank, N = 2 reruns
+    2 + 1 blocks, not twice min(2, the average 2)."""
+    model = dataclasses.replace(MID, n_layers=8)
+    def recipe(n, stage_layers=(3, 1, 3, 1)):
+        return Recipe(model=model, parallel=ParallelConfig(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
+                                                           microbatches=2, recompute="full", recompute_layers=n,
+                                                           stage_layers=list(stage_layers)),
+                      train=TrainConfig(global_batch=8, seq_len=16))
+    from pipetrain.plan.shapes import rank_stage_layers
+    assert [len(s) for s in rank_stage_layers(recipe(2), 0)] == [3, 3]
+    assert [len(s) for s in rank_stage_layers(recipe(2), 1)] == [1, 1]
+    # rank 1's stages of one layer: N 1 and N 2 rerun the same blocks
+    assert activation_bytes(recipe(1), 2, 1, in_flight=1) == activation_bytes(recipe(2), 2, 1, in_flight=1)
+    even = recipe(2, (2, 2, 2, 2))  # rank 0: stages of 2 and 2 with N 2: all recomputed, as N None
+    assert activation_bytes(even, 2, 0, in_flight=1) == activation_bytes(recipe(None, (2, 2, 2, 2)), 2, 0, in_flight=1)
+    uneven = [recipe(n, (3, 1, 1, 3)) for n in (1, 2, 3)]  # rank 0 holds stages of 3 and 1: N 1, 2, 3 rerun 2, 3, 4
+    a, b, c = (activation_bytes(r, 2, 0, in_flight=1) for r in uneven)
+    assert a > b > c and a - b == b - c  # each N reruns one more block of the 3-layer stage only

@@ -35,6 +35,9 @@ def parallel_problems(recipe: Recipe) -> list[str]:
         problems.append(f"parallel.zero={p.zero} is not offered; use 0, 1, 2 or 3")
     if p.dp is not None and p.dp < 1:
         problems.append(f"parallel.dp={p.dp} must be >= 1")
+    if p.recompute_layers is not None and p.recompute_layers < 0:  # [:-1] would recompute all blocks but the last
+        problems.append(f"parallel.recompute_layers={p.recompute_layers} must be >= 0 (the blocks of each stage "
+                        "recomputed under parallel.recompute=full; unset for all of them)")
     if not 0 < p.ft_connect_timeout_s < float("inf"):
         problems.append(f"parallel.ft_connect_timeout_s={p.ft_connect_timeout_s} must be a positive number of "
                         "seconds (torchft's default is 60)")

@@ -2,9 +2,11 @@
 
 - full: each transformer block keeps only its input; its forward runs again during backward.
   parallel.recompute_layers = N limits this to the first N blocks of each stage (Megatron's
-  "block" granularity), the rest keep their activations. Under interleaved-1f1b a rank holds
-  several stages (chunks); each is a contiguous run of global layer indices separated from the
-  next by the other ranks' stages, so the limit applies to every run.
+  "block" granularity), the rest keep their activations. A rank holding several stages (chunks:
+  interleaved-1f1b, the V schedules) applies the limit to each: the stages come from the pipeline
+  split (build_stage's specs); without them, runs of consecutive global layer indices stand for stages
+  (one stage per rank, or interleaving, where other ranks' stages separate a rank's; not the V
+  placement, whose last rank holds two adjacent stages).
 - selective: only the attention core (softmax(q k^T) v, the part whose activations grow with T^2
   and cost few FLOPs to redo) is recomputed, as in Korthikanti et al. 2022.
 
@@ -42,9 +44,10 @@ def _recompute(module: nn.Module) -> None:
     module.__class__ = _recomputing_class(type(module))
 
 
-def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
+def apply_recompute(model: nn.Module, pcfg: ParallelConfig, stages: list | None = None) -> list[str]:
     """Mark this stage's blocks (full) or attention cores (selective) for recomputation, in place.
-    Returns the names of the recomputed modules."""
+    stages: each stage's global layer indices on this rank (ChunkSpec.layers); None: runs of consecutive
+    indices. Returns the names of the recomputed modules."""
     if pcfg.recompute == "none":
         return []
     if any(getattr(m, "recomputed", False) for m in model.modules()):
@@ -53,7 +56,10 @@ def apply_recompute(model: nn.Module, pcfg: ParallelConfig) -> list[str]:
     names = []
     blocks = list(model.layers.items())
     if pcfg.recompute == "full":
-        for run in _stage_runs(blocks):
+        by_index = dict(blocks)
+        runs = _stage_runs(blocks) if stages is None else \
+            [[(str(i), by_index[str(i)]) for i in layers if str(i) in by_index] for layers in stages]
+        for run in runs:
             limit = len(run) if pcfg.recompute_layers is None else pcfg.recompute_layers
             for name, block in run[:limit]:
                 _recompute(block)
