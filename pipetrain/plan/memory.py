@@ -26,9 +26,8 @@ the pre-flight check (pipetrain.preflight), train.py --dry-run and parallel.auto
 """
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pipetrain.config import ModelConfig, Recipe, fused_loss_on
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
@@ -257,8 +256,7 @@ def activation_bytes(recipe: Recipe, world_size: int, pp_rank: int, in_flight: i
         n = p.recompute_layers
         recomputed = sum(len(s) if n is None else min(len(s), n) for s in rank_stage_layers(recipe, pp_rank))
         recomputed /= p.virtual_stages
-    kept = dataclasses.replace(recipe, parallel=dataclasses.replace(p, recompute="none" if p.recompute == "full"
-                                                                       else p.recompute))
+    kept = replace(recipe, parallel=replace(p, recompute="none" if p.recompute == "full" else p.recompute))
     per_layer, casts = _layer_bytes(kept, world_size, pp_rank, kernels)
     unit = per_layer * (per_chunk_layers - recomputed) + casts * (1 - recomputed / per_chunk_layers if
                                                                   per_chunk_layers else p.recompute != "full")
