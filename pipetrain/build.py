@@ -35,7 +35,7 @@ from pipetrain.checkpoint.load import check_compatible, check_resume_dir, find_r
 from pipetrain.checkpoint.read import TensorReader, checkpoint_dirs, read_manifest
 from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.checkpoint.save import Checkpointer
-from pipetrain.config import ConfigError, Recipe, fused_loss_on, validate
+from pipetrain.config import ConfigError, Recipe, fp8_weights_once_a_run, fused_loss_on, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.tokenizer import check_tokenizer_vocab
@@ -188,15 +188,6 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
     if replica is not None:
         optimizer.attach(trainer)  # healing restores the trainer's step and loader with the weights
     return trainer
-
-
-def fp8_weights_once_a_run(recipe: Recipe) -> bool:
-    """Whether the fp8 weights are quantised once per executor run (fp8.Fp8WeightCache): train.precision=fp8 with
-    several microbatches a step (each quantised every weight again), below ZeRO-3 (which gathers them quantised),
-    with tensorwise scales (the holders keep one tensorwise quantisation of each weight; rowwise needs two)."""
-    p = recipe.parallel
-    return (recipe.train.precision == "fp8" and recipe.train.fp8_recipe == "tensorwise" and p.zero != 3
-            and (p.microbatches > 1 or p.dynamic_batch))
 
 
 def _use_ps_embedding(model: nn.Module, chunks: list, recipe: Recipe, dims: ParallelDims) -> PSEmbedding | None:

@@ -273,3 +273,12 @@ def fused_loss_on(recipe: Recipe, device_type: str) -> bool:
         smallest = FUSED_LOSS_FASTER_FROM_VOCAB.get(device_type)
         return smallest is not None and recipe.model.vocab_size // recipe.parallel.tp >= smallest
     return bool(recipe.train.fused_loss)
+
+
+def fp8_weights_once_a_run(recipe: Recipe) -> bool:
+    """Whether the fp8 weights are quantised once per executor run (fp8.Fp8WeightCache): train.precision=fp8 with
+    several microbatches a step (each quantised every weight again), below ZeRO-3 (which gathers them quantised),
+    with tensorwise scales (the holders keep one tensorwise quantisation of each weight; rowwise needs two)."""
+    p = recipe.parallel
+    return (recipe.train.precision == "fp8" and recipe.train.fp8_recipe == "tensorwise" and p.zero != 3
+            and (p.microbatches > 1 or p.dynamic_batch))

@@ -15,7 +15,8 @@ import warnings
 
 from pipetrain.config import Recipe
 from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
-from pipetrain.parallel.pipeline.schedules import B, F, build_all_schedules, peak_in_flight, placement_of, simulate, stage_of
+from pipetrain.parallel.pipeline.schedules import (B, F, build_all_schedules, peak_in_flight, placement_of, simulate,
+                                                   stage_of)
 
 
 def busiest_microbatches(recipe: Recipe, world_size: int) -> int:

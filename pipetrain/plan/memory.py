@@ -29,7 +29,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from dataclasses import asdict, dataclass, replace
 
-from pipetrain.config import ModelConfig, Recipe, fused_loss_on
+from pipetrain.config import ModelConfig, Recipe, fp8_weights_once_a_run, fused_loss_on
 from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.mesh.rules import resolve_dp, resolve_dp_shard
 from pipetrain.parallel.pipeline.schedules import placement_of
@@ -38,7 +38,7 @@ from pipetrain.parallel.ps.protocol import row_range
 from pipetrain.parallel.replicas.wrapped import needs_replica_sync, sync_mode
 from pipetrain.plan.in_flight import busiest_microbatches, end_chunks_in_flight, schedule_in_flight
 from pipetrain.plan.loss import fused_loss_bytes, fused_loss_weight_grad, loss_backward_bytes
-from pipetrain.plan.precision import FP32, fp8_linear_input_savings, loss_dtype_bytes, triton_path
+from pipetrain.plan.precision import FP32, fp8_linear_elements, fp8_linear_input_savings, loss_dtype_bytes, triton_path
 from pipetrain.plan.shapes import (expert_shapes, kv_rows, lora_elements, numel, param_shapes, rank_stage_layers,
                                    rank_stages, rows_numel)
 
@@ -69,6 +69,8 @@ class RankMemory:
                              # its forward's chunk buffer, fused_loss_bytes)
     ps_tables: int = 0       # a worker under parameter servers: the step's compact rows, their gradient, the
                              # next step's prefetched rows
+    weight_cache: int = 0    # fp8 with several microbatches: the float8 weights quantised once a run (1 byte an
+                             # element, 2 on the hardware: fp8.Fp8WeightCache), held for the whole run
     role: str = "worker"     # "worker" (pp_rank is its pp rank) or "server" (pp_rank is the server index)
 
     @property
@@ -89,7 +91,7 @@ class RankMemory:
                    + max(self.comm, self.loss_temp))
         backward_end = self.full_grads + self.comm
         step = self.grads + max(self.step_temp + self.exchange_temp, self.gather, self.sync_temp)
-        held = self.params + self.optim + self.replica_state + self.pending + self.ps_tables
+        held = self.params + self.optim + self.replica_state + self.pending + self.ps_tables + self.weight_cache
         return held + max(forward, backward_end, step)
 
     def as_dict(self) -> dict:
@@ -291,8 +293,10 @@ def _layer_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool) -
             # for the few it keeps fp32
             kv, head = _fp32_matmul_weights(recipe, pp_rank)
             weight_casts = 2 * (kv * len(rank_stages(recipe, pp_rank)[0]) + head) // p.virtual_stages
-        else:
-            weight_casts = model_state_bytes(recipe, world_size, pp_rank)[0] // 2 // p.virtual_stages  # 2 of 4 bytes
+        else:  # 2 of 4 bytes; fp8's own linears' weights once a run in the cache's holders instead (rank_memory)
+            cached = fp8_linear_elements(m, p.tp) * len(rank_stages(recipe, pp_rank)[0]) \
+                if fp8_weights_once_a_run(recipe) else 0
+            weight_casts = (model_state_bytes(recipe, world_size, pp_rank)[0] // 2 - 2 * cached) // p.virtual_stages
     # RoPE's cos/sin per block, not per sequence; none under cp, whose RoPE reads rows of the tables by position
     rope = 0 if m.family == "gpt2" or p.recompute == "full" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
     return rank_tokens(recipe, world_size) * block + rope, weight_casts
@@ -396,15 +400,25 @@ def rank_memory(recipe: Recipe, world_size: int, in_flight: list[int] | None = N
         loss_temp = (fused_loss_bytes(recipe, tokens, device_type) if fused else
                      loss_backward_bytes(recipe, tokens, kernels)) if last else 0
         out.append(RankMemory(r, params, grads, optim, acts, comm_bytes(recipe, world_size, params),
-                              step_temp=optim // MOMENTS, recompute_temp=recompute_bytes(recipe, world_size, r, kernels),
+                              step_temp=optim // MOMENTS,
+                              recompute_temp=recompute_bytes(recipe, world_size, r, kernels),
                               deferred_w=deferred_w_bytes(recipe, world_size, r),
                               grads_live=_grads_beside_activations(recipe, world_size, params, acts, in_flight[r]),
                               full_grads=params,
                               gather=_gather_bytes(recipe, world_size, params, staged_collectives),
                               ps_tables=_ps_table_bytes(recipe, world_size, r),
-                              loss_temp=loss_temp,
+                              loss_temp=loss_temp, weight_cache=_weight_cache_bytes(recipe, r, device_type),
                               **replica_bytes(recipe, world_size, params, optim // MOMENTS)))
     return out
+
+
+def _weight_cache_bytes(recipe: Recipe, pp_rank: int, device_type: str) -> int:
+    """fp8.Fp8WeightCache's holders on this pp rank (build_trainer makes one where fp8_weights_once_a_run): a float8
+    copy of each fp8 linear's weight, and on the hardware (CUDA, not train.fp8_emulate) its column-major copy."""
+    if not fp8_weights_once_a_run(recipe):
+        return 0
+    copies = 2 if device_type == "cuda" and not recipe.train.fp8_emulate else 1
+    return copies * fp8_linear_elements(recipe.model, recipe.parallel.tp) * len(rank_stages(recipe, pp_rank)[0])
 
 
 def run_memory(recipe: Recipe, world_size: int, staged_collectives: bool = False,

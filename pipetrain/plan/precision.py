@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pipetrain.config import ModelConfig, Recipe
 from pipetrain.kernels.dispatch import HAS_TRITON, kernel_mode
+from pipetrain.plan.shapes import kv_rows
 
 FP32 = 4
 
@@ -25,6 +26,14 @@ def triton_path(device_type: str) -> bool:
     more, never less."""
     mode = kernel_mode()
     return device_type == "cuda" and mode != "torch" and (HAS_TRITON or mode == "triton")
+
+
+def fp8_linear_elements(m: ModelConfig, tp: int) -> int:
+    """Weight elements of one block's fp8 linears (parallel/tensor/fp8.FP8_PLAN: q, k, v, o and a dense MLP's;
+    a MoE's experts quantise in each call) on a tp rank: what fp8.Fp8WeightCache holds per block."""
+    q, kv, f = m.n_heads * m.head_dim // tp, kv_rows(m, tp), m.ffn // tp
+    mlp = 0 if m.is_moe else (2 if m.family == "gpt2" else 3) * f * m.d_model
+    return (2 * q + 2 * kv) * m.d_model + mlp
 
 
 def fp8_linear_input_savings(m: ModelConfig, tp: int, attention_keeps_output: bool, compiled: bool) -> float:

@@ -176,3 +176,30 @@ def test_full_recompute_in_bf16_counts_the_heads_weight_copy():
     measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], torch.autocast("cpu", dtype=torch.bfloat16))
     planned = activation_bytes(recipe, 1, 0, in_flight=1)
     assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fp8_weight_cache_is_counted_once_a_run_not_per_microbatch(family):
+    """With several microbatches a step fp8's linears read weights quantised once a run into holders
+    (fp8.Fp8WeightCache): the model counts the holders' bytes once, as built here (emulation: one float8 copy),
+    and no per-microbatch copy of those weights (it counted 2 bytes an element per microbatch in flight)."""
+    from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion
+    from pipetrain.parallel.tensor.fp8 import Fp8WeightCache
+    from pipetrain.plan.precision import fp8_linear_elements
+    cfg = ModelConfig(family=family, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2 if family == "llama" else None,
+                      vocab_size=256, max_seq_len=64, ffn_hidden=512)
+    model = materialize(build(cfg), cfg, seed=0, device="cpu")
+    apply_grad_accumulation_fusion(model, None)
+    apply_fp8(model, ParallelDims(), cfg, emulate=True)
+    held = sum(h.data.untyped_storage().nbytes() for _, h in Fp8WeightCache(model).entries)
+
+    def recipe(microbatches):  # two sequences a microbatch either way
+        return Recipe(model=cfg, parallel=ParallelConfig(microbatches=microbatches),
+                      train=TrainConfig(global_batch=2 * microbatches, seq_len=64, precision="fp8", fp8_emulate=True))
+    cached, uncached = rank_memory(recipe(2), 1)[0], rank_memory(recipe(1), 1)[0]
+    assert cached.weight_cache == held > 0 and uncached.weight_cache == 0
+    assert uncached.activations - cached.activations == 2 * fp8_linear_elements(cfg, 1) * cfg.n_layers
+    # on the hardware the holders keep the column-major copy too
+    assert rank_memory(Recipe(model=cfg, parallel=ParallelConfig(microbatches=2),
+                              train=TrainConfig(global_batch=4, seq_len=64, precision="fp8")), 1,
+                       device_type="cuda")[0].weight_cache == 2 * held
