@@ -323,11 +323,8 @@ def recompute_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool
     p = recipe.parallel
     if p.recompute != "full" or not rank_stages(recipe, pp_rank)[0]:
         return 0
-    m, t = recipe.model, recipe.train
-    tokens = rank_tokens(recipe, world_size)
-    block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, "none", p.cp, kernels)[0]
-    rope = 0 if m.family == "gpt2" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
-    return int((tokens * block + rope) / (2 if t.precision in ("bf16", "fp8") else 1))
+    kept = replace(recipe, parallel=replace(p, recompute="none"))
+    return int(_layer_bytes(kept, world_size, pp_rank, kernels)[0])
 
 
 def deferred_w_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
