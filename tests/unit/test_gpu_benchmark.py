@@ -19,7 +19,8 @@ ROWS = ["pipetrain Trainer (Triton kernels)", "pipetrain, PIPETRAIN_KERNELS=torc
         "pipetrain, train.precision=fp8 + train.compile=true + PIPETRAIN_KERNELS=torch",
         "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise + train.compile=true",  # --full's
         "pipetrain, train.precision=fp8 + train.fp8_recipe=rowwise_with_gw_hp + train.compile=true",
-        "pipetrain, train.compile=true + inductor.coordinate_descent_tuning"]
+        "pipetrain, train.compile=true + inductor.coordinate_descent_tuning",
+        "pipetrain, train.compile=true + inductor.max_autotune"]
 
 
 def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
@@ -44,7 +45,7 @@ def test_gpu_benchmark_cpu_smoke_writes_every_row(tmp_path):
     assert all(float(v) > 0 for row, v in planned.items() if row.startswith("pipetrain")), planned
     assert all(v == "n/a" for row, v in planned.items() if not row.startswith("pipetrain")), planned
     compiled = [row for row in graphs if "compile" in row]
-    assert len(compiled) == 8 and all(graphs[row] >= 1 for row in compiled), graphs
+    assert len(compiled) == 9 and all(graphs[row] >= 1 for row in compiled), graphs
     assert all(graphs[row] == 0 for row in graphs if row not in compiled), graphs
     assert "- pipetrain, train.precision=fp8 + train.compile=true / pipetrain, train.compile=true: " in text
     assert "kernel table" in text
@@ -311,7 +312,7 @@ exit 0
     for f in (shim, smi):
         f.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    for mode in ("", "vocab", "llama", "all", "check", "moe", "tests"):
+    for mode in ("", "vocab", "llama", "all", "check", "moe", "gpt", "tests"):
         env["OUT"] = str(tmp_path / f"out-{mode or 'default'}")
         proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -321,9 +322,14 @@ exit 0
         text = (tmp_path / "out-tests" / log).read_text()
         assert "outcomes: 0 PASSED 0 FAILED 0 ERROR 0 SKIPPED" in text, text
     calls = [c.strip("\n").split("\n") for c in record.read_text().split("<end>\n") if c.strip()]
-    assert len(calls) == 2 + 1 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, moe; vocab; llama; all; check; moe
-    assert calls[0][:2] == ["--model", "gpt-1b"] and "pipetrain, train.precision=fp8 + train.compile=true" in calls[0]
-    assert calls[1][:2] == calls[-1][:2] == ["--model", "moe"], (calls[1], calls[-1])
+    assert len(calls) == 2 + 1 + 1 + 1 + 1 + 1 + 1, calls  # default: gpt-1b, moe; vocab; llama; all; check; moe; gpt
+    # the default: the missed target's rows (compile / eager) and both of its experiments, on the gpt-1b's model
+    assert calls[0][:2] == ["--model", "gpt-1b"] and {
+        "pipetrain Trainer (Triton kernels)", "pipetrain, train.compile=true",
+        "pipetrain, train.compile=true + inductor.coordinate_descent_tuning",
+        "pipetrain, train.compile=true + inductor.max_autotune"} <= set(calls[0]), calls[0]
+    assert calls[1][:2] == calls[-2][:2] == ["--model", "moe"], (calls[1], calls[-2])
+    assert calls[-1][:2] == ["--model", "gpt-1b"] and "pipetrain, train.precision=fp8 + train.compile=true" in calls[-1]
     assert {"pipetrain, train.fused_loss=false", "pipetrain, train.fused_loss=true"} <= set(calls[2]), calls[2]
     assert calls[3][:2] == ["--model", "llama-1b"] and "pipetrain, train.precision=fp8" in calls[3], calls[3]
     bench = _load("gpu", monkeypatch)
@@ -345,14 +351,14 @@ def test_an_inductor_override_is_set_for_its_row_alone_and_never_reaches_the_rec
     seen = []
 
     def fake_pipetrain_row(model, overrides, setup, out_dir):
-        seen.append((overrides, inductor_config.coordinate_descent_tuning))
+        seen.append((overrides, inductor_config.coordinate_descent_tuning, inductor_config.max_autotune))
         raise bench.ConfigError("stop here")
     monkeypatch.setattr(bench, "_pipetrain_row", fake_pipetrain_row)
-    before = inductor_config.coordinate_descent_tuning
+    before = inductor_config.coordinate_descent_tuning, inductor_config.max_autotune
     setup = bench.Setup(torch.device("cpu"), torch.float32, 32, 2, 2, True, ())
     for label, kind, overrides in bench.FULL_ROWS:
         if "inductor." in " ".join(overrides):
             row = bench.run_row(bench.SMOKE, label, kind, overrides, setup, "/nonexistent", None)
             assert row["status"].startswith("unsupported: stop here"), row
-    assert seen == [(["train.compile=true"], True)]
-    assert inductor_config.coordinate_descent_tuning == before  # restored after the row
+    assert seen == [(["train.compile=true"], True, before[1]), (["train.compile=true"], True, True)]
+    assert (inductor_config.coordinate_descent_tuning, inductor_config.max_autotune) == before  # restored
