@@ -6,7 +6,7 @@
 #                                             target's rows on the gpt-1b recipe's model (eager, compile, and
 #                                             compile with inductor's coordinate-descent tuning, then with
 #                                             max-autotune), then the MoE's eager, compile and fp8 + compile
-#                                             rows, about 460 s
+#                                             rows, about 480 s
 #   bash benchmarks/gpu_session.sh gpt        issue 34's four target rows on the gpt-1b recipe's model (eager,
 #                                             compile, fp8 + compile, the compiled plain loop; the compile rows
 #                                             profiled), 250 s
@@ -43,7 +43,7 @@
 #                         which run first
 #   moe.log               (`all`, `moe`) benchmarks/moe.py experts: torch._grouped_mm against the per-expert loop
 # Each step has its own timeout so a slow one cannot starve the rest, inside one 600 s call with at most 30 s of
-# install: 300 + 130 s by default; `gpt` 250; `tests` 150 + the rest of 430 s (SUITE_S; the H200 ran 86% of the default suite in 370 s with
+# install: 300 + 150 s by default; `gpt` 250; `tests` 150 + the rest of 430 s (SUITE_S; the H200 ran 86% of the default suite in 370 s with
 # 14 workers, 2026-11-28); `vocab` 150; `llama` 150; `all` 310 + 40 + 200. gpu.py rewrites its file after every
 # row, so a step that overruns loses only its last rows. The timed steps (gpu.py, moe.py) run alone; the tests
 # time nothing. The
@@ -177,7 +177,7 @@ case "${1:-}" in
       --only "pipetrain, train.compile=true + inductor.coordinate_descent_tuning" \
       --only "pipetrain, train.compile=true + inductor.max_autotune" --out "$OUT/gpu-gpt.md"
     # never measured on a GPU: a mixture of experts' eager, compile and fp8 + compile (float8 grouped GEMMs)
-    step 130 gpu-moe.log python benchmarks/gpu.py --model moe --sequences "$SEQUENCES" --no-kernel-table \
+    step 150 gpu-moe.log python benchmarks/gpu.py --model moe --sequences "$SEQUENCES" --no-kernel-table \
       --only "pipetrain Trainer (Triton kernels)" --only "pipetrain, train.compile=true" \
       --only "pipetrain, train.precision=fp8 + train.compile=true" --out "$OUT/gpu-moe.md" ;;
 esac

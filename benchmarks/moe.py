@@ -79,14 +79,19 @@ def bench_experts(tokens: int, reps: int, device: str) -> list[dict]:
     idx, w, _ = moe.route(x)
     idx, w = idx.detach(), w.detach()
 
-    def step(fn):
+    def step(fn, autocast: bool = False):
         def run():
             moe.zero_grad(set_to_none=True)
-            fn().sum().backward()
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                out = fn()
+            out.float().sum().backward()
+            if device == "cuda":  # the GPU's time, not the launches': every row waits for its kernels
+                torch.cuda.synchronize()
         return run
 
-    rows = [{"what": "dispatch_compute_combine (sort + grouped)", "s": median_seconds(
-                step(lambda: moe.dispatch_compute_combine(x, idx, w)), reps)},
+    # on CUDA under bf16 autocast, as training runs it: the grouped GEMM needs bf16 (models/moe.py)
+    rows = [{"what": "dispatch_compute_combine (sort + grouped)" + (", bf16 autocast" if device == "cuda" else ""),
+             "s": median_seconds(step(lambda: moe.dispatch_compute_combine(x, idx, w), device == "cuda"), reps)},
             {"what": "HF loop (where per expert)", "s": median_seconds(step(lambda: hf_loop(moe, x, idx, w)), reps)}]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)

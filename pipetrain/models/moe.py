@@ -102,6 +102,36 @@ def _grouped_mm_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and gate.shape[1] % 8 == 0)
 
 
+def grouped_mm_leaves_empty_groups(device: torch.device) -> bool:
+    """Whether torch._grouped_mm's weight gradient (its 2-D x 2-D form, groups along the summed rows) leaves the
+    slice of a group with no rows unwritten on this card, as it does on Blackwell (sm100 and newer: whatever the
+    memory held, pytorch/pytorch#172439, open in torch 2.13); Hopper writes zeros. An expert that no token
+    chose would get that memory as its gradient."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def zero_empty_groups(dw: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """dw (E, N, K) with the slices of the groups that have no rows (offs (E,), cumulative) set to zero: a
+    select, not a multiply, since unwritten memory may hold NaN; no read of offs to the host."""
+    rows = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((rows > 0).view(-1, 1, 1), dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+
+
+class _ZeroEmptyGroupsGrad(torch.autograd.Function):
+    """The identity on an (E, N, K) expert weight whose backward zeroes the gradient of the empty groups
+    (zero_empty_groups), on cards where torch._grouped_mm's own backward leaves it unwritten."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(offs)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offs,) = ctx.saved_tensors
+        return zero_empty_groups(grad, offs), None
+
+
 def grouped_swiglu_loop(x_sorted: torch.Tensor, counts: list[int], gate, up, down) -> torch.Tensor:
     """The reference: one SwiGLU per expert over its contiguous rows. x_sorted (N*k, D) -> (N*k, D)."""
     outs, start = [], 0
@@ -154,6 +184,8 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, gate: torch.Ten
     offs = torch.cumsum(counts, 0)
     if grouped:
         offs = offs.to(torch.int32)
+        if grouped_mm_leaves_empty_groups(x_sorted.device):
+            gate, up, down = (_ZeroEmptyGroupsGrad.apply(w, offs) for w in (gate, up, down))
         h = swiglu(_grouped_mm(x_sorted, gate.transpose(-2, -1), offs),
                    _grouped_mm(x_sorted, up.transpose(-2, -1), offs))  # (M, F)
         return _grouped_mm(h, down.transpose(-2, -1), offs)

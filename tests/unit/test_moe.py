@@ -166,6 +166,67 @@ def test_the_grouped_mm_path_takes_autocasts_bf16_from_fp32_masters(monkeypatch)
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
 
 
+class _BlackwellGroupedMM(torch.autograd.Function):
+    """torch._grouped_mm as it behaves on Blackwell (pytorch/pytorch#172439): the right forward and dx, and
+    a weight gradient whose empty groups' slices hold what the memory held (NaN here)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return _REAL_GROUPED_MM(a, b, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b, offs = ctx.saved_tensors
+        with torch.enable_grad():
+            a2, b2 = a.detach().requires_grad_(), b.detach().requires_grad_()
+            da, db = torch.autograd.grad(_REAL_GROUPED_MM(a2, b2, offs=offs), (a2, b2), dy)
+        rows = torch.diff(offs, prepend=offs.new_zeros(1))
+        return da, db.masked_fill((rows == 0).view(-1, 1, 1), float("nan")), None
+
+
+_REAL_GROUPED_MM = torch._grouped_mm
+
+
+def test_an_expert_no_token_chose_gets_a_zero_gradient_where_grouped_mm_leaves_it_unwritten(monkeypatch):
+    """On Blackwell torch._grouped_mm's backward leaves an empty group's weight gradient unwritten; the
+    grouped path then zeroes those slices itself (models/moe.py), in bf16 and in fp8's dW (fp8_experts.py).
+    The card's behaviour is simulated with NaN; with the guard off the NaN reaches the gradients."""
+    from pipetrain.models import moe
+    from pipetrain.parallel.tensor import fp8_experts
+    torch.manual_seed(0)
+    E, D, Fh = 4, 16, 32
+    counts = torch.tensor([0, 10, 0, 14])
+    leaves = [torch.randn(24, D), torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh)]
+    monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, gate: True)
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda a, b, offs: _BlackwellGroupedMM.apply(a, b, offs))
+    grads = {}
+    for guard in (True, False):
+        monkeypatch.setattr(moe, "grouped_mm_leaves_empty_groups", lambda device: guard)
+        x, gate, up, down = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+        grouped_swiglu(x, counts, gate, up, down).float().square().sum().backward()
+        grads[guard] = [gate.grad, up.grad, down.grad]
+    x, gate, up, down = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+    grouped_swiglu_loop(x, counts.tolist(), gate, up, down).float().square().sum().backward()
+    for got, want in zip(grads[True], [gate.grad, up.grad, down.grad]):
+        assert got[[0, 2]].eq(0).all()
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    assert all(g[[0, 2]].isnan().all() for g in grads[False])  # what the guard is for
+    # fp8's dW: torch._grouped_mm's 2-D x 2-D form called directly
+    monkeypatch.setattr(fp8_experts, "grouped_mm_weight_grad_ok", lambda dy, x: True)
+    dy, xs, offs = torch.randn(24, Fh).bfloat16(), torch.randn(24, D).bfloat16(), torch.cumsum(counts, 0)
+    patch_torch_op(monkeypatch, "_grouped_mm", lambda a, b, offs: _REAL_GROUPED_MM(a, b, offs=offs).index_fill(
+        0, torch.tensor([0, 2]), float("nan")))
+    for guard in (True, False):
+        monkeypatch.setattr(fp8_experts, "grouped_mm_leaves_empty_groups", lambda device: guard)
+        dw = fp8_experts.grouped_weight_grad(dy, xs, offs, E)
+        assert dw[[0, 2]].eq(0).all() if guard else dw[[0, 2]].isnan().all()
+        torch.testing.assert_close(dw[[1, 3]].float(), torch.stack([dy[:10].float().t() @ xs[:10].float(),
+                                                                    dy[10:].float().t() @ xs[10:].float()]),
+                                   rtol=2 ** -7, atol=0.1)
+    assert not moe.grouped_mm_leaves_empty_groups(torch.device("cpu"))
+
+
 def _explicit_aux(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The per-sequence balance loss written out: mean over sequences of E/(kT) sum_e count_e * mean_t p_e."""
     probs = F.softmax(moe.router(x), dim=-1, dtype=torch.float32)  # (B, T, E)

@@ -33,7 +33,8 @@ import torch
 
 from pipetrain.kernels.dispatch import autocast_dtype
 from pipetrain.kernels.fp8_quant import quantize, scale_from_amax
-from pipetrain.models.moe import grouped_linear, grouped_linear_weight_grad
+from pipetrain.models.moe import (grouped_linear, grouped_linear_weight_grad, grouped_mm_leaves_empty_groups,
+                                  zero_empty_groups)
 from pipetrain.parallel.tensor.fp8_gemm import amax_over
 from pipetrain.parallel.tensor.fp8_rowwise import FEATURES, ROWWISE_DTYPE, quantize_along
 
@@ -97,7 +98,8 @@ def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, n
         # copy would make the kernel check each group's rows along the summed dim for 16-byte alignment (a
         # device-side assert unless every expert's row count is a multiple of 8; torchao and torchtitan pad
         # the groups for it), where the column-major one needs only N and K aligned
-        return torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs.to(torch.int32))
+        dw = torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs.to(torch.int32))
+        return zero_empty_groups(dw, offs) if grouped_mm_leaves_empty_groups(dy.device) else dw
     with torch.autocast(dy.device.type, enabled=False):
         return grouped_linear_weight_grad(dy, x, offs, num_experts)
 
