@@ -146,7 +146,10 @@ SEQUENCES=8
 if [ "${MEM_MB:-0}" -gt 100000 ] 2> /dev/null; then SEQUENCES=16; fi
 case "${1:-}" in
   tests)  # the CPU tests see no GPU (tests/conftest.py), the gpu ones see it; those first, in a log of their own
-    suite 150 pytest-gpu.log ${XDIST[@]+"${XDIST[@]}"} -m gpu --durations=20 --basetemp=/tmp/pt-gpu
+    # under xdist tests/conftest.py gives each worker its share of the cores and compiles in-process; the gpu tests'
+    # inductor compiles for the card (Triton kernels) keep a few compile processes each
+    TORCHINDUCTOR_COMPILE_THREADS=4 suite 150 pytest-gpu.log ${XDIST[@]+"${XDIST[@]}"} -m gpu --durations=20 \
+      --basetemp=/tmp/pt-gpu
     left=$(( ${SUITE_S:-430} - SECONDS ))  # SUITE_S counts from the script's start, the install included
     suite "$(( left > 30 ? left : 30 ))" pytest.log ${XDIST[@]+"${XDIST[@]}"} -m "not gpu and not slow" \
       --basetemp=/tmp/pt ;;

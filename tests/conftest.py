@@ -9,10 +9,22 @@ import pytest
 # (The `gpu` tests that need compiled Triton run it in a subprocess without the variable.)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n N`: benchmarks/gpu_session.sh runs the suite so on a 16-core GPU machine) N workers share
+# the cores, and each one's torch, and every process its tests start, would take a thread per core (N times as
+# many threads as cores, OpenMP's spinning ones among them), and inductor a pool of compile processes per worker.
+# Each worker gets its share of the cores instead, and compiles in its own process. A value set by hand stays.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _XDIST_WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS)))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # Tests import tests.harness; keep the repo root importable however pytest is launched.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402  (after TRITON_INTERPRET: torch may import triton)
+
+if _XDIST_WORKERS:  # a plugin may have imported torch before this file set OMP_NUM_THREADS
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The real answers, read before the session hides the GPU (below). Asking initialises CUDA in this process
 # with the real CUDA_VISIBLE_DEVICES, so hiding it afterwards only affects the processes tests start.
