@@ -15,7 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Each worker gets its share of the cores instead, and compiles in its own process. A value set by hand stays.
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
 if _XDIST_WORKERS:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS)))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # Linux
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // _XDIST_WORKERS)))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # Tests import tests.harness; keep the repo root importable however pytest is launched.
