@@ -96,6 +96,9 @@ step() {  # step SECONDS LOG COMMAND...: run with a timeout, record the exit sta
 # pytest's whole -v logs, in a folder of this run's own: a test of the suite runs this script too (with a stand-in
 # python), and a fixed /tmp path let it truncate the log the real suite was writing, so no failure came back
 RAW=$(mktemp -d "${TMPDIR:-/tmp}/gpu-session.XXXXXX")
+# and inductor's caches too: a second call on the same warm machine would otherwise find the first one's
+# compiled graphs and autotuning, and its rows' "first step s" (compile time plus a step) would leave them out
+export TORCHINDUCTOR_CACHE_DIR="$RAW/inductor"
 suite() {  # suite SECONDS LOG PYTEST-ARGS...: the failures first, then the end (a whole -v log is too long)
   local limit=$1 log=$2
   shift 2
