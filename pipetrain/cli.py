@@ -53,6 +53,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def launcher_int(name: str, default: int, minimum: int = 0) -> int:
+    """A whole number the launcher (torchrun) sets in the environment (WORLD_SIZE, RANK), or default when it is
+    unset; ConfigError (one line) for anything else."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit() or int(raw) < minimum:
+        raise ConfigError(f"{name}={raw!r}: must be a whole number >= {minimum}; launch with torchrun, which sets "
+                          "it, or unset it")
+    return int(raw)
+
+
 def _init_distributed(world_size: int) -> None:
     if world_size == 1 or dist.is_initialized():
         return
@@ -79,6 +91,19 @@ def _init_distributed(world_size: int) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
+def _checkpoint_around(folder: str) -> str | None:
+    """The pipetrain checkpoint (a step-* folder holding manifest.json) that folder is, or sits in; None if none.
+    A run written into a checkpoint made it unreadable, and re-saving that step later deleted the run."""
+    path = os.path.realpath(folder)
+    while True:
+        if os.path.basename(path).startswith("step-") and os.path.isfile(os.path.join(path, "manifest.json")):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
 def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only: bool = False) -> RunLock | None:
     """Rank 0 creates run.output_dir, locks it for this run (one run per output directory) and refuses to
     overwrite another run's checkpoints or to save where a stray file sits. Returns the lock (None on other
@@ -87,6 +112,10 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only
     out = recipe.run.output_dir
     if rank != 0:
         return None
+    checkpoint = _checkpoint_around(out)
+    if checkpoint:
+        raise ConfigError(f"run.output_dir={out} is inside the checkpoint {checkpoint} (a step folder "
+                          "holding manifest.json), which a run never writes into; choose a folder outside it")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
@@ -106,8 +135,11 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only
         if resume is None and os.path.isdir(ckpts) and os.listdir(ckpts):
             raise ConfigError(f"run.output_dir={out} already holds checkpoints; pass --resume auto to continue "
                               "that run or set run.output_dir to a new folder")
-        if resume is None and not eval_only and os.path.exists(os.path.join(out, "metrics.jsonl")):
-            os.remove(os.path.join(out, "metrics.jsonl"))  # a fresh run starts a fresh metrics file
+        metrics = os.path.join(out, "metrics.jsonl")
+        if os.path.isdir(metrics):
+            raise ConfigError(f"run.output_dir={out}: {metrics} is a folder where the metrics file goes; move it away")
+        if resume is None and not eval_only and os.path.lexists(metrics):
+            os.remove(metrics)  # a fresh run starts a fresh metrics file
     except BaseException:
         lock.release()
         raise
@@ -119,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and (not args.dry_run or args.nproc < 1):
         raise ConfigError(f"--nproc={args.nproc}: it sets the world size of --dry-run and must be >= 1; "
                           "pass --dry-run --nproc N with N >= 1 (torchrun sets the world size of a real run)")
-    world_size = args.nproc if args.dry_run and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
+    world_size = args.nproc if args.dry_run and args.nproc else launcher_int("WORLD_SIZE", 1, minimum=1)
+    launcher_int("RANK", 0)  # read as int below
     servers = recipe.parallel.ps_servers  # the world's last ranks serve the embedding (pipetrain.parallel.ps.server)
     if servers and servers >= world_size:
         raise ConfigError(f"parallel.ps_servers={servers} leaves no worker in a world of {world_size} processes; "

@@ -23,3 +23,5 @@ def read_json(path: str, where: str, error: type[Exception], fix: str, max_bytes
         return json.loads(raw)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise error(f"{where}: {path} is not valid JSON, got {exc}; {fix}") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's stack lets json parse
+        raise error(f"{where}: {path} nests its JSON too deep to read; {fix}") from None

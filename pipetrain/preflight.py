@@ -20,7 +20,7 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.build import _build_tokenizer
 from pipetrain.data import build_data, is_prepared, prepared_dir_for, sources_of
 from pipetrain.data.checks import check_utf8
-from pipetrain.data.corpus import source_files
+from pipetrain.data.sources import source_files
 from pipetrain.plan.devices import load_profile
 from pipetrain.plan.memory import RankMemory, run_memory
 from pipetrain.plan.shapes import model_params

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 
 from pipetrain.config import ConfigError
@@ -25,7 +26,17 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        out = os.path.dirname(self.path)
+        try:  # never through a link: a .pipetrain.lock linked elsewhere would have that file emptied on release
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            what = "is a link" if os.path.islink(self.path) else f"cannot be opened ({exc.strerror or exc})"
+            raise ConfigError(f"run.output_dir={out}: its lock file {self.path} {what}; make the folder writable "
+                              "and remove anything else of that name, or choose another run.output_dir") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a pipe or a device named .pipetrain.lock
+            os.close(fd)
+            raise ConfigError(f"run.output_dir={out}: its lock file {self.path} is not a regular file; remove it, "
+                              "or choose another run.output_dir")
         holder = _read_holder(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

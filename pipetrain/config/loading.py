@@ -135,6 +135,9 @@ def bounded_yaml(text: str, where: str) -> Any:
     except ValueError as exc:  # int() past Python's digit limit, and the like: a value no key can hold
         raise ConfigError(f"{where}: a value cannot be read ({clip(str(exc))}); write it as a plain number or "
                           "string") from None
+    except RecursionError:  # PyYAML's composer recurses per level: ~1,000 levels overflow it before the walk
+        raise ConfigError(f"{where}: the YAML nests past {MAX_RECIPE_DEPTH} levels; write the values out "
+                          "plainly") from None
     finally:
         loader.dispose()
 
@@ -261,6 +264,15 @@ def load_recipe(path: str, overrides: list[str] = (), rules: Rules | None = None
 
 
 def dump_recipe(r: Recipe, path: str) -> None:
-    """Write r as YAML, recipe keys as a recipe spells them (checkpoint.async), readable by load_recipe."""
-    with open(path, "w") as f:
-        yaml.safe_dump(r.to_dict(), f, sort_keys=False)
+    """Write r as YAML, recipe keys as a recipe spells them (checkpoint.async), readable by load_recipe. Written
+    beside path and renamed over it: a link named path is replaced, never written through."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            yaml.safe_dump(r.to_dict(), f, sort_keys=False)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"{path} cannot be written ({exc.strerror or exc}); remove what is there, or choose "
+                          "another folder") from None

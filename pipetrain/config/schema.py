@@ -13,7 +13,11 @@ from typing import Literal, Optional
 
 
 class ConfigError(ValueError):
-    """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2."""
+    """A user error in a recipe, CLI flag or layout; the CLI prints it as one line and exits 2. One line
+    whatever it quotes: a newline in its text (a file name may hold one) reads as \\n."""
+
+    def __str__(self) -> str:
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
 
 
 MESSAGE_VALUE_CHARS = 200  # an offending value is quoted in an error line up to this many characters

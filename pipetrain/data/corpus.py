@@ -18,7 +18,6 @@ files (path, size, mtime), text field and tokenizer fingerprint, so edited data 
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -32,13 +31,12 @@ import numpy as np
 
 from pipetrain.config import ConfigError, clip
 from pipetrain.data.checks import check_utf8, unreadable
+from pipetrain.data.sources import _EXTENSIONS, refuse_links_outside, source_files  # noqa: F401 (_EXTENSIONS: tests)
 from pipetrain.procs import pid_alive
 from pipetrain.sft import encode_record
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-_EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-               ".parquet": "parquet"}
 _HASH_BLOCK = 1 << 24
 
 
@@ -96,50 +94,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def is_prepared(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
-
-
-def source_files(path: str, where: str = "data.path") -> tuple[str, list[str]]:
-    """(builder, files) for a local file or folder; ("", []) for a dataset name."""
-    if os.path.isfile(path):
-        files = [path]
-    elif os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                       if os.path.splitext(f)[1] in _EXTENSIONS)
-        _refuse_links_outside(path, files, where)
-        _refuse_non_files(files, where)
-        if not files:
-            raise ConfigError(f"{where}: folder {path!r} has no .txt, .jsonl or .parquet files; "
-                              "point it at a data folder or a prepared directory")
-    elif os.path.isabs(path) or path.startswith("."):
-        raise ConfigError(f"{where}: {path!r} not found; point it at a text/jsonl/parquet file or folder")
-    else:
-        return "", []
-    kinds = {_EXTENSIONS.get(os.path.splitext(f)[1]) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ConfigError(f"{where}: {path!r} must hold files of one kind (.txt, .jsonl or .parquet), "
-                          f"got extensions {sorted({os.path.splitext(f)[1] for f in files})}")
-    return kinds.pop(), files
-
-
-def _refuse_links_outside(folder: str, files: list[str], where: str) -> None:
-    """Nothing outside the folder given is read: a file (or a folder on its way) that is a link leading out of
-    it is refused (glob follows links). Links that stay inside are read as the files they point at."""
-    root = os.path.realpath(folder)
-    for f in files:
-        target = os.path.realpath(f)
-        if target != root and not target.startswith(root + os.sep):
-            raise ConfigError(f"{where}: {f} links outside the folder {folder!r} (to {target}); copy the file into "
-                              "the folder, or point data.path (or data.sources) at it")
-
-
-def _refuse_non_files(files: list[str], where: str) -> None:
-    """Every entry read must be a regular file: a pipe would block its read forever, a folder named x.txt or a
-    broken link fails deep in a reader."""
-    for f in files:
-        if not os.path.isfile(f):
-            kind = "a broken link" if os.path.islink(f) and not os.path.exists(f) else \
-                "a folder" if os.path.isdir(f) else "not a regular file (a pipe, a socket or a device)"
-            raise ConfigError(f"{where}: {f} is {kind}; remove it from the folder or rename it")
 
 
 def prepared_dir_for(path: str, text_field: str, tokenizer, cache_dir: Optional[str]) -> str:
@@ -324,7 +278,7 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     docs = _HashedWriter(os.path.join(tmp, "documents.bin"))
     mask = _HashedWriter(os.path.join(tmp, "mask.bin")) if records else None
     docs.write(np.zeros(1, dtype=np.int64))
-    num_tokens = num_docs = 0
+    num_tokens = num_docs = trained = 0
     bar = _progress_bar(progress)
     for table in mapped.with_format("arrow").iter(batch_size=1024):
         ids = table.column("ids").combine_chunks()
@@ -335,7 +289,9 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
         lengths = ids.value_lengths().to_numpy().astype(np.int64)
         docs.write(num_tokens + np.cumsum(lengths))
         if mask is not None:
-            mask.write(table.column("mask").combine_chunks().flatten().to_numpy().astype(np.uint8))
+            trains = table.column("mask").combine_chunks().flatten().to_numpy().astype(np.uint8)
+            mask.write(trains)
+            trained += int(trains.sum())
         num_tokens += int(flat.size)
         num_docs += len(lengths)
         if bar is not None:
@@ -345,6 +301,10 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     if num_tokens <= num_docs:  # nothing but the EOS closing each (empty) document
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"data.path: {path!r} holds no text (only empty documents); add data or remove this source")
+    if mask is not None and not trained:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"data.path: {path!r} has no token to train on: no record has a completion or an "
+                          "assistant turn with text; give each record one")
     written = {"tokens.bin": tokens.close(), "documents.bin": docs.close()}
     if mask is not None:
         written["mask.bin"] = mask.close()
@@ -401,12 +361,13 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False, sources: bool
     if not is_prepared(path):
         raise ConfigError(f"data.path: {path!r} has no {MANIFEST}; run python -m pipetrain.data prepare --recipe R")
     manifest_path = os.path.join(path, MANIFEST)
+    refuse_links_outside(path, [manifest_path], "data.path")  # the folder stands alone, its manifest too
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.path: {manifest_path} cannot be read ({exc}); "
-                          f"delete {path} and prepare again") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
+        raise ConfigError(f"data.path: {manifest_path} cannot be read ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); delete {path} and prepare again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         got = manifest.get("format") if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"
         raise ConfigError(f"data.path: {manifest_path} has format {got}, this pipetrain reads "
@@ -425,7 +386,7 @@ def open_prepared(path: str, tokenizer=None, verify: bool = False, sources: bool
     expected = {"tokens.bin": n_tok * dtype.itemsize, "documents.bin": (n_doc + 1) * 8}
     if manifest["has_mask"]:
         expected["mask.bin"] = n_tok
-    _refuse_links_outside(path, [os.path.join(path, n) for n in expected], "data.path")
+    refuse_links_outside(path, [os.path.join(path, n) for n in expected], "data.path")
     for name, size in expected.items():
         file = os.path.join(path, name)
         actual = os.path.getsize(file) if os.path.isfile(file) else None

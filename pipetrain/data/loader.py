@@ -309,7 +309,9 @@ class Loader:
         return batch_slice(self.global_batch, self.dp_size, first_rank, num_ranks, self.split)
 
     def next(self) -> tuple[Batch, int]:
-        """(this dp rank's slice of the next global batch, target tokens in the whole global batch)."""
+        """(this dp rank's slice of the next global batch, target tokens in the whole global batch). A global
+        batch with no trained target (fine-tuning prompts longer than seq_len fill its windows) counts 1: the
+        step's loss and gradients are zero, as Megatron-LM clamps its loss mask's sum, and the run goes on."""
         offset, count = self.rank_slice()
         peeked = getattr(self, "_peeked", None)
         if peeked is not None and peeked[0] == (self.samples, offset, count):
@@ -319,7 +321,7 @@ class Loader:
         self._peeked = None
         total = self.data.count_targets(self.samples, self.global_batch)
         self.samples += self.global_batch
-        return self._sliced(batch), total
+        return self._sliced(batch), max(total, 1)
 
     def _sliced(self, batch: Batch) -> Batch:
         return batch if self.sequence_slice is None else self.sequence_slice(batch)

@@ -111,6 +111,17 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
             return 1
         return value
 
+    def flag(key: str, default: bool) -> bool:
+        """A true / false field (default when absent or null): a JSON boolean, never a string's truthiness (the
+        string "false" read as true dropped an untied model's lm_head)."""
+        value = raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            problems.append(f"{path}: {key} must be true or false, got {clip(repr(value))}")
+            return default
+        return value
+
     def num(key: str, default: float) -> float:
         """A positive finite number field (epsilons)."""
         value = raw.get(key, default)
@@ -125,21 +136,21 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
         d, heads = req("n_embd"), req("n_head")
         act = raw.get("activation_function", "gelu_new")
         need(act in GPT2_ACTIVATIONS, "activation_function", act, f"use one of {', '.join(GPT2_ACTIVATIONS)}")
-        need(raw.get("scale_attn_weights", True) is True, "scale_attn_weights=false",
+        need(flag("scale_attn_weights", True), "scale_attn_weights=false",
              raw.get("scale_attn_weights"), "use 1/sqrt(head_dim) attention scaling")
-        for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
-            need(not raw.get(flag, False), flag, raw.get(flag), "set it to false")
+        for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+            need(not flag(name, False), name, raw.get(name), "set it to false")
         out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("n_layer"),
                    n_heads=heads, n_kv_heads=heads, ffn_hidden=req("n_inner", 4 * d),
-                   max_seq_len=req("n_positions"), tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+                   max_seq_len=req("n_positions"), tie_embeddings=flag("tie_word_embeddings", True),
                    norm_eps=num("layer_norm_epsilon", 1e-5))
     else:
         d, heads = req("hidden_size"), req("num_attention_heads")
         act = raw.get("hidden_act", "silu")
         need(act == "silu", "hidden_act", act, "pipetrain's gated MLP is SwiGLU (silu)")
-        need(not raw.get("attention_bias", False), "attention_bias", raw.get("attention_bias"),
+        need(not flag("attention_bias", False), "attention_bias", raw.get("attention_bias"),
              "pipetrain's llama layers have no q/k/v/o biases (qwen2 has q/k/v biases only)")
-        need(not raw.get("mlp_bias", False), "mlp_bias", raw.get("mlp_bias"), "use a model without MLP biases")
+        need(not flag("mlp_bias", False), "mlp_bias", raw.get("mlp_bias"), "use a model without MLP biases")
         head_dim = raw.get("head_dim")
         if family in MOE_FAMILIES:  # model.head_dim holds any even size
             head_dim = req("head_dim", d // heads)
@@ -149,7 +160,7 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
                  "head_dim != hidden_size/num_attention_heads", head_dim,
                  f"pipetrain derives head_dim={d // heads} from hidden_size={d} and num_attention_heads={heads}")
         window = None
-        if family in ("mistral", "mixtral") or (family == "qwen2" and raw.get("use_sliding_window")):
+        if family in ("mistral", "mixtral") or (family == "qwen2" and flag("use_sliding_window", False)):
             window = req("sliding_window") if raw.get("sliding_window") is not None else None
         if family == "qwen2":
             n_layers, first_window = req("num_hidden_layers"), raw.get("max_window_layers", 0)
@@ -169,7 +180,7 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
         out = dict(family=family, vocab_size=req("vocab_size"), d_model=d, n_layers=req("num_hidden_layers"),
                    n_heads=heads, n_kv_heads=req("num_key_value_heads", heads),
                    ffn_hidden=req("intermediate_size"), max_seq_len=req("max_position_embeddings"),
-                   tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                   tie_embeddings=flag("tie_word_embeddings", False),
                    rope_theta=_rope_theta(raw, path, problems), norm_eps=num("rms_norm_eps", 1e-6),
                    qkv_bias=family == "qwen2", sliding_window=window, num_experts=0)
         if family in MOE_FAMILIES:
@@ -198,7 +209,7 @@ def _moe_values(raw: dict, family: str, path: str, need, req) -> dict:
              "use a model whose every layer is a mixture of experts")
         need(not only, "mlp_only_layers (dense layers among the sparse ones)", only,
              "use a model whose every layer is a mixture of experts")
-        need(not raw.get("use_sliding_window", False), "use_sliding_window", raw.get("use_sliding_window"),
+        need(not flag("use_sliding_window", False), "use_sliding_window", raw.get("use_sliding_window"),
              "set it to false")
         norm = raw.get("norm_topk_prob", False)
         need(isinstance(norm, bool), "a non-boolean norm_topk_prob", norm, "use true or false")

@@ -8,7 +8,7 @@ import torch
 
 from pipetrain.config import ConfigError, DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
-from pipetrain.data.corpus import source_files
+from pipetrain.data.sources import source_files
 from pipetrain.data.loader import batch_slice
 from pipetrain.data.order import CHUNK, BlendPattern, WindowOrder
 

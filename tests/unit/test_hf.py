@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from pipetrain.checkpoint.save import Checkpointer
 from pipetrain.config import ConfigError, DataConfig, ModelConfig, Recipe
-from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, tokenize_corpus
+from pipetrain.data import IGNORE_INDEX, Loader, PackedData, load_tokenizer, prepare, tokenize_corpus
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import export_model, export_state, main as export_main, parse_size
 from pipetrain.hf.tokenizer import load_hf_tokenizer
@@ -129,6 +129,11 @@ def _copy_with_config(src: str, dst, **changes) -> str:
      r"a mix of sliding and full attention layers"),
     ("gpt2", dict(activation_function="relu"), r"activation_function is not supported, got 'relu'"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx is not supported"),
+    # a true / false field holds a JSON boolean: the string "false" was read as true (an untied lm_head dropped)
+    ("llama", dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, got 'false'"),
+    ("gpt2", dict(tie_word_embeddings="yes"), r"tie_word_embeddings must be true or false, got 'yes'"),
+    ("qwen2", dict(use_sliding_window="false"), r"use_sliding_window must be true or false, got 'false'"),
+    ("llama", dict(attention_bias="false"), r"attention_bias must be true or false, got 'false'"),
 ])
 def test_unsupported_config_option_is_rejected_by_name(hf_models, tmp_path, family, changes, pattern):
     hf_dir = _copy_with_config(hf_models[family][0], tmp_path / "m", **changes)
@@ -374,6 +379,15 @@ def test_a_conversation_opening_with_the_assistant_trains_its_turn_and_a_refusin
     monkeypatch.setattr(chat_tokenizer, "chat_template", "{{ raise_exception('no system turns here') }}")
     with pytest.raises(ConfigError, match=r"chat template cannot render a conversation \(no system turns here\)"):
         encode_record({"messages": CHAT}, chat_tokenizer)
+
+
+def test_chat_records_without_an_assistant_turn_are_refused_at_prepare(tmp_path, chat_tokenizer):
+    """Nothing to train on: the run stopped with a ZeroDivisionError at its first step, and again at every resume."""
+    path = tmp_path / "user_only.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) for i in range(5)))
+    with pytest.raises(ConfigError, match=r"has no token to train on: no record has a completion or an assistant"):
+        prepare(str(path), chat_tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert not [p for p in os.listdir(tmp_path / "cache") if p.startswith("prepared-")]  # nothing half-prepared kept
 
 
 @pytest.mark.parametrize("content", ["{}", "[1, 2]", '{"added_tokens": [], "model": 5}'])

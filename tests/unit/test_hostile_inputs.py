@@ -1,0 +1,135 @@
+"""Bad input found by an adversarial review (2026-11-28): each gave a traceback, a hang, a file written outside
+the folder given, or a silently wrong run; each is now one line (ConfigError, exit 2) or handled."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from pipetrain.cli import _prepare_output_dir, launcher_int
+from pipetrain.config import ConfigError, Recipe, RunConfig, dump_recipe
+from pipetrain.config.loading import bounded_yaml
+from pipetrain.data import open_prepared
+from pipetrain.data.sources import source_files
+from pipetrain.jsonfile import read_json
+from pipetrain.run_lock import LOCK_NAME, RunLock
+from tests.unit.common import LLAMA, build_trainer
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past what Python's json (and PyYAML's composer) can recurse into
+
+
+def test_a_batch_with_no_trained_token_is_a_zero_step_not_a_division_by_zero(tmp_path):
+    """Fine-tuning prompts longer than seq_len fill a batch with masked targets: float(loss_sum) / 0 stopped the
+    run with a ZeroDivisionError, and every resume stopped on the same batch."""
+    trainer = build_trainer(LLAMA, str(tmp_path), ignore_every=1, steps=2)  # every target masked
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    record = trainer.train_step()
+    assert record["loss"] == 0.0 and math.isfinite(record["grad_norm"]) and record["grad_norm"] == 0.0, record
+    # AdamW's first step on a zero gradient moves nothing but the weight decay
+    assert all(float((p.detach() - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-12
+               for p, b in zip(trainer.model.parameters(), before))
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    path = tmp_path / "manifest.json"
+    path.write_text(DEEP)
+    with pytest.raises(ConfigError, match=r"nests its JSON too deep to read; use another"):
+        read_json(str(path), "checkpoint", ConfigError, "use another", 1 << 30)
+
+
+def test_a_prepared_folder_with_a_deep_or_linked_manifest_is_one_line(tmp_path):
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(DEEP)
+    with pytest.raises(ConfigError, match=r"manifest.json cannot be read \(RecursionError"):
+        open_prepared(str(folder))
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    os.remove(folder / "manifest.json")
+    os.symlink(outside, folder / "manifest.json")  # a folder handed over stands alone, its manifest too
+    with pytest.raises(ConfigError, match=r"links outside the folder"):
+        open_prepared(str(folder))
+
+
+def test_a_recipe_nested_past_what_yaml_can_compose_is_one_line():
+    with pytest.raises(ConfigError, match=r"nests past 32 levels"):
+        bounded_yaml("run:\n  trackers: " + "[" * 1000 + "]" * 1000, "recipe r.yaml")
+
+
+def test_a_link_back_up_a_data_folder_is_walked_once(tmp_path):
+    """glob followed `loop -> .` until the path grew too long: one file read 41 times (validation documents
+    copies of training ones); two such links never ended."""
+    (tmp_path / "a.txt").write_text("text\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("more\n")
+    for name in ("loop", "again"):
+        os.symlink(".", tmp_path / name)
+    os.symlink("..", tmp_path / "sub" / "up")
+    assert source_files(str(tmp_path)) == ("text", [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.txt")])
+    os.symlink("/", tmp_path / "root")  # a folder link out is refused before anything under it is walked
+    with pytest.raises(ConfigError, match=r"root links outside the folder"):
+        source_files(str(tmp_path))
+
+
+def test_links_in_the_output_folder_are_never_written_through(tmp_path):
+    """The lock was opened through a link (the file it named emptied on release), recipe.yaml written through one."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(victim, out / LOCK_NAME)
+    with pytest.raises(ConfigError, match=rf"{LOCK_NAME} is a link; "):
+        RunLock(str(out)).acquire()
+    os.remove(out / LOCK_NAME)
+    os.mkdir(out / LOCK_NAME)
+    with pytest.raises(ConfigError, match=rf"{LOCK_NAME} cannot be opened \(Is a directory\)"):
+        RunLock(str(out)).acquire()
+    os.rmdir(out / LOCK_NAME)
+    os.mkfifo(out / LOCK_NAME)
+    with pytest.raises(ConfigError, match=rf"{LOCK_NAME} is not a regular file"):
+        RunLock(str(out)).acquire()
+    os.symlink(victim, out / "recipe.yaml")
+    dump_recipe(Recipe(), str(out / "recipe.yaml"))
+    assert victim.read_text() == "precious" and not os.path.islink(out / "recipe.yaml")
+    assert [n for n in os.listdir(out) if ".tmp-" in n] == []
+
+
+def test_an_output_folder_inside_a_checkpoint_or_with_a_metrics_folder_is_refused(tmp_path):
+    """A run written into checkpoints/step-N made that checkpoint unreadable, and re-saving the step deleted it."""
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    for out in (step, step / "nested"):
+        recipe = Recipe(run=RunConfig(output_dir=str(out)))
+        with pytest.raises(ConfigError, match=r"is inside the checkpoint .*step-00000002 \(a step folder"):
+            _prepare_output_dir(recipe, 0, None)
+    assert sorted(os.listdir(step)) == ["manifest.json"]
+    other = tmp_path / "other"
+    (other / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"metrics.jsonl is a folder where the metrics file goes"):
+        _prepare_output_dir(Recipe(run=RunConfig(output_dir=str(other))), 0, None)
+
+
+def test_an_error_is_one_line_whatever_it_quotes():
+    """A file name holding a newline split the error line in two."""
+    assert str(ConfigError("data.path: /d/bad\nname.txt is not UTF-8")) == "data.path: /d/bad\\nname.txt is not UTF-8"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", " "])
+def test_a_malformed_launcher_variable_is_one_line(monkeypatch, value):
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(ConfigError, match=rf"WORLD_SIZE={value!r}: must be a whole number >= 1"):
+        launcher_int("WORLD_SIZE", 1, minimum=1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launcher_int("WORLD_SIZE", 1, minimum=1) == 4
+    monkeypatch.delenv("WORLD_SIZE")
+    assert launcher_int("WORLD_SIZE", 1, minimum=1) == 1
+
+
+def test_a_manifest_json_value_survives_the_round_trip(tmp_path):
+    """read_json still reads what it should (a shallow document)."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"a": [[1]]}))
+    assert read_json(str(path), "x", ConfigError, "fix", 1000) == {"a": [[1]]}
