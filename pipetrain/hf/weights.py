@@ -272,5 +272,9 @@ def load_hf_weights(model: nn.Module, hf_dir: str, cfg: ModelConfig,
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (_, slices) in param_layout(model).items():
         assert name in sources, f"parameter {name} has no Hugging Face source for family {cfg.family}"
-        params[name].copy_(weights.read(sources[name], slices, shapes))
+        piece = weights.read(sources[name], slices, shapes)
+        if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):  # else: "loss is nan" at step 1
+            raise ConfigError(f"model.init_from: {hf_dir}: weight {sources[name].hf_name} holds NaN or inf values; "
+                              "the model folder is damaged: use an intact copy of the model")
+        params[name].copy_(piece)
     return model

@@ -178,6 +178,13 @@ def test_tensor_shape_mismatch_and_missing_tensor_name_the_tensor_and_file(hf_mo
     save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(missing / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"tensor lm_head.weight is missing from .*missing/model.safetensors"):
         load_hf_weights(build(cfg), str(missing), cfg)
+    # a NaN weight trained into "loss is nan ... lower train.lr" (exit 1) at the first step
+    nan = tmp_path / "nan_weight"
+    shutil.copytree(hf_dir, nan)
+    save_file({**state, "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))},
+              str(nan / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"weight model.norm.weight holds NaN or inf values; the model folder is "):
+        load_hf_weights(build(cfg), str(nan), cfg)
     # a weight stored as an integer, bool, complex or float8 tensor was cast into the fp32 masters silently
     for dtype in (torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn):
         odd = tmp_path / f"dtype-{str(dtype).split('.')[1]}"
