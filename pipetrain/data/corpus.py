@@ -253,6 +253,11 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
     if empty:  # the json/parquet readers cannot infer columns from an empty file
         raise ConfigError(f"data.path: {empty[0]!r} is empty; remove it or add records")
     root = os.path.expanduser(cache_dir or "~/.cache/pipetrain")
+    try:  # the cache's own fault named as the cache's, not blamed on data.path's files below
+        os.makedirs(os.path.join(root, "datasets"), exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"data.cache_dir={root!r} cannot be used ({exc.strerror or exc}: {exc.filename}); point "
+                          "data.cache_dir at a folder you can write") from None
     try:
         ds = _load_dataset(path, builder, files, root, progress)
     except Exception as exc:  # noqa: BLE001  (datasets and pyarrow raise many kinds; each is bad input here)

@@ -133,3 +133,15 @@ def test_a_manifest_json_value_survives_the_round_trip(tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"a": [[1]]}))
     assert read_json(str(path), "x", ConfigError, "fix", 1000) == {"a": [[1]]}
+
+
+def test_a_cache_dir_that_is_a_file_is_named_as_the_cache(tmp_path):
+    """It was blamed on data.path ("could not be read as text ... fix or remove the damaged file")."""
+    from pipetrain.data import load_tokenizer, prepare
+    from tests.unit.test_data import TOKENIZER
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("some text\n")
+    (tmp_path / "cache").write_text("a file")
+    with pytest.raises(ConfigError, match=r"data.cache_dir=.*cache' cannot be used \(Not a directory.*point "
+                                          r"data.cache_dir at a folder you can write"):
+        prepare(str(tmp_path / "data"), load_tokenizer(TOKENIZER), cache_dir=str(tmp_path / "cache"), progress=False)
