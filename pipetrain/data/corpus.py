@@ -40,14 +40,15 @@ MANIFEST = "manifest.json"
 _HASH_BLOCK = 1 << 24
 
 
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a local directory (or a hub name when online)."""
+def load_tokenizer(path: str, where: str = "data.tokenizer"):
+    """A Hugging Face tokenizer from a local directory (or a hub name when online). where: the recipe key or
+    flag that named path, for errors."""
     from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is needed
 
     if not path:
-        raise ConfigError("data.tokenizer is empty; set it to a tokenizer directory such as pipetrain/assets/tokenizer")
+        raise ConfigError(f"{where} is empty; set it to a tokenizer directory such as pipetrain/assets/tokenizer")
     if os.path.sep in path and not os.path.isdir(path):
-        raise ConfigError(f"data.tokenizer: directory {path!r} not found; point it at a folder with tokenizer.json")
+        raise ConfigError(f"{where}: directory {path!r} not found; point it at a folder with tokenizer.json")
     try:
         # never run code shipped in the folder: with False, transformers neither asks on stdin nor imports
         # an auto_map module, and a folder whose auto_map names a class it ships still loads with that class
@@ -56,14 +57,14 @@ def load_tokenizer(path: str):
         # their bare Exception): whatever it is, the folder is the input at fault
         custom = _custom_code_file(path)
         if custom:
-            raise ConfigError(f"data.tokenizer: {custom} names custom code (auto_map) that pipetrain will not run; "
+            raise ConfigError(f"{where}: {custom} names custom code (auto_map) that pipetrain will not run; "
                               "use a tokenizer whose class transformers ships (tokenizer.json + "
                               "tokenizer_config.json without auto_map)") from None
         first = clip(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-        raise ConfigError(f"data.tokenizer: cannot load {path!r} ({first}); "
+        raise ConfigError(f"{where}: cannot load {path!r} ({first}); "
                           "use a local directory with tokenizer.json") from None
     if tok.eos_token_id is None:
-        raise ConfigError(f"data.tokenizer: {path!r} has no EOS token; documents need one as separator")
+        raise ConfigError(f"{where}: {path!r} has no EOS token; documents need one as separator")
     return tok
 
 

@@ -77,7 +77,7 @@ def load_for_generation(path: str, tokenizer_dir: str | None = None,
     else:
         raise ConfigError(f"generate: {path} holds neither manifest.json (a pipetrain checkpoint) nor "
                           "config.json (a Hugging Face model); pass a checkpoints/step-... folder or a model folder")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, where="generate --tokenizer")
     check_tokenizer_vocab(tokenizer, model.cfg, where="generate --tokenizer")
     return model, tokenizer
 

@@ -141,6 +141,11 @@ def test_corrupt_checkpoint_and_bad_arguments_exit_2_with_one_line(tmp_path, cap
     missing = str(tmp_path / "no-tokenizer")  # the flag's folder is named, not the checkpoint's recipe
     assert f"--tokenizer {missing}: no such folder" in _one_error_line(capsys, [out, "--prompt", "x", "--tokenizer",
                                                                              missing])
+    no_eos = tmp_path / "no-eos"  # a tokenizer the flag names is blamed on the flag, not on data.tokenizer
+    no_eos.mkdir()
+    (no_eos / "tokenizer.json").write_text("{}")
+    assert _one_error_line(capsys, [out, "--prompt", "x", "--tokenizer", str(no_eos)]).startswith(
+        "error: generate --tokenizer: cannot load")
 
 
 @pytest.mark.slow
