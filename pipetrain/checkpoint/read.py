@@ -77,6 +77,9 @@ def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
     link at or below the step folder included)."""
     refuse_links(ckpt_dir)
     path = os.path.join(ckpt_dir, "manifest.json")
+    if not os.path.lexists(ckpt_dir):
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: no such folder; pass a checkpoints/step-... folder (or "
+                                "--resume auto for a run's newest)")
     if os.path.isfile(ckpt_dir) or os.path.isdir(os.path.join(ckpt_dir, "checkpoints")):
         what = "a file" if os.path.isfile(ckpt_dir) else "a run folder"
         raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: is {what}, not a checkpoint folder; pass a "

@@ -194,3 +194,5 @@ def test_a_run_folder_or_a_manifest_file_given_for_a_checkpoint_is_named_as_such
         read_manifest(run)
     with pytest.raises(ConfigError, match=r"manifest.json: is a file, not a checkpoint folder"):
         read_manifest(os.path.join(ckpt, "manifest.json"))
+    with pytest.raises(ConfigError, match=r"step-00000009: no such folder; pass a checkpoints/step-"):
+        read_manifest(os.path.join(run, "checkpoints", "step-00000009"))
