@@ -184,7 +184,8 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
                    rope_theta=_rope_theta(raw, path, problems), norm_eps=num("rms_norm_eps", 1e-6),
                    qkv_bias=family == "qwen2", sliding_window=window, num_experts=0)
         if family in MOE_FAMILIES:
-            out.update(_moe_values(raw, family, path, need, req), head_dim_=None if head_dim == d // heads else head_dim)
+            out.update(_moe_values(raw, family, path, need, req, flag),
+                       head_dim_=None if head_dim == d // heads else head_dim)
     if not problems:
         need(out.get("head_dim_") is not None or out["d_model"] % out["n_heads"] == 0, "hidden size not divisible by the head count",
              (out["d_model"], out["n_heads"]), "pipetrain needs d_model % n_heads == 0")
@@ -195,8 +196,8 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
     return out
 
 
-def _moe_values(raw: dict, family: str, path: str, need, req) -> dict:
-    """The mixture-of-experts keys of a mixtral / qwen3_moe config.json (need / req: _hf_values' checks)."""
+def _moe_values(raw: dict, family: str, path: str, need, req, flag) -> dict:
+    """The mixture-of-experts keys of a mixtral / qwen3_moe config.json (need / req / flag: _hf_values' checks)."""
     experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"  # transformers 5 / 4.x
     out = dict(num_experts=req(experts_key), num_experts_per_tok=req("num_experts_per_tok"))
     if family == "mixtral":
