@@ -251,3 +251,32 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_the_reverse_with_the_same_next_loss
     assert resumed.step == 2
     torch.testing.assert_close(torch.tensor(losses_and_norms(resumed, 2)), torch.tensor(expected[2:4]), **TP_FP32,
                                msg=lambda m: f"cp 1 resuming a cp 2 checkpoint: {m}")
+
+
+# ---- the step on the device (clip_and_step) under cp with ZeRO: the norm sums its rows' squares over dp x cp ----
+def _on_device_run(out: str, dims: ParallelDims, zero: int) -> list[tuple[float, float]]:
+    """(loss, grad norm) per step of cp_trainer on the fused-AdamW path CUDA takes by default (clip_and_step);
+    the CPU's foreach AdamW takes the host path (clip_grad_norm), so only this forces the device path here."""
+    import pipetrain.optim.adamw as adamw
+    adamw.FUSED_DEVICES = ("cuda", "cpu")  # in a worker; the test's own process sets it through monkeypatch
+    os.makedirs(out, exist_ok=True)
+    trainer = cp_trainer(LLAMA, out, dims, document_mask=True, zero=zero)
+    assert trainer.optimizer.steps_on_device, type(trainer.optimizer).__name__
+    return losses_and_norms(trainer)
+
+
+def _on_device_worker(rank, world_size, out, zero):
+    return _on_device_run(os.path.join(out, "cp"), ParallelDims.from_degrees(cp=world_size), zero)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_cp2_zero_step_on_the_device_gives_the_single_process_losses_and_norms(tmp_path, monkeypatch, zero):
+    """ZeRO under cp shards the gradient rows over dp x cp (here the cp pair): clip_and_step's norm must sum the
+    squares over that group, as clip_grad_norm does (test_cp2_with_zero_1_and_lora checks the host path)."""
+    import pipetrain.optim.adamw as adamw
+    from tests.harness import rank_results
+    monkeypatch.setattr(adamw, "FUSED_DEVICES", ("cuda", "cpu"))
+    want = _on_device_run(str(tmp_path / "one"), ParallelDims(), 0)
+    for got in rank_results(2, _on_device_worker, str(tmp_path), zero):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TP_FP32,
+                                   msg=lambda m: f"cp 2 zero {zero} on the device (loss, grad norm) per step: {m}")
