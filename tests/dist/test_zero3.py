@@ -254,13 +254,15 @@ def _check(results, name):
             assert torch.equal(t, single["single_params"][src][sl]), (rank, n)
 
 
-@pytest.mark.parametrize("name", ["dp2_gpt2", "dp2_llama", "dp2_lora"])
+# dp2_pp2_keep_gathered in the default run: the only layout with reshard_after_forward false, which a mutation
+# audit (2026-11-28) found ignored silently by every other test
+@pytest.mark.parametrize("name", ["dp2_gpt2", "dp2_llama", "dp2_lora", "dp2_pp2_keep_gathered"])
 def test_zero3_dp2_matches_the_single_process_and_round_trips_checkpoints(tmp_path, name):
     _check(rank_results(LAYOUTS[name][0], _worker, str(tmp_path), name), name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp4", "dp4_recompute", "dp4_shard2", "dp2_tp2", "dp2_pp2_1f1b", "dp2_pp2_keep_gathered", "dp2_pp2_interleaved",
+@pytest.mark.parametrize("name", ["dp4", "dp4_recompute", "dp4_shard2", "dp2_tp2", "dp2_pp2_1f1b", "dp2_pp2_interleaved",
                                   "dp2_pp2_split_backward", "dp2_pp2_zbv", "dp2_pp2_dualpipev"])
 def test_zero3_layouts_match_the_single_process_and_round_trip_checkpoints(tmp_path, name):
     _check(rank_results(LAYOUTS[name][0], _worker, str(tmp_path), name), name)
