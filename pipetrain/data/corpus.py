@@ -31,7 +31,7 @@ import numpy as np
 
 from pipetrain.config import ConfigError, clip
 from pipetrain.data.checks import check_utf8, unreadable
-from pipetrain.data.sources import _EXTENSIONS, refuse_links_outside, source_files  # noqa: F401 (_EXTENSIONS: tests)
+from pipetrain.data.sources import refuse_links_outside, source_files
 from pipetrain.procs import pid_alive
 from pipetrain.sft import encode_record
 

@@ -350,7 +350,7 @@ def test_damaged_raw_files_are_refused_in_one_line_naming_the_source(tmp_path, t
 
 def test_every_suffix_read_as_text_or_json_is_checked_for_utf8():
     from pipetrain.data.checks import UTF8_SUFFIXES
-    from pipetrain.data.corpus import _EXTENSIONS
+    from pipetrain.data.sources import _EXTENSIONS
     assert set(UTF8_SUFFIXES) == {s for s, kind in _EXTENSIONS.items() if kind in ("text", "json")}
 
 
