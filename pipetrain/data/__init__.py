@@ -61,7 +61,8 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, *, prepare_missing: boo
         corpus = open_prepared(out, tokenizer, verify=cfg.verify and prepare_missing, sources=out != path)
         seed = cfg.seed if d == 0 else cfg.seed + 1_000_003 * d  # sources hold out different documents
         parts.append(PackedData(corpus.tokens, corpus.mask, seq_len, cfg.val_fraction, seed, corpus.documents,
-                                cfg.document_mask, name=where, tokenizer=corpus.manifest["tokenizer"]["fingerprint"]))
+                                cfg.document_mask, name=where, tokenizer=corpus.manifest["tokenizer"]["fingerprint"],
+                                vocab=len(tokenizer), path=out))
         weights.append(weight)
         if log:
             m = corpus.manifest

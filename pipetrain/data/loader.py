@@ -25,6 +25,7 @@ Without it, packed documents attend to earlier documents of the window, as in GP
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -74,10 +75,12 @@ class PackedData:
 
     def __init__(self, tokens: np.ndarray, mask: Optional[np.ndarray], seq_len: int, val_fraction: float, seed: int,
                  documents: Optional[np.ndarray] = None, document_mask: bool = False, name: str = "data",
-                 tokenizer: Optional[str] = None):
-        """tokenizer: the fingerprint of the tokenizer the tokens came from (a resume checks it), when known."""
+                 tokenizer: Optional[str] = None, vocab: Optional[int] = None, path: str = ""):
+        """tokenizer: the fingerprint of the tokenizer the tokens came from (a resume checks it), when known;
+        vocab: the tokenizer's size, when known: a window holding an id past it is refused (_checked), and path
+        the prepared folder the tokens came from, for that error."""
         self.tokens, self.seq_len, self.seed, self.name = _plain(tokens), seq_len, seed, name
-        self.tokenizer = tokenizer
+        self.tokenizer, self.vocab, self.path = tokenizer, vocab, path
         self.mask = None if mask is None or (mask.dtype == bool and mask.all()) else _plain(mask)
         self.all_trained = self.mask is None  # plain text: every target counts, no need to look
         self.documents, self.document_mask = (_plain(documents) if documents is not None else None), document_mask
@@ -151,13 +154,24 @@ class PackedData:
 
     def _rows(self, stream: _Stream, windows: np.ndarray) -> Batch:
         pieces = self._pieces(stream, windows)
-        win = self._gather(self.tokens, pieces)
+        win = self._checked(self._gather(self.tokens, pieces))
         # numpy builds the int64 copies: torch's copy kernels wake its thread pool for a few MB
         inputs, targets = win[:, :-1].astype(np.int64), win[:, 1:].astype(np.int64)
         if self.mask is not None:
             targets[self._gather(self.mask, pieces)[:, 1:] == 0] = IGNORE_INDEX
         positions = torch.from_numpy(self._positions(pieces)) if self.document_mask else None
         return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), positions)
+
+    def _checked(self, win: np.ndarray) -> np.ndarray:
+        """win, unless it holds a token id past the tokenizer's: a token file damaged after prepare, which
+        data.verify=false (or a rank that does not verify) never read whole, would index past the embedding
+        (an IndexError on the CPU, a device-side assert that kills the process on CUDA). One max per batch."""
+        if self.vocab is not None and win.size and int(win.max()) >= self.vocab:
+            where = os.path.join(self.path, "tokens.bin") if self.path else "the token stream"
+            raise ConfigError(f"{self.name}: {where} holds token id {int(win.max())}, past the tokenizer's "
+                              f"{self.vocab} tokens: the file changed after it was prepared; delete "
+                              f"{self.path or 'the prepared folder'} and prepare again")
+        return win
 
     def _positions(self, pieces: list) -> np.ndarray:
         """(k, S) position of each input token in its document, restarting at the window start."""

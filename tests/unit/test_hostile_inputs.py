@@ -145,3 +145,27 @@ def test_a_cache_dir_that_is_a_file_is_named_as_the_cache(tmp_path):
     with pytest.raises(ConfigError, match=r"data.cache_dir=.*cache' cannot be used \(Not a directory.*point "
                                           r"data.cache_dir at a folder you can write"):
         prepare(str(tmp_path / "data"), load_tokenizer(TOKENIZER), cache_dir=str(tmp_path / "cache"), progress=False)
+
+
+def test_a_token_id_past_the_tokenizer_is_one_line_even_without_verify(tmp_path):
+    """With data.verify=false (and on every rank but the one that prepares) nothing read the token file whole at
+    start: an id past the vocabulary, from a file damaged after prepare, indexed past the embedding (IndexError on
+    the CPU, a device-side assert on CUDA). Each batch is checked as it is read."""
+    import numpy as np
+    from pipetrain.config import DataConfig
+    from pipetrain.data import build_data, load_tokenizer, prepare
+    from tests.unit.test_data import TOKENIZER
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("To be, or not to be, that is the question.\n" * 40)
+    tokenizer = load_tokenizer(TOKENIZER)
+    out = prepare(str(tmp_path / "raw"), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
+    cfg = DataConfig(path=out, tokenizer=TOKENIZER, val_fraction=0.0, verify=False)
+    data = build_data(cfg, tokenizer, 16)
+    data.train_batch(0, data.num_train_windows)  # intact: every window reads
+    tokens = np.memmap(os.path.join(out, "tokens.bin"), dtype=data.tokens.dtype, mode="r+")
+    tokens[len(tokens) // 2] = len(tokenizer)  # one id past the vocabulary, after prepare
+    tokens.flush()
+    data = build_data(cfg, tokenizer, 16)  # opens without reading the tokens (verify=false)
+    with pytest.raises(ConfigError, match=rf"tokens.bin holds token id {len(tokenizer)}, past the tokenizer's "
+                                          rf"{len(tokenizer)} tokens.*prepare again"):
+        data.train_batch(0, data.num_train_windows)
