@@ -32,6 +32,7 @@ import numpy as np
 from pipetrain.config import ConfigError, clip
 from pipetrain.data.checks import check_utf8, unreadable
 from pipetrain.data.sources import refuse_links_outside, source_files
+from pipetrain.folders import refuse_folder_links_outside
 from pipetrain.procs import pid_alive
 from pipetrain.sft import encode_record
 
@@ -49,6 +50,8 @@ def load_tokenizer(path: str, where: str = "data.tokenizer"):
         raise ConfigError(f"{where} is empty; set it to a tokenizer directory such as pipetrain/assets/tokenizer")
     if os.path.sep in path and not os.path.isdir(path):
         raise ConfigError(f"{where}: directory {path!r} not found; point it at a folder with tokenizer.json")
+    if os.path.isdir(path):
+        refuse_folder_links_outside(path, where)
     try:
         # never run code shipped in the folder: with False, transformers neither asks on stdin nor imports
         # an auto_map module, and a folder whose auto_map names a class it ships still loads with that class

@@ -2,13 +2,15 @@
 
 A folder's entries named as a data kind's files (.txt, .jsonl, .parquet, ...) are read; links inside it are
 followed, each folder once; a link leading out of it, and an entry that is not a regular file, are refused
-in one line. May import: pipetrain.config.
+in one line (pipetrain.folders, which holds the same rule for model and tokenizer folders).
+May import: pipetrain.config, pipetrain.folders.
 """
 from __future__ import annotations
 
 import os
 
 from pipetrain.config import ConfigError
+from pipetrain.folders import refuse_outside
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                ".parquet": "parquet"}
@@ -48,7 +50,7 @@ def _walk_files(folder: str, where: str) -> list[str]:
         walk = []
         for name in sorted(d for d in dirs if not d.startswith(".")):
             entry, target = os.path.join(parent, name), os.path.realpath(os.path.join(parent, name))
-            _refuse_outside(folder, root, entry, target, where)
+            refuse_outside(folder, root, entry, target, where)
             if os.path.splitext(name)[1] in _EXTENSIONS:
                 found.append(entry)  # a folder named x.txt: _refuse_non_files names it
             if target not in seen:
@@ -60,18 +62,12 @@ def _walk_files(folder: str, where: str) -> list[str]:
     return sorted(found)
 
 
-def _refuse_outside(folder: str, root: str, entry: str, target: str, where: str) -> None:
-    if target != root and not target.startswith(root + os.sep):
-        raise ConfigError(f"{where}: {entry} links outside the folder {folder!r} (to {target}); copy the file into "
-                          "the folder, or point data.path (or data.sources) at it")
-
-
 def refuse_links_outside(folder: str, files: list[str], where: str) -> None:
     """Nothing outside the folder given is read: a file (or a folder on its way) that is a link leading out of
     it is refused (glob follows links). Links that stay inside are read as the files they point at."""
     root = os.path.realpath(folder)
     for f in files:
-        _refuse_outside(folder, root, f, os.path.realpath(f), where)
+        refuse_outside(folder, root, f, os.path.realpath(f), where)
 
 
 def _refuse_non_files(files: list[str], where: str) -> None:

@@ -8,7 +8,7 @@ default; such a key must agree with config.json (else a ConfigError names both v
 key left at its default is filled from config.json. (So a recipe that spells out a default value,
 e.g. vocab_size: 8192, cannot be told apart from one that omits it; it is simply filled.)
 
-May import: config, jsonfile. Never: models, parallel, trainer, build, cli.
+May import: config, folders, jsonfile. Never: models, parallel, trainer, build, cli.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 import os
 
 from pipetrain.config import ConfigError, ModelConfig, clip
+from pipetrain.folders import refuse_folder_links_outside
 from pipetrain.jsonfile import read_json
 
 CONFIG_FILE = "config.json"
@@ -38,6 +39,7 @@ def read_hf_config(hf_dir: str) -> dict:
     if not os.path.isdir(hf_dir):
         raise ConfigError(f"model.init_from: directory not found, got {hf_dir!r}; point it at a local "
                           "Hugging Face model folder (config.json + model.safetensors)")
+    refuse_folder_links_outside(hf_dir, "model.init_from")
     if not os.path.isfile(path):
         raise ConfigError(f"model.init_from: {path} not found; the folder needs the model's config.json "
                           "(save_pretrained writes it)")

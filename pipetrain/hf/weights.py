@@ -21,7 +21,7 @@ RoPE needs no permutation: HF checkpoints use the rotate_half layout, which pipe
 also uses (the tests check logits against transformers). Tied embeddings: head.weight (including a
 pipeline's last-stage copy) is read from the embedding tensor, the tensor transformers ties it to.
 
-May import: config, jsonfile, models. Never: parallel, trainer, build, cli.
+May import: config, folders, jsonfile, models. Never: parallel, trainer, build, cli.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from pipetrain.config import ConfigError, ModelConfig, clip
+from pipetrain.folders import refuse_folder_links_outside
 from pipetrain.jsonfile import read_json
 from pipetrain.models import build, param_layout
 
@@ -166,6 +167,7 @@ class HFWeights:
 
     def __init__(self, hf_dir: str):
         self.hf_dir = hf_dir
+        refuse_folder_links_outside(hf_dir, "model.init_from")
         index = os.path.join(hf_dir, INDEX_FILE)
         single = os.path.join(hf_dir, WEIGHTS_FILE)
         if os.path.isfile(index):

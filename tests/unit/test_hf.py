@@ -442,3 +442,49 @@ def test_fine_tuning_loss_is_the_mean_over_trained_tokens_of_the_whole_global_ba
             if count:  # the trainer's contribution: sum of CE over this microbatch / global trained count
                 total_loss += float(cross_entropy(micro_logits, micro.targets, IGNORE_INDEX)) * count / total
     torch.testing.assert_close(torch.tensor(total_loss), reference, rtol=1e-5, atol=1e-6)
+
+
+def _as_cache_snapshot(src: str, cache) -> str:
+    """src laid out as a Hugging Face cache holds it: snapshots/<revision>/<file> -> ../../blobs/<hash>."""
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(src))):
+        shutil.copy(os.path.join(src, name), repo / "blobs" / f"blob{i}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snap / name)
+    return str(snap)
+
+
+def test_a_model_or_tokenizer_folder_is_read_only_inside_itself(hf_models, tmp_path):
+    """Nothing is read from outside the folder given: a config.json, weight file or tokenizer file that links out
+    of its folder is refused before anything is read, in one line. A Hugging Face cache snapshot's files, links
+    into its own repository's blobs, load, and so does a folder that is itself a link."""
+    src = hf_models["llama"][0]
+    for name in ("config.json", "model.safetensors"):
+        linked = tmp_path / f"linked-{name}"
+        shutil.copytree(src, linked)
+        os.remove(linked / name)
+        os.symlink(os.path.join(src, name), linked / name)  # the same bytes, but outside the folder
+        with pytest.raises(ConfigError, match=rf"model.init_from: .*{name} links outside the folder .*copy the file"):
+            _load(str(linked))
+    tok = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tok)
+    os.remove(tok / "tokenizer.json")
+    os.symlink(os.path.join(TOKENIZER, "tokenizer.json"), tok / "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"data.tokenizer: .*tokenizer.json links outside the folder"):
+        load_tokenizer(str(tok))
+    other = tmp_path / "cache-other" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    snap = _as_cache_snapshot(src, tmp_path / "cache")
+    model, _ = _load(snap)  # links into its own blobs: the cache's layout
+    reference, _ = _load(src)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    os.remove(os.path.join(snap, "config.json"))  # a snapshot's link into another repository's blobs: outside
+    shutil.copy(os.path.join(src, "config.json"), other / "x")
+    os.symlink(other / "x", os.path.join(snap, "config.json"))
+    with pytest.raises(ConfigError, match=r"config.json links outside the folder"):
+        _load(snap)
+    os.symlink(src, tmp_path / "folder-link")
+    _load(str(tmp_path / "folder-link"))
+    assert load_tokenizer(_as_cache_snapshot(TOKENIZER, tmp_path / "tok-cache")).eos_token_id is not None
