@@ -6,10 +6,45 @@ Two record shapes besides plain text:
 - {"messages": [{"role": ..., "content": ...}, ...]}: rendered with the tokenizer's chat template;
   only the tokens each assistant turn adds are trained.
 encode_record returns (token ids, mask) with mask[i] True when token i is a training target.
+
+A chat template is a program (Jinja, in transformers' sandbox: no file, import or attribute escape, but its
+loops run as long as they are written to), and a conversation renders once per turn: one conversation's
+rendering is bounded in time (RENDER_SECONDS), so no template or record can hang a prepare.
 """
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
+
 from pipetrain.config import ConfigError
+
+RENDER_SECONDS = 60.0  # one conversation, every prefix: real templates take milliseconds
+
+
+class _Overtime(BaseException):
+    """Raised into a render that ran past RENDER_SECONDS (a BaseException: the template's and transformers'
+    own `except Exception` must not swallow it)."""
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Interrupt the block with _Overtime after seconds, in the main thread of a POSIX process (where prepare
+    renders, datasets' worker processes included); elsewhere the block runs unbounded."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Overtime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -29,10 +64,22 @@ def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[
 
 
 def encode_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
-    """Render a conversation and mark the tokens of assistant turns (rendering prefixes to find them)."""
+    """Render a conversation and mark the tokens of assistant turns (rendering prefixes to find them), within
+    RENDER_SECONDS."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data: records have 'messages' but the tokenizer has no chat_template; "
                           "use a tokenizer with one or prompt/completion records")
+    try:
+        with _time_limit(RENDER_SECONDS):
+            return _encode_chat(messages, tokenizer)
+    except _Overtime:
+        raise ConfigError(f"data: the tokenizer's chat template took more than {RENDER_SECONDS:g} s to render one "
+                          f"conversation of {len(messages)} messages (a template that loops without end, or a "
+                          "conversation too long to render turn by turn); fix the template or split the "
+                          "conversation") from None
+
+
+def _encode_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
     ids: list[int] = []
     mask: list[bool] = []
     for i, message in enumerate(messages):

@@ -488,3 +488,17 @@ def test_a_model_or_tokenizer_folder_is_read_only_inside_itself(hf_models, tmp_p
     os.symlink(src, tmp_path / "folder-link")
     _load(str(tmp_path / "folder-link"))
     assert load_tokenizer(_as_cache_snapshot(TOKENIZER, tmp_path / "tok-cache")).eos_token_id is not None
+
+
+def test_a_chat_template_that_never_ends_is_one_line(chat_tokenizer, monkeypatch):
+    """A template's loops run as long as they are written to (jinja's sandbox bounds each range, not their
+    nesting): prepare hung on it. One conversation's rendering is bounded in time (pipetrain.sft)."""
+    import pipetrain.sft
+    monkeypatch.setattr(pipetrain.sft, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_tokenizer, "chat_template", "{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                         "{% endfor %}{% endfor %}x")
+    with pytest.raises(ConfigError, match=r"chat template took more than 0.5 s to render one conversation of 5 "
+                                          r"messages .*fix the template or split the conversation"):
+        encode_record({"messages": CHAT}, chat_tokenizer)
+    monkeypatch.setattr(chat_tokenizer, "chat_template", CHAT_TEMPLATE)
+    assert encode_record({"messages": CHAT}, chat_tokenizer)[0]  # the limit is gone: no alarm left behind
