@@ -35,6 +35,7 @@ from pipetrain.checkpoint.load import check_compatible, check_resume_dir, find_r
 from pipetrain.checkpoint.read import TensorReader, checkpoint_dirs, read_manifest
 from pipetrain.checkpoint.resume import load_agreed
 from pipetrain.checkpoint.save import Checkpointer
+from pipetrain.checkpoint.writer import set_aside_later
 from pipetrain.config import ConfigError, Recipe, fp8_weights_once_a_run, fused_loss_on, validate
 from pipetrain.data import Loader, build_loader, load_tokenizer
 from pipetrain.hf.config import model_config_from_hf
@@ -164,6 +165,11 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
         ckpt_dir, manifest = load_agreed(ckpt_dir, lambda path: load_checkpoint(path, parts, recipe, dims), dims,
                                          auto=resume == "auto", output_dir=recipe.run.output_dir)
         start = manifest["step"]
+        if resume != "auto" and not eval_only and dims.rank == 0:  # a rollback to an earlier step of this run
+            moved = set_aside_later(os.path.join(recipe.run.output_dir, "checkpoints"), start)
+            if moved:
+                print(f"resumed from {ckpt_dir}, an earlier step of this run: its {moved[1]} later checkpoint(s) "
+                      f"moved to {moved[0]} (kept; out of rotation and --resume auto)", flush=True)
     metrics_path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
     if resume is not None and dims.rank == 0 and not eval_only:  # an evaluation rewrites no training history
         logged = _truncate_metrics(metrics_path, start)  # before the logger opens the file for appending

@@ -27,6 +27,12 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(ckpt_dir: str) -> int:
+    """The step a checkpoint folder's name says (step_dir_name's inverse; -1 for a name that is no step)."""
+    digits = os.path.basename(os.path.normpath(ckpt_dir))[len("step-"):]
+    return int(digits) if digits.isdigit() else -1
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -19,13 +19,14 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from safetensors.torch import save_file
 
 from pipetrain.checkpoint.manifest import file_metadata, seal
-from pipetrain.checkpoint.read import checkpoint_dirs, file_sha256, step_dir_name
+from pipetrain.checkpoint.read import checkpoint_dirs, file_sha256, step_dir_name, step_of
 from pipetrain.config import ConfigError
 from pipetrain.parallel.mesh.comm import all_gather_object
 
@@ -166,11 +167,31 @@ class CheckpointWriter:
         finally:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        self._rotate()
+        self._rotate(step)
 
-    def _rotate(self) -> None:
-        for path in checkpoint_dirs(self.root)[:-self.keep]:
+    def _rotate(self, step: int) -> None:
+        """Keep the newest `keep` checkpoints up to step, the one just written. Folders past it (left by
+        `--resume auto` falling back past damaged ones) are not counted: rotating by step number would
+        delete the new save and keep them."""
+        for path in [d for d in checkpoint_dirs(self.root) if step_of(d) <= step][:-self.keep]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_later(root: str, step: int) -> tuple[str, int] | None:
+    """A run resumed from step, an earlier checkpoint of its own (a rollback): its checkpoints past step belong to
+    the trajectory being left. Kept where they are, the new saves would sit among them: rotation (newest steps
+    kept) would delete the new saves, and `--resume auto` and a relaunch would take the abandoned ones. They
+    move, whole, to a folder of their own under root that neither counts (checkpoint_dirs reads step-* folders
+    only), and `latest` names step's folder. Returns (that folder, how many moved), or None when none is later."""
+    later = [d for d in checkpoint_dirs(root) if step_of(d) > step]
+    if not later:
+        return None
+    aside = os.path.join(root, f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(aside, exist_ok=True)
+    for d in later:
+        os.rename(d, os.path.join(aside, os.path.basename(d)))
+    _write_latest(root, step_dir_name(step))
+    return aside, len(later)
 
 
 def restore_set_aside(root: str) -> None:

@@ -74,3 +74,49 @@ def test_a_resume_that_changes_what_the_weights_compute_says_so(tmp_path, capsys
     assert "note: resuming" in err and "model.rope_theta: 10000.0 there, 500000.0 now" in err, err
     build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume=str(ckpt))
     assert "note: resuming" not in capsys.readouterr().err
+
+
+def _run_with_checkpoints(out, steps=3):
+    """A run that saved at each of steps 1..steps (checkpoint.keep 3)."""
+    out.mkdir()
+    trainer = build_trainer(LLAMA, str(out), steps=4, learnable=True)
+    for _ in range(steps):
+        trainer.train_step()
+        trainer.checkpointer.save(trainer)
+        trainer.checkpointer.wait()
+    return out / "checkpoints"
+
+
+def test_a_rollback_to_an_earlier_step_sets_the_later_checkpoints_aside_and_keeps_its_own_saves(tmp_path):
+    """Resumed from step 1 of a run that saved up to step 3: the next save (step 2) sat beside the old step 2 and
+    3, rotation by step number deleted the new save, `latest` named a folder that was gone, and `--resume auto`
+    (or a relaunch, which said "already finished") took the abandoned step 3. The later ones now move aside, whole."""
+    from pipetrain.checkpoint.load import find_resumable
+    root = _run_with_checkpoints(tmp_path / "run")
+    old = {n: _digest(root / n) for n in ("step-00000002", "step-00000003")}
+    trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume=str(root / "step-00000001"))
+    trainer.checkpointer.writer.keep = 1
+    trainer.train_step()
+    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.wait()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-00000002"]  # the new save, kept
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    assert find_resumable(str(tmp_path / "run")) == str(root / "step-00000002")
+    aside = [root / n for n in os.listdir(root) if n.startswith("abandoned-after-step-00000001")]
+    assert len(aside) == 1 and {n: _digest(aside[0] / n) for n in sorted(os.listdir(aside[0]))} == old  # intact
+
+
+def test_rotation_never_deletes_the_save_just_written_for_damaged_later_ones(tmp_path):
+    """`--resume auto` falls back past damaged checkpoints and leaves them: rotation kept the newest step numbers,
+    so with keep 1 it deleted the save just written and kept a damaged one."""
+    root = _run_with_checkpoints(tmp_path / "run")
+    for name in ("step-00000002", "step-00000003"):
+        (root / name / "manifest.json").unlink()
+    trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume="auto")
+    assert trainer.step == 1
+    trainer.checkpointer.writer.keep = 1
+    trainer.train_step()
+    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.wait()
+    assert (root / "step-00000002" / "manifest.json").exists()  # the new save (it replaced the damaged step 2)
+    assert not (root / "step-00000001").exists()  # rotated: the newest 1 up to step 2 is kept
