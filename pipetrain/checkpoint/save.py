@@ -48,6 +48,7 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
     """(global name, local tensor, global shape, offsets) of everything this trainer rank writes
     (trainable_only: only parameters that train, i.e. LoRA's adapters, not the frozen base)."""
     out = []
+    trains = {name: p.requires_grad for name, p in model.named_parameters()}  # the averages below are no parameters
     params = dict(model.named_parameters())
     # local_sgd / diloco: model/ holds the replicas' average, each replica's own under optim/replica<r>/
     params.update(getattr(optimizer, "checkpoint_params", dict)())
@@ -65,7 +66,7 @@ def owned_tensors(model, optimizer, dims, trainable_only: bool = False) -> list[
             replicated_over_tp.add(name)
         if name in skip or not first_holder(name) or (dims.tp_rank != 0 and name in replicated_over_tp):
             continue
-        if trainable_only and not params[name].requires_grad:
+        if trainable_only and not trains[name]:
             continue
         out.append((f"model/{name}", params[name].detach(), tuple(shape), slice_offsets(shape, slices)))
     if hasattr(optimizer, "param_items"):  # ZeRO-3: the weights are row shards, written by every dp_shard rank

@@ -10,16 +10,18 @@ request under sync_every 50 lands at the next step, with a checkpoint the run co
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pipetrain.checkpoint.read import step_dir_name
+from pipetrain.checkpoint.read import iter_full_tensors, step_dir_name
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
 from tests.harness import rank_results
+from tests.unit.common import LLAMA
 
 STEPS, H = 7, 3  # 7 is off the sync clocks (3, 6): the replicas differ at the end
 MODES = {"local_sgd": dict(dp_sync="local_sgd", sync_every=H),
@@ -111,6 +113,18 @@ def _worker(rank, world_size, out):
     for _ in range(6 - resumed.step):
         resumed.train_step()
     res["stop"] = {"step": t.step, "latest": latest, "resumed": _flat(resumed), "straight": _flat(straight)}
+
+    # LoRA under local_sgd: model/ holds the replicas' average of the adapters between syncs (it held nothing: the
+    # averages are plain tensors, and the trainable-only filter read their requires_grad, False)
+    path = _dir(out, "lora", rank)
+    t = replica_trainer(path, two, steps=STEPS, model=dataclasses.replace(LLAMA, lora_rank=4), **MODES["local_sgd"])
+    for _ in range(4):  # between the syncs at 3 and 6: the replicas' adapters differ
+        t.train_step()
+    adapters = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+    ckpt = t.checkpointer.save(t)
+    t.checkpointer.wait()
+    saved = dict(iter_full_tensors(ckpt)) if rank == 0 else None
+    res["lora"] = {"adapters": adapters, "saved": saved}
     dist.barrier()
     return res
 
@@ -157,3 +171,13 @@ def test_stop_under_local_sgd_lands_at_the_next_step_with_a_checkpoint_that_cont
         s = res["stop"]
         assert s["step"] == 4 and s["latest"] == step_dir_name(4)
         assert torch.equal(s["resumed"], s["straight"])
+
+
+def test_lora_under_local_sgd_saves_the_replicas_average_of_the_adapters(world2):
+    """The checkpoint's model/ held no tensor at all under LoRA: export, generate and a resume on another replica
+    count lost the trained adapters."""
+    saved, ranks = world2[0]["lora"]["saved"], [res["lora"]["adapters"] for res in world2]
+    assert not torch.equal(*[r["layers.0.attn.wq.lora_A"] for r in ranks])  # between syncs the replicas differ
+    assert sorted(saved) == sorted(ranks[0]), sorted(saved)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, (ranks[0][name] + ranks[1][name]) / 2, rtol=1e-6, atol=1e-7)
