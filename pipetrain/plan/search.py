@@ -1,5 +1,5 @@
 """Exhaustive layout search: every (dp, tp, pp, cp, schedule, virtual_stages, split_backward, microbatches,
-zero, recompute, sequence_parallel) the recipe leaves open, checked by layout_problems (and context_problems),
+zero, recompute, sequence_parallel) the recipe leaves open, checked by candidate_problems (every parallel rule),
 scored by the memory and cost models, ranked by predicted tokens/s.
 
 The space (space()): tp, pp and cp range over the divisors of the world size (dp = world / (tp pp cp); cp only
@@ -10,7 +10,7 @@ the divisors of global_batch / dp (at most MICROBATCHES_PER_STAGE x pp when pp >
 under 1/9 and every extra one costs a longer simulation); zero over 0, 1, 2, 3 when dp x cp > 1 (ZeRO shards
 over both; 3 pays two parameter all-gathers per microbatch, so it ranks first only where nothing less sharded
 fits); recompute over none, selective, full; sequence_parallel over both values when tp > 1. Keys the user fixed
-(`fixed`, parallel key -> value) stay at their value. Candidates that layout_problems or the schedule builder
+(`fixed`, parallel key -> value) stay at their value. Candidates that candidate_problems or the schedule builder
 refuse are rejected "does not divide"; those whose busiest rank exceeds the device memory "does not fit".
 Ranking: tokens/s descending, then lower peak memory, then the layout tuple, so it is deterministic.
 """
@@ -21,7 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pipetrain.config import ParallelConfig, Recipe
-from pipetrain.parallel.mesh.rules import context_problems, layout_problems
+from pipetrain.parallel.mesh.rules import candidate_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.cost import StepTime, step_time
 from pipetrain.plan.devices import DeviceProfile
@@ -150,7 +150,7 @@ def evaluate(recipe: Recipe, layout: dict, world_size: int, profile: DeviceProfi
              ranks_per_node: int | None = None) -> Plan | str:
     """The Plan of one layout, or the reason it is rejected."""
     candidate = apply_layout(recipe, layout)
-    problems = layout_problems(candidate, world_size) + context_problems(candidate)
+    problems = candidate_problems(candidate, world_size)
     if problems:
         return "does not divide: " + problems[0]
     try:
@@ -189,7 +189,7 @@ def search(recipe: Recipe, world_size: int, profile: DeviceProfile, fixed: dict 
 def _fits(candidate: Recipe, world_size: int, profile: DeviceProfile) -> bool:
     """Whether a layout runs and fits, with 1F1B's in-flight bound pp - rank instead of simulating."""
     p = candidate.parallel
-    if layout_problems(candidate, world_size):
+    if candidate_problems(candidate, world_size):
         return False
     memory = rank_memory(candidate, world_size, in_flight=[min(p.pp - r, p.microbatches) for r in range(p.pp)],
                          staged_collectives=profile.staged_collectives, device_type=profile.device_type)

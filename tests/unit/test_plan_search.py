@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pipetrain.config import ConfigError, ModelConfig, ParallelConfig, Recipe, TrainConfig
-from pipetrain.parallel.mesh.rules import context_problems, layout_problems
+from pipetrain.parallel.mesh.rules import candidate_problems, layout_problems
 from pipetrain.parallel.pipeline.schedules import SCHEDULES
 from pipetrain.plan.__main__ import main
 from pipetrain.plan.auto import fixed_parallel_keys, resolve_auto
@@ -26,7 +26,7 @@ HUGE = dataclasses.replace(DEVICES["cpu"], memory_bytes=1e15)
 
 
 def _brute_force(recipe: Recipe, world: int) -> set[tuple]:
-    """Every layout of plain ranges that layout_problems accepts, in the search's canonical form (keys that
+    """Every layout of plain ranges that the parallel rules accept, in the search's canonical form (keys that
     do nothing at degree 1 at their default; microbatches capped per stage)."""
     out = set()
     for dp, tp, pp, cp in itertools.product(range(1, world + 1), repeat=4):
@@ -41,7 +41,7 @@ def _brute_force(recipe: Recipe, world: int) -> set[tuple]:
                          and (dp * cp > 1 or zero == 0) and (tp > 1 or not sp)
                          and (pp == 1 or mb <= MICROBATCHES_PER_STAGE * pp))
             candidate = dataclasses.replace(recipe, parallel=ParallelConfig(**layout))
-            if canonical and not layout_problems(candidate, world) and not context_problems(candidate):
+            if canonical and not candidate_problems(candidate, world):
                 out.add(tuple(layout[k] for k in KEYS))
     return out
 
@@ -53,6 +53,18 @@ def test_search_is_exhaustive_over_its_space(world):
     assert not [r for _, r in result.rejected if not r.startswith("does not divide")]  # everything fits
     assert found == _brute_force(RECIPE, world)
     assert len(found) == len(result.plans)  # no layout scored twice
+
+
+@pytest.mark.parametrize("keys, refused", [(dict(fault_tolerance="torchft"), {1, 2, 3}), (dict(dp_sync="ssp"), {3}),
+                                           (dict(ps_servers=1), {3})])
+def test_the_planner_never_proposes_a_composition_the_rules_refuse(keys, refused):
+    """parallel.auto picked zero 3 under torchft (which refuses every ZeRO stage), ssp and parameter servers: the
+    search checked the world size's rules only, not the compositions a hand-set recipe is refused for."""
+    recipe = dataclasses.replace(RECIPE, parallel=ParallelConfig(**keys))
+    plans = search(recipe, 4, HUGE).plans
+    assert plans and not [p.layout for p in plans if p.layout["zero"] in refused]
+    assert all(not candidate_problems(dataclasses.replace(recipe, parallel=ParallelConfig(**keys, **p.layout)), 4)
+               for p in plans[:5])
 
 
 def test_ranking_is_deterministic_and_by_tokens_per_second():
@@ -169,7 +181,7 @@ def test_a_sequence_that_fits_only_with_cp_gets_cp_from_the_planner():
     assert lean and result.plans and all(p.layout["cp"] > 1 for p in result.plans)  # every cp 1 layout: too big
     resolved, plan = resolve_auto(dataclasses.replace(LONG, parallel=ParallelConfig(auto=True)), 4, {}, device)
     assert resolved.parallel.cp > 1 and plan.peak_bytes <= device.memory_bytes
-    assert not layout_problems(resolved, 4) and not context_problems(resolved)
+    assert not candidate_problems(resolved, 4)
 
 
 def test_cp_is_left_out_when_data_parallelism_fits():

@@ -227,6 +227,13 @@ def layout_problems(recipe: Recipe, world_size: int) -> list[str]:
             + fp8_layout_problems(recipe))
 
 
+def candidate_problems(recipe: Recipe, world_size: int) -> list[str]:
+    """Every rule a layout the planner proposes must pass: the parallel keys' own (parallel_problems: the
+    compositions refused, such as ZeRO under torchft or zero 3 with parameter servers) and the world size's
+    (layout_problems), as a recipe that set those keys by hand is checked. Degrees must be >= 1."""
+    return parallel_problems(recipe) + layout_problems(recipe, world_size)
+
+
 def fp8_layout_problems(recipe: Recipe) -> list[str]:
     """fp8 scales must come from the full tensor: replicated kv heads (n_kv_heads < tp) have tp-partial
     gradients, so their amax over tp would not be tp=1's."""
