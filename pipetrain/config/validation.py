@@ -57,7 +57,10 @@ def _own_problems(r: Recipe) -> list[str]:
         need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     problems += _moe_problems(m)
     need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0 (e.g. 1e-5)")
-    need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0 (e.g. 10000)")
+    # below 1 the rotation frequencies theta^(-2i/K) grow past fp32 with the position (NaN from the first step)
+    need(m.rope_theta >= 1, f"model.rope_theta={m.rope_theta} must be >= 1 (models use 1e4 to 1e6, e.g. 10000)")
+    need(m.sliding_window is None or (isinstance(m.sliding_window, int) and m.sliding_window >= 1),
+         f"model.sliding_window={m.sliding_window} must be a number of tokens >= 1, or null for full attention")
     need(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0 (e.g. 0.02)")
     for sec, name in [(t, "seed"), (d, "seed"), (f, "seed")]:
         need(0 <= getattr(sec, name) < SEED_LIMIT, f"{_sec(sec)}.{name}={getattr(sec, name)} must be in [0, 2**63)")
@@ -102,8 +105,8 @@ def _own_problems(r: Recipe) -> list[str]:
     need(r.run.eval_batches >= 1, f"run.eval_batches={r.run.eval_batches} must be >= 1 (run.eval_every=0 turns "
          "evaluation off)")
     need(r.run.sample_tokens >= 0, f"run.sample_tokens={r.run.sample_tokens} must be >= 0 (0 = no sample)")
-    need(r.run.peak_tflops is None or r.run.peak_tflops > 0,
-         f"run.peak_tflops={r.run.peak_tflops} must be > 0 (or null: from the GPU table)")
+    need(r.run.peak_tflops is None or r.run.peak_tflops >= 1e-3,  # below, MFU overflows (Infinity in metrics.jsonl)
+         f"run.peak_tflops={r.run.peak_tflops} must be >= 0.001 TFLOP/s (or null: from the GPU table)")
     need(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in [0, 1]; it is the "
          "share of train.steps that train.lr_schedule=wsd spends decaying to train.min_lr")
     for name in r.run.trackers:

@@ -94,20 +94,25 @@ def hf_config(cfg: ModelConfig, tokenizer=None, dtype: torch.dtype = torch.float
                                       attn_pdrop=0.0, **common)
         out.architectures = ["GPT2LMHeadModel"]
     else:
+        if cfg.has_qk_norm:
+            raise ConfigError(f"export: a dense {cfg.family} model with q/k norms has no Hugging Face class here "
+                              "(Llama, Qwen2 and Mistral hold none: they would load without them), got "
+                              "model.qk_norm=true; train without model.qk_norm, or use family qwen3_moe")
         attrs = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                      num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn,
                      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-                     rope_theta=cfg.rope_theta, **common)
+                     rope_theta=cfg.rope_theta, head_dim=cfg.head_dim, **common)
         window = cfg.sliding_window
         if cfg.has_qkv_bias:  # Qwen2 is llama plus q/k/v biases; max_window_layers=0: every layer slides
+            # (Qwen2Config has no head_dim argument: it is kept as an attribute, which Qwen2Attention reads)
             out = transformers.Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
                                            max_window_layers=0, **attrs)
             out.architectures = ["Qwen2ForCausalLM"]
         elif window is not None or cfg.family == "mistral":
-            out = transformers.MistralConfig(sliding_window=window, head_dim=cfg.head_dim, **attrs)
+            out = transformers.MistralConfig(sliding_window=window, **attrs)
             out.architectures = ["MistralForCausalLM"]
         else:
-            out = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim, **attrs)
+            out = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **attrs)
             out.architectures = ["LlamaForCausalLM"]
     out.dtype = str(dtype).removeprefix("torch.")
     return out

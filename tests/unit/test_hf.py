@@ -502,3 +502,22 @@ def test_a_chat_template_that_never_ends_is_one_line(chat_tokenizer, monkeypatch
         encode_record({"messages": CHAT}, chat_tokenizer)
     monkeypatch.setattr(chat_tokenizer, "chat_template", CHAT_TEMPLATE)
     assert encode_record({"messages": CHAT}, chat_tokenizer)[0]  # the limit is gone: no alarm left behind
+
+
+def test_export_keeps_a_dense_head_dim_and_refuses_dense_qk_norms(tmp_path):
+    """Found by a review: a qwen2 with model.head_dim 16 (d_model/n_heads 8) exported a config.json without it,
+    which transformers could not load; a dense model with q/k norms exported as a class without them (other
+    logits, exit 0)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(family="qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden=64, max_seq_len=32, head_dim_=16)
+    model = random_model(cfg)
+    export_model(model, cfg, str(tmp_path / "head_dim"))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "head_dim")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens()).logits, model(tokens()), **HF_FP32)
+    normed = dataclasses.replace(cfg, head_dim_=None, qk_norm=True)
+    with pytest.raises(ConfigError, match=r"export: a dense qwen2 model with q/k norms has no Hugging Face class"):
+        export_model(random_model(normed), normed, str(tmp_path / "qk_norm"))
+    assert not (tmp_path / "qk_norm").exists() or not os.listdir(tmp_path / "qk_norm")
