@@ -6,10 +6,15 @@ manifest is trusted only once sealed and well formed (checkpoint/manifest.py) an
 size and SHA-256 match the manifest (each file hashed before its first read). A link at or below a step
 folder is refused, so a checkpoint never makes a reader open a file from elsewhere.
 
-May import: config, jsonfile, checkpoint.manifest. Never: trainer, build, cli, parallel.
+A manifest's recipe.model must also build the model its tensors are: every model tensor's global shape is
+the shape that recipe gives it (checked on a meta model, no memory), so no reader allocates, writes or
+exports what the recipe claims and the files do not hold.
+
+May import: config, jsonfile, models, checkpoint.manifest. Never: trainer, build, cli, parallel.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -17,8 +22,11 @@ import torch
 from safetensors import safe_open
 
 from pipetrain.checkpoint.manifest import FORMAT_VERSION, check_manifest
-from pipetrain.config import ConfigError
+from pipetrain.config import ConfigError, ModelConfig, clip
+from pipetrain.config.schema import KEY_ALIASES
 from pipetrain.jsonfile import read_json
+from pipetrain.models import build, param_layout
+from pipetrain.models.lora import is_adapter
 
 MANIFEST_MAX_BYTES = 1 << 30  # ~150 bytes a piece: millions of pieces, far beyond any layout
 
@@ -103,9 +111,39 @@ def read_manifest(ckpt_dir: str, check_files: bool = True) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path}: format version {version!r} has no manifest checksum, which "
                                 f"this pipetrain requires (format {FORMAT_VERSION}); resume from a newer checkpoint")
     try:
-        return check_manifest(manifest, ckpt_dir, check_files=check_files)
+        manifest = check_manifest(manifest, ckpt_dir, check_files=check_files)
     except ConfigError as exc:  # every structural failure is damage to this checkpoint
         raise CorruptCheckpoint(str(exc)) from None
+    problem = _model_shape_problem(manifest)
+    if problem:
+        raise CorruptCheckpoint(f"checkpoint {path}: its recipe.model does not build the model its tensors are "
+                                f"({problem}); the manifest does not describe this checkpoint, use another one")
+    return manifest
+
+
+def checkpoint_model_config(manifest: dict) -> ModelConfig:
+    """The ModelConfig a checkpoint was trained with (its manifest's recipe)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = {KEY_ALIASES.get(("model", k), k): v for k, v in manifest["recipe"]["model"].items()}  # head_dim
+    return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+
+
+def _model_shape_problem(manifest: dict) -> str | None:
+    """Where recipe.model and the model tensors disagree (None: they agree), on a meta model. LoRA's adapters
+    are no tensors of the base model; every other model tensor must be one, of the recipe's shape."""
+    try:
+        shapes = {name: list(shape) for name, (shape, _) in
+                  param_layout(build(checkpoint_model_config(manifest), device="meta")).items()}
+    except Exception as exc:  # noqa: BLE001 - any config the model refuses to build is the manifest's fault
+        return f"it does not build: {clip(str(exc) or type(exc).__name__)}"
+    for name, info in manifest["tensors"].items():
+        if not name.startswith("model/") or is_adapter(name):
+            continue
+        want = shapes.get(name[len("model/"):])
+        if want != info["global_shape"]:
+            return (f"{name} is {info['global_shape']}, the recipe gives "
+                    f"{want if want is not None else 'no such tensor'}")
+    return None
 
 
 def verify_files(ckpt_dir: str, manifest: dict, files=None, *, sha256: bool = True) -> None:

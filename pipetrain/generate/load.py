@@ -8,12 +8,11 @@ import torch
 import torch.nn as nn
 
 from pipetrain.checkpoint.load import find_resumable, load_buffers
-from pipetrain.checkpoint.read import TensorReader, read_manifest
+from pipetrain.checkpoint.read import TensorReader, checkpoint_model_config, read_manifest
 from pipetrain.config import ConfigError
 from pipetrain.data import load_tokenizer
 from pipetrain.hf.config import model_config_from_hf
 from pipetrain.hf.export import lora_checkpoint_model
-from pipetrain.hf.peft_export import checkpoint_model_config
 from pipetrain.hf.tokenizer import check_tokenizer_vocab
 from pipetrain.hf.weights import load_hf_weights
 from pipetrain.models import build

@@ -42,10 +42,11 @@ import torch
 import torch.nn as nn
 
 from pipetrain.checkpoint.load import check_base
-from pipetrain.checkpoint.read import TensorReader, iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.read import (TensorReader, checkpoint_model_config, iter_full_tensors, read_manifest,
+                                      verify_files)
 from pipetrain.config import ArgumentParser, ConfigError, ModelConfig
 from pipetrain.hf.config import CONFIG_FILE, FAMILIES as FAMILY_CLASS, read_hf_config
-from pipetrain.hf.peft_export import checkpoint_model_config, export_peft
+from pipetrain.hf.peft_export import export_peft
 from pipetrain.hf.tokenizer import load_hf_tokenizer
 from pipetrain.hf.weights import INDEX_FILE, WEIGHTS_FILE, hf_shapes, hf_sources, load_hf_weights
 from pipetrain.models import build, materialize, param_layout

@@ -13,27 +13,18 @@ PEFT adapts as a single module; export such a run merged instead (without --peft
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import torch
 from safetensors.torch import save_file
 
-from pipetrain.checkpoint.read import iter_full_tensors, read_manifest, verify_files
+from pipetrain.checkpoint.read import checkpoint_model_config, iter_full_tensors, read_manifest, verify_files
 from pipetrain.config import ConfigError, ModelConfig
-from pipetrain.config.schema import KEY_ALIASES
 from pipetrain.hf.weights import hf_sources
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-def checkpoint_model_config(manifest: dict) -> ModelConfig:
-    """The ModelConfig a checkpoint was trained with (its manifest's recipe)."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    saved = {KEY_ALIASES.get(("model", k), k): v for k, v in manifest["recipe"]["model"].items()}  # head_dim
-    return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
 
 
 def peft_name(name: str, cfg: ModelConfig) -> str:

@@ -6,9 +6,8 @@ trained bias, tests/unit/test_moe_hf.py.)"""
 
 import torch
 
-from pipetrain.checkpoint.read import read_manifest
+from pipetrain.checkpoint.read import checkpoint_model_config, read_manifest
 from pipetrain.generate.load import model_from_checkpoint
-from pipetrain.hf.peft_export import checkpoint_model_config
 from tests.e2e.common import run_train, step_losses
 from tests.harness import EXACT_FP32, run_script
 

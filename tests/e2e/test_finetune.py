@@ -6,10 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipetrain.checkpoint.read import iter_full_tensors
+from pipetrain.checkpoint.read import checkpoint_model_config, iter_full_tensors
 from pipetrain.config import DataConfig
 from pipetrain.data import IGNORE_INDEX, Loader, build_data
-from pipetrain.hf.peft_export import checkpoint_model_config
 from pipetrain.models import build, materialize
 from tests.e2e.common import ROOT, run_train, save_tiny_hf_llama
 from tests.harness import run_script

@@ -169,3 +169,32 @@ def test_a_token_id_past_the_tokenizer_is_one_line_even_without_verify(tmp_path)
     with pytest.raises(ConfigError, match=rf"tokens.bin holds token id {len(tokenizer)}, past the tokenizer's "
                                           rf"{len(tokenizer)} tokens.*prepare again"):
         data.train_batch(0, data.num_train_windows)
+
+
+def test_a_manifest_whose_recipe_does_not_build_its_tensors_is_refused_by_every_reader(tmp_path):
+    """A sealed manifest whose recipe.model disagrees with its tensors (vocab_size 1e12 beside 64-row tensors):
+    generate tried to allocate the recipe's model (a traceback), export wrote part of a folder and stopped on
+    "File too large", and consolidate wrote a pipetrain_model.json naming the recipe's shapes."""
+    from pipetrain.checkpoint.manifest import CHECKSUM_KEY, seal
+    from pipetrain.checkpoint.read import read_manifest
+    from pipetrain.checkpoint.tools import consolidate
+    from pipetrain.generate.load import model_from_checkpoint
+    from pipetrain.hf.export import export_checkpoint
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=1)
+    trainer.train_step()
+    ckpt = trainer.checkpointer.save(trainer)
+    trainer.checkpointer.wait()
+    read_manifest(ckpt)  # intact: it builds
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["recipe"]["model"]["vocab_size"] = 10 ** 12
+    manifest.pop(CHECKSUM_KEY)
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(seal(manifest), f)
+    message = r"recipe.model does not build the model its tensors are \(model/embed.weight is \[64, 32\], the recipe"
+    for read in (read_manifest, model_from_checkpoint, lambda c: consolidate(c, str(tmp_path / "out")),
+                 lambda c: export_checkpoint(c, str(tmp_path / "hf"))):
+        with pytest.raises(ConfigError, match=message):
+            read(ckpt)
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "hf")
