@@ -410,3 +410,16 @@ def test_exhaustive_sweep_validates_and_matches_the_formulas():
                                       [p - r for r in range(p)])
                     bubble = simulate(s, cost_f=1.0, cost_b=cost_b).bubble
                     assert bubble == pytest.approx(ideal_bubble(p, m, v), abs=EXACT), (name, p, m, v, cost_b)
+
+
+def test_more_microbatches_than_a_schedule_is_built_for_are_refused_in_one_line():
+    """A review found `--dry-run` with parallel.microbatches=1e6 at pp 2 silent for minutes (the schedule is built,
+    checked and simulated in Python before a run), and the planner counting to a global batch of 1e9."""
+    from pipetrain.parallel.pipeline.schedules.builders import MAX_MICROBATCHES, schedule_problems
+    from pipetrain.parallel.pipeline.schedules.timeline import main as timeline
+    from pipetrain.plan.search import _divisors
+    assert not schedule_problems("1f1b", 2, MAX_MICROBATCHES)
+    assert any(f"parallel.microbatches={MAX_MICROBATCHES + 1} is more than" in p
+               for p in schedule_problems("1f1b", 2, MAX_MICROBATCHES + 1))
+    assert timeline(["--pp", "4", "--microbatches", "1000000000"]) == 2
+    assert _divisors(2 ** 40) == [2 ** k for k in range(41)]  # O(sqrt n): counting to 2**40 never ends

@@ -15,6 +15,10 @@ from pipetrain.parallel.pipeline.schedules.actions import (B, F, SCHEDULES, V_SC
 from pipetrain.parallel.pipeline.schedules.placement import place
 from pipetrain.parallel.pipeline.schedules.replay import Replay, Task, replay_computes
 
+# A schedule is data: a few actions per microbatch and rank, built, checked and simulated in Python before a run.
+# Past this many microbatches that takes minutes (20,000 at pp 2: ~25 s of a dry run); runs use hundreds.
+MAX_MICROBATCHES = 8192
+
 
 def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[str]:
     """Every reason schedule `name` cannot be built for these sizes (empty when it can), in the recipe's
@@ -23,6 +27,9 @@ def schedule_problems(name: str, pp_size: int, num_microbatches: int, virtual_st
     p, m, v = pp_size, num_microbatches, virtual_stages
     problems = [f"parallel.{what} must be >= 1, got {value}"
                 for what, value in (("pp", p), ("microbatches", m), ("virtual_stages", v)) if value < 1]
+    if m > MAX_MICROBATCHES:
+        problems.append(f"parallel.microbatches={m} is more than {MAX_MICROBATCHES} a step (each is a few actions per "
+                        "rank, built and simulated before the run); make each microbatch hold more sequences")
     if name not in SCHEDULES:
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
