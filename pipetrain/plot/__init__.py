@@ -64,7 +64,12 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    out = out or os.path.join(run_dir, "loss.png")
+    if out is None:
+        out = os.path.join(run_dir, "loss.png")
+    elif os.path.isdir(out):  # --out a folder: the figure goes inside it, as cp does
+        out = os.path.join(out, "loss.png")
+    elif not os.path.splitext(out)[1]:  # matplotlib appends the format itself: say the name it writes
+        out += ".png"
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(3, 1))
     if steps:
         ax_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss", linewidth=1)

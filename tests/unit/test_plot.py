@@ -63,3 +63,17 @@ def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path, capsys, where)
     assert plot_main([str(tmp_path)] + ([] if where == "a-folder" else ["--out", str(out)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"plot: cannot write {out}" in err[0], err
+
+
+def test_out_a_folder_or_a_name_without_extension_writes_where_it_says(tmp_path, capsys):
+    """Found by a review: --out an existing folder printed "wrote <folder>" and wrote <folder>.png beside it;
+    a name without an extension got ".png" appended, unreported."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1}\n')
+    (tmp_path / "figs").mkdir()
+    cases = ((tmp_path / "figs", tmp_path / "figs" / "loss.png"), (tmp_path / "curve", tmp_path / "curve.png"))
+    for out, written in cases:
+        assert plot_main([str(tmp_path), "--out", str(out)]) == 0
+        assert capsys.readouterr().out.strip() == f"wrote {written}"
+        with open(written, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
