@@ -377,6 +377,8 @@ class Trainer:
             self.checkpointer.wait()
             self.logger.write(f"nothing to train: the checkpoint resumed ({source}) is at step {self.step} of "
                               f"train.steps={self.recipe.train.steps}; saved it in this run's layout")
+        elif source is None:  # a fresh run of train.steps=0
+            self.logger.write("nothing to train: train.steps=0; set train.steps to the steps to train")
         else:
             self.logger.write(f"nothing to train: the checkpoint resumed is at step {self.step} of train.steps="
                               f"{self.recipe.train.steps}; raise train.steps to continue the run, or set "

@@ -428,11 +428,13 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tokenizer_dir: str | None = N
     verify_files(ckpt_dir, manifest)  # sizes and SHA-256 of every file, before anything is written
     recipe = manifest["recipe"]
     model_cfg = checkpoint_model_config(manifest)
-    if tokenizer_dir is None:
+    given = tokenizer_dir is not None
+    if not given:
         tokenizer_dir = recipe.get("data", {}).get("tokenizer") or model_cfg.init_from
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
-        raise ConfigError(f"export: the tokenizer directory recorded in {ckpt_dir}'s recipe was not found, got "
-                          f"{tokenizer_dir!r}; pass --tokenizer DIR")
+        where = "--tokenizer" if given else f"the tokenizer directory recorded in {ckpt_dir}'s recipe"
+        raise ConfigError(f"export: {where} was not found, got {tokenizer_dir!r}; pass --tokenizer DIR, a folder "
+                          "with tokenizer.json")
     if "base" in manifest:  # LoRA: adapters only; merge them into the base in memory
         model = merge_lora(lora_checkpoint_model(ckpt_dir, manifest))
         base_cfg = dataclasses.replace(model_cfg, lora_rank=None, lora_targets=[])

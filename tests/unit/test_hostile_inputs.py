@@ -198,3 +198,20 @@ def test_a_manifest_whose_recipe_does_not_build_its_tensors_is_refused_by_every_
         with pytest.raises(ConfigError, match=message):
             read(ckpt)
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "hf")
+
+
+def test_messages_name_the_input_at_fault(tmp_path, capsys):
+    """A review found two lines blaming the wrong input: a fresh run of train.steps=0 said "the checkpoint
+    resumed is at step 0", and `export --tokenizer DIR` of a missing DIR blamed the checkpoint's recipe."""
+    from pipetrain.hf.export import export_checkpoint
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=0)
+    trainer.fit()
+    assert "nothing to train: train.steps=0; set train.steps" in capsys.readouterr().out
+    (tmp_path / "run2").mkdir()
+    trainer = build_trainer(LLAMA, str(tmp_path / "run2"), steps=1)
+    trainer.train_step()
+    ckpt = trainer.checkpointer.save(trainer)
+    trainer.checkpointer.wait()
+    with pytest.raises(ConfigError, match=r"export: --tokenizer was not found, got '.*nowhere'; pass --tokenizer"):
+        export_checkpoint(ckpt, str(tmp_path / "hf"), tokenizer_dir=str(tmp_path / "nowhere"))
