@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,17 @@ class HFWeights:
                 self.files = {k: self._single for k in f.keys()}
         return name in self.files or name.partition(".")[2] in self.files
 
+    def refuse_layers_past(self, n_layers: int) -> None:
+        """ConfigError when the weights hold a layer config.json does not have (num_hidden_layers below the
+        weights' count loaded the first layers and dropped the rest without a word)."""
+        self.has("")  # lists the single file's names
+        layers = {int(m.group(1)) for m in map(_LAYER_INDEX.search, self.files) if m}
+        past = sorted(i for i in layers if i >= n_layers)
+        if past:
+            raise ConfigError(f"model.init_from: {self.hf_dir}'s weights hold layer {past[0]} (of {past[-1] + 1}), "
+                              f"but config.json gives {n_layers} layers; the weights do not match the config: use "
+                              "the config.json saved with them")
+
     def read(self, src: HFSource, slices: tuple[slice, ...], shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
         """The local slice of our tensor, read from the HF tensor(s) without loading the rest of them;
         shapes: hf_shapes of the config, every HF tensor's expected shape."""
@@ -246,6 +258,8 @@ class HFWeights:
         return part
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # model.layers.N. (llama family), transformer.h.N. (gpt2)
+
 # safetensors' names of the dtypes a model's weights may be stored in (each casts exactly to the fp32 masters)
 WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
 
@@ -269,6 +283,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str, cfg: ModelConfig,
         model.to_empty(device=device or "cpu")
     _retie(model, cfg)
     weights = HFWeights(hf_dir)
+    weights.refuse_layers_past(cfg.n_layers)
     per_expert = cfg.is_moe and not weights.has(hf_sources(cfg)["layers.0.mlp.experts.down"].hf_name)
     sources, shapes = hf_sources(cfg, per_expert), hf_shapes(cfg, per_expert)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -521,3 +521,17 @@ def test_export_keeps_a_dense_head_dim_and_refuses_dense_qk_norms(tmp_path):
     with pytest.raises(ConfigError, match=r"export: a dense qwen2 model with q/k norms has no Hugging Face class"):
         export_model(random_model(normed), normed, str(tmp_path / "qk_norm"))
     assert not (tmp_path / "qk_norm").exists() or not os.listdir(tmp_path / "qk_norm")
+
+
+def test_weights_with_more_layers_than_config_json_are_refused(hf_models, tmp_path):
+    """Found by a review: num_hidden_layers=1 in config.json beside the weights of 2 layers loaded layer 0 and
+    dropped layer 1 without a word."""
+    src = hf_models["llama"][0]
+    folder = tmp_path / "fewer"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"weights hold layer 1 \(of 2\), but config.json gives 1 layers"):
+        _load(str(folder))
+    _load(hf_models["gpt2"][0])  # transformer.h.N names: every layer in the config
