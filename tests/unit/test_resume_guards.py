@@ -10,13 +10,15 @@ from pipetrain.config import ConfigError
 from tests.unit.common import LLAMA, build_trainer
 
 
-def _run_with_checkpoint(out, steps=2):
+def _run_with_checkpoint(out, steps=2, every_step=False):
+    """A run of `steps` steps that saved at its last step (every_step: at each of them; checkpoint.keep 3)."""
     out.mkdir()
     trainer = build_trainer(LLAMA, str(out), steps=4, learnable=True)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         trainer.train_step()
-    trainer.checkpointer.save(trainer)
-    trainer.checkpointer.wait()
+        if every_step or step == steps:
+            trainer.checkpointer.save(trainer)
+            trainer.checkpointer.wait()
     return out / "checkpoints" / f"step-{steps:08d}"
 
 
@@ -76,23 +78,12 @@ def test_a_resume_that_changes_what_the_weights_compute_says_so(tmp_path, capsys
     assert "note: resuming" not in capsys.readouterr().err
 
 
-def _run_with_checkpoints(out, steps=3):
-    """A run that saved at each of steps 1..steps (checkpoint.keep 3)."""
-    out.mkdir()
-    trainer = build_trainer(LLAMA, str(out), steps=4, learnable=True)
-    for _ in range(steps):
-        trainer.train_step()
-        trainer.checkpointer.save(trainer)
-        trainer.checkpointer.wait()
-    return out / "checkpoints"
-
-
 def test_a_rollback_to_an_earlier_step_sets_the_later_checkpoints_aside_and_keeps_its_own_saves(tmp_path):
     """Resumed from step 1 of a run that saved up to step 3: the next save (step 2) sat beside the old step 2 and
     3, rotation by step number deleted the new save, `latest` named a folder that was gone, and `--resume auto`
     (or a relaunch, which said "already finished") took the abandoned step 3. The later ones now move aside, whole."""
     from pipetrain.checkpoint.load import find_resumable
-    root = _run_with_checkpoints(tmp_path / "run")
+    root = _run_with_checkpoint(tmp_path / "run", steps=3, every_step=True).parent
     old = {n: _digest(root / n) for n in ("step-00000002", "step-00000003")}
     trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume=str(root / "step-00000001"))
     trainer.checkpointer.writer.keep = 1
@@ -109,7 +100,7 @@ def test_a_rollback_to_an_earlier_step_sets_the_later_checkpoints_aside_and_keep
 def test_rotation_never_deletes_the_save_just_written_for_damaged_later_ones(tmp_path):
     """`--resume auto` falls back past damaged checkpoints and leaves them: rotation kept the newest step numbers,
     so with keep 1 it deleted the save just written and kept a damaged one."""
-    root = _run_with_checkpoints(tmp_path / "run")
+    root = _run_with_checkpoint(tmp_path / "run", steps=3, every_step=True).parent
     for name in ("step-00000002", "step-00000003"):
         (root / name / "manifest.json").unlink()
     trainer = build_trainer(LLAMA, str(tmp_path / "run"), steps=4, learnable=True, resume="auto")
