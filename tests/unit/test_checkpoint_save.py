@@ -15,7 +15,8 @@ from tests.unit.common import LLAMA, build_trainer
 
 
 class _Table:
-    """A Saveable that is no trainer: one tensor's box of a larger global tensor, and its own meta."""
+    """A Saveable that is no trainer: one tensor's box of a larger global tensor, and its own meta. (Not under
+    model/: a reader checks every model/ tensor against the recipe's model.)"""
 
     def __init__(self):
         self.rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -23,7 +24,7 @@ class _Table:
 
     def checkpoint_state(self, trainable_only: bool):
         self.asked.append(trainable_only)
-        return 7, [("model/table", self.rows, (3, 4), [0, 0])], {"tokens": 4096, "data": {"samples": 5}}
+        return 7, [("state/table", self.rows, (3, 4), [0, 0])], {"tokens": 4096, "data": {"samples": 5}}
 
 
 @pytest.mark.parametrize("lora_rank", [None, 2])
@@ -35,8 +36,8 @@ def test_the_checkpointer_writes_what_a_saveable_hands_it(tmp_path, lora_rank):
     assert table.asked == [lora_rank is not None]  # LoRA saves only what trains: the adapters
     manifest = read_manifest(path)
     assert (manifest["step"], manifest["tokens"], manifest["data"]) == (7, 4096, {"samples": 5})
-    assert path.endswith("step-00000007") and list(manifest["tensors"]) == ["model/table"]
-    assert torch.equal(TensorReader(path, manifest).read("model/table", [1, 0], [2, 4]), table.rows[1:])
+    assert path.endswith("step-00000007") and list(manifest["tensors"]) == ["state/table"]
+    assert torch.equal(TensorReader(path, manifest).read("state/table", [1, 0], [2, 4]), table.rows[1:])
 
 
 def test_saving_a_step_again_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_path, monkeypatch):

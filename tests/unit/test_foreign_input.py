@@ -92,15 +92,17 @@ def test_an_index_cannot_point_weights_outside_the_model_folder(sharded_llama, t
 
 
 def test_an_index_through_links_inside_the_folder_still_loads(sharded_llama, tmp_path):
-    """A Hugging Face cache snapshot: its files are links into a blobs folder; the index names the links."""
-    snapshot = tmp_path / "snapshot"
+    """A Hugging Face cache snapshot (models--org--name/snapshots/<revision>/): its files are links into the
+    repository's blobs folder; the index names the links."""
+    repo = tmp_path / "models--org--llama"
+    snapshot = repo / "snapshots" / "0123abc"
     shutil.copytree(sharded_llama, snapshot)
-    blobs = tmp_path / "blobs"
+    blobs = repo / "blobs"
     blobs.mkdir()
     for name in os.listdir(snapshot):
         if name.endswith(".safetensors"):
             os.replace(snapshot / name, blobs / name)
-            os.symlink(blobs / name, snapshot / name)
+            os.symlink(os.path.join("..", "..", "blobs", name), snapshot / name)
     ref = _load(sharded_llama)
     got = _load(str(snapshot))
     for (n, a), (_, b) in zip(ref.state_dict().items(), got.state_dict().items()):
