@@ -15,7 +15,9 @@ May import: config, jsonfile, models, checkpoint.manifest. Never: trainer, build
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import os
 
 import torch
@@ -128,12 +130,18 @@ def checkpoint_model_config(manifest: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
 
 
+@functools.lru_cache(maxsize=4)  # a pure memo: a resume reads one manifest several times, 1.6 s each at 70B
+def _model_shapes(model_json: str) -> dict[str, list[int]]:
+    """{parameter: global shape} of the model a recipe.model (as JSON) builds, on the meta device."""
+    cfg = checkpoint_model_config({"recipe": {"model": json.loads(model_json)}})
+    return {name: list(shape) for name, (shape, _) in param_layout(build(cfg, device="meta")).items()}
+
+
 def _model_shape_problem(manifest: dict) -> str | None:
     """Where recipe.model and the model tensors disagree (None: they agree), on a meta model. LoRA's adapters
     are no tensors of the base model; every other model tensor must be one, of the recipe's shape."""
     try:
-        shapes = {name: list(shape) for name, (shape, _) in
-                  param_layout(build(checkpoint_model_config(manifest), device="meta")).items()}
+        shapes = _model_shapes(json.dumps(manifest["recipe"]["model"], sort_keys=True))
     except Exception as exc:  # noqa: BLE001 - any config the model refuses to build is the manifest's fault
         return f"it does not build: {clip(str(exc) or type(exc).__name__)}"
     for name, info in manifest["tensors"].items():
