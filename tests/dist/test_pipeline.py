@@ -132,6 +132,25 @@ def test_every_zbv_candidate_order_matches_single_process_grads(order):
     run_ranks(2, _pipeline_worker, GPT2, 2, 1, "zbv", 2, 8, True, False, costs, order)
 
 
+LLAMA6 = dataclasses.replace(LLAMA, n_layers=6)  # one layer per chunk at pp 2 x v 3 and pp 3 x v 2
+GPT2_6 = dataclasses.replace(GPT2, n_layers=6)
+
+
+@pytest.mark.parametrize("cfg,pp,schedule,v,num", [
+    pytest.param(LLAMA6, 2, "interleaved-1f1b", 3, 4, id="interleaved-pp2-v3"),
+    pytest.param(GPT2_6, 3, "interleaved-1f1b", 2, 6, id="interleaved-pp3-v2-tied"),
+    pytest.param(LLAMA6, 3, "zbv", 2, 6, id="zbv-pp3"),
+    pytest.param(GPT2_6, 3, "dualpipev", 2, 6, id="dualpipev-pp3-tied"),
+    pytest.param(LLAMA6, 2, "interleaved-1f1b", 3, 8, id="interleaved-pp2-v3-two-groups"),
+])
+def test_chunked_schedules_past_two_ranks_and_two_chunks_match_single_process_grads(cfg, pp, schedule, v, num):
+    # Every other chunked case in the default run has pp = v = 2, where rank pp-1 is also rank 1 and
+    # each rank talks to one neighbour: an odd pp, a third chunk, or a middle rank (which sends and
+    # receives in both directions) is what shows a stage wired to the wrong neighbour or chunk, or a
+    # tied embedding summed between the first stage and the second rank instead of the last.
+    run_ranks(pp, _pipeline_worker, cfg, pp, 1, schedule, v, num, True, timeout_s=30)
+
+
 def test_v_schedule_batched_p2p_with_tp2_matches_single_process_grads():
     run_ranks(4, _pipeline_worker, GPT2, 2, 2, "zbv", 2, 4, True, True)
 
