@@ -8,6 +8,7 @@ one profile (agree_profile: rank 0's, with the smallest memory of any rank), and
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -19,9 +20,11 @@ from pipetrain.plan.devices import DEVICES, GIB, DeviceProfile, load_profile
 from pipetrain.plan.search import KEYS, Plan, apply_layout, nothing_fits, refused_by_rules, search
 from pipetrain.shipped import recipe_file
 
-# torch.cuda.get_device_name substrings -> DEVICES entries (longest first)
-_CUDA_NAMES = (("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-sxm-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
-               ("A100", "a100-80gb"), ("L4", "l4"), ("4090", "rtx-4090"), ("MI300X", "mi300x"))
+# torch.cuda.get_device_name substrings -> DEVICES entries, the first match wins: a name that holds another's
+# key comes before it ("H100 PCIe" before "H100", "L40S" before "L4"; "GH200" holds "H200")
+_CUDA_NAMES = (("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-sxm-80gb"), ("H200", "h200-141gb"),
+               ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("L40S", "l40s"), ("L4", "l4"),
+               ("4090", "rtx-4090"), ("MI300X", "mi300x"))
 
 
 def fixed_parallel_keys(recipe_path: str | None, overrides=()) -> dict:
@@ -39,19 +42,28 @@ def fixed_parallel_keys(recipe_path: str | None, overrides=()) -> dict:
 
 
 def launch_profile(world_size: int, ranks_per_node: int | None = None) -> DeviceProfile:
-    """The profile of the device this process runs on: the GPU table by name, else "cpu" with the node's
-    physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile file) overrides it."""
+    """The profile of the device this process runs on: a CUDA card's table entry by name (cuda_profile), else
+    "cpu" with the node's physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile file) overrides it."""
     if os.environ.get("PIPETRAIN_DEVICE"):
         return load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE")
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        for key, entry in _CUDA_NAMES:
-            if key in name:
-                return DEVICES[entry]
+        return cuda_profile(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_node = ranks_per_node or world_size
     cpu = DEVICES["cpu"]
     return DeviceProfile(**{**cpu.as_dict(), "memory_bytes": float(memory) / per_node})
+
+
+def cuda_profile(name: str, total_memory: float) -> DeviceProfile:
+    """The DEVICES entry of the CUDA card called name, its memory capped at total_memory, what the card reports
+    (a MIG slice, a smaller variant); ConfigError for a card the table does not hold, which no CPU figure fits."""
+    for key, entry in _CUDA_NAMES:
+        if key in name:
+            profile = DEVICES[entry]
+            return dataclasses.replace(profile, memory_bytes=min(profile.memory_bytes, float(total_memory)))
+    cards = ", ".join(entry for _, entry in _CUDA_NAMES)
+    raise ConfigError(f"parallel.auto: no device profile for the GPU {name!r}; set PIPETRAIN_DEVICE to the closest of "
+                      f"{cards} or to a profile JSON file, or set parallel.auto=false and the layout by hand")
 
 
 def agree_profile(profile: DeviceProfile, num_processes: int) -> DeviceProfile:

@@ -69,6 +69,11 @@ DEVICES: dict[str, DeviceProfile] = {
     # TF32 494.5 dense, NVLink 900 GB/s total bidirectional -> 450 GB/s per direction.
     "h100-sxm-80gb": DeviceProfile("h100-sxm-80gb", 80 * GB, 989e12, 494.5e12, 450 * GB, 3e-6, _NDR_PER_GPU, 8e-6,
                                    mem_bw=3.35e12, source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s; ConnectX-7 400Gb/s per GPU"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, BF16 989 TFLOPS dense (1,979 with
+    # sparsity), TF32 494.5 dense; NVLink 900 GB/s bidirectional -> 450 GB/s per direction. Also the GPU of a
+    # GH200 (the same Hopper compute; launch_profile caps the memory at what the card reports).
+    "h200-141gb": DeviceProfile("h200-141gb", 141 * GB, 989e12, 494.5e12, 450 * GB, 3e-6, _NDR_PER_GPU, 8e-6,
+                                mem_bw=4.8e12, source="NVIDIA H200 datasheet (SXM): 4.8 TB/s; ConnectX-7 400Gb/s per GPU"),
     # Same datasheet (PCIe): 80 GB HBM2e, BF16 756 TFLOPS dense, TF32 378; PCIe Gen5 128 GB/s bidirectional.
     "h100-pcie-80gb": DeviceProfile("h100-pcie-80gb", 80 * GB, 756e12, 378e12, 64 * GB, 5e-6, _NDR_PER_GPU, 8e-6,
                                     mem_bw=2.0e12, source="NVIDIA H100 datasheet (PCIe): 2 TB/s"),
@@ -81,6 +86,9 @@ DEVICES: dict[str, DeviceProfile] = {
     # NVIDIA L4 datasheet: 24 GB GDDR6, BF16 121 TFLOPS dense (242 sparse), TF32 60; PCIe Gen4 x16 64 GB/s.
     "l4": DeviceProfile("l4", 24 * GB, 121e12, 60e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
                         mem_bw=300e9, source="NVIDIA L4 datasheet: 300 GB/s; PCIe Gen4 x16"),
+    # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, BF16 362.05 TFLOPS dense (733 sparse), TF32 183; PCIe Gen4 x16.
+    "l40s": DeviceProfile("l40s", 48 * GB, 362.05e12, 183e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
+                          mem_bw=864e9, source="NVIDIA L40S datasheet: 864 GB/s; PCIe Gen4 x16"),
     # NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): 24 GB GDDR6X, BF16 tensor 165.2 TFLOPS dense
     # with FP32 accumulate (330.3 is FP16 accumulate), TF32 82.6; no NVLink, PCIe Gen4 x16.
     "rtx-4090": DeviceProfile("rtx-4090", 24 * GB, 165.2e12, 82.6e12, 32 * GB, 10e-6, _ETH_100G, 20e-6,
