@@ -29,7 +29,7 @@ from pipetrain.elastic import launch_layout
 from pipetrain.faults import restart_count
 from pipetrain.generate import end_of_run_sample
 from pipetrain.parallel.mesh.comm import barrier
-from pipetrain.parallel.mesh.dims import ParallelDims
+from pipetrain.parallel.mesh.dims import ParallelDims, local_cuda_index
 from pipetrain.parallel.replicas.failover import Replica, replica_from_env
 from pipetrain.parallel.mesh.rules import layout_problems, parallel_problems
 from pipetrain.preflight import preflight
@@ -69,7 +69,7 @@ def _init_distributed(world_size: int) -> None:
     if world_size == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_cuda_index())
         backend = "nccl"
     else:
         backend = "gloo"

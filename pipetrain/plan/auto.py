@@ -43,7 +43,8 @@ def fixed_parallel_keys(recipe_path: str | None, overrides=()) -> dict:
 
 def launch_profile(world_size: int, ranks_per_node: int | None = None) -> DeviceProfile:
     """The profile of the device this process runs on: a CUDA card's table entry by name (cuda_profile), else
-    "cpu" with the node's physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile file) overrides it."""
+    "cpu" with the node's physical memory shared by its ranks. PIPETRAIN_DEVICE (a DEVICES name or profile
+    file) overrides it."""
     if os.environ.get("PIPETRAIN_DEVICE"):
         return load_profile(os.environ["PIPETRAIN_DEVICE"], "PIPETRAIN_DEVICE")
     if torch.cuda.is_available():

@@ -73,7 +73,8 @@ DEVICES: dict[str, DeviceProfile] = {
     # sparsity), TF32 494.5 dense; NVLink 900 GB/s bidirectional -> 450 GB/s per direction. Also the GPU of a
     # GH200 (the same Hopper compute; launch_profile caps the memory at what the card reports).
     "h200-141gb": DeviceProfile("h200-141gb", 141 * GB, 989e12, 494.5e12, 450 * GB, 3e-6, _NDR_PER_GPU, 8e-6,
-                                mem_bw=4.8e12, source="NVIDIA H200 datasheet (SXM): 4.8 TB/s; ConnectX-7 400Gb/s per GPU"),
+                                mem_bw=4.8e12,
+                                source="NVIDIA H200 datasheet (SXM): 4.8 TB/s; ConnectX-7 400Gb/s per GPU"),
     # Same datasheet (PCIe): 80 GB HBM2e, BF16 756 TFLOPS dense, TF32 378; PCIe Gen5 128 GB/s bidirectional.
     "h100-pcie-80gb": DeviceProfile("h100-pcie-80gb", 80 * GB, 756e12, 378e12, 64 * GB, 5e-6, _NDR_PER_GPU, 8e-6,
                                     mem_bw=2.0e12, source="NVIDIA H100 datasheet (PCIe): 2 TB/s"),

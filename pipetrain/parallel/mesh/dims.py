@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipetrain.config import ParallelConfig
+from pipetrain.config import ConfigError, ParallelConfig
 from pipetrain.parallel.mesh.comm import set_workers_group
 from pipetrain.parallel.mesh.rules import resolve_dp_shard
 
@@ -96,10 +96,23 @@ def _prod(values) -> int:
 
 
 def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """cuda:LOCAL_RANK when CUDA is available (local_cuda_index), else cpu."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
+
+
+def local_cuda_index() -> int:
+    """This process's GPU: its LOCAL_RANK (torchrun's rank on the node). ConfigError, marked with the rank so
+    that this rank prints it (the CLI leaves other errors to rank 0, which has a GPU and waits), when the node
+    runs more processes than this process sees GPUs."""
+    index, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"[rank {os.environ.get('RANK', '0')} | local rank {index}] LOCAL_RANK={index} needs CUDA "
+                          f"device {index}, but this process sees {count} (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); launch one process per GPU (torchrun "
+                          f"--nproc-per-node={count}) with every GPU of the node visible to each")
+    return index
 
 
 @dataclass
