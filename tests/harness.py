@@ -155,10 +155,11 @@ def _keep_result(rank: int, world_size: int, fn, out: str, args: tuple) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
-def rank_results(world_size: int, fn, out: str, *args, default_device: str | None = None) -> list:
+def rank_results(world_size: int, fn, out: str, *args, default_device: str | None = None,
+                 timeout_s: float = 300) -> list:
     """Run fn(rank, world_size, out, *args) on world_size gloo processes and return each rank's return
-    value, in rank order (saved under out by torch.save, read back here; default_device: run_ranks')."""
-    run_ranks(world_size, _keep_result, fn, out, args, default_device=default_device)
+    value, in rank order (saved under out by torch.save, read back here; default_device, timeout_s: run_ranks')."""
+    run_ranks(world_size, _keep_result, fn, out, args, default_device=default_device, timeout_s=timeout_s)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
