@@ -71,6 +71,20 @@ from pipetrain.trainer import Trainer, fused_loss_sum, loss_sum
 OptimizerFactory = Callable[[nn.Module, ParallelDims, Recipe], object]
 
 
+def precision_problem(device: torch.device, precision: str) -> str | None:
+    """Why train.precision cannot run on device (None: it can). bf16, and fp8 (whose other ops run in bf16),
+    need compute capability 8.0: before Ampere, ptxas refuses bfloat16 in the Triton kernels
+    ("Feature '.bf16' requires .target sm_80 or higher") and cuBLAS has no bfloat16 tensor cores."""
+    if device.type != "cuda" or precision == "fp32":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 0):
+        return None
+    return (f"train.precision={precision}: needs an NVIDIA GPU of compute capability >= 8.0 (A100, L4, H100 or "
+            f"newer) for bfloat16, got {torch.cuda.get_device_name(device)} (sm_{major}{minor}); use "
+            "train.precision=fp32")
+
+
 def resolve_init_from(recipe: Recipe) -> Recipe:
     """With model.init_from, the Hugging Face config defines the model (contradicting keys are errors)
     and its directory is the default tokenizer."""
@@ -120,6 +134,9 @@ def build_trainer(recipe: Recipe, dims: ParallelDims | None = None, *, resume: s
 
     if recipe.train.compile:  # before any weight is built: no C++ compiler is a one-line error
         check_compile(dims.device, compile_backend())
+    problem = precision_problem(dims.device, recipe.train.precision)
+    if problem:
+        raise ConfigError(problem)
     if dims.cp > 1:  # every cp rank reads its head and tail chunk of each sequence (parallel/context/)
         loader.sequence_slice = SequenceSlicer(dims.cp, dims.cp_rank)
 
