@@ -30,10 +30,13 @@ from pipetrain.config import ConfigError, Recipe
 from pipetrain.plan.memory import rank_memory
 from pipetrain.plan.shapes import model_params
 
-# Dense bf16 tensor-core peaks (TFLOP/s per device, no sparsity) from the vendors' data sheets.
+# Dense bf16 tensor-core peaks (TFLOP/s per device, no sparsity) from the vendors' data sheets (the RTX 4090's
+# with fp32 accumulation, Ada's whitepaper). peak_tflops takes the first key the card's name holds, so a key
+# that holds another comes before it ("L40S", "L40" before "L4"; "H100 PCIe" before "H100").
 GPU_PEAK_TFLOPS = {
     "H200": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
-    "A100": 312.0, "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0, "B200": 2250.0,
+    "H800 PCIe": 756.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0,
+    "L40S": 362.0, "L40": 181.05, "L4": 121.0, "4090": 165.2, "V100": 125.0, "B200": 2250.0,
 }
 # Steps of a process left out of its steady-state throughput: the first compiles the blocks under
 # train.compile (and allocates, fills caches and autotunes without it); the second can still recompile
@@ -48,7 +51,7 @@ def peak_tflops(device: torch.device, configured: float | None) -> float | None:
         return configured
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_TFLOPS.items():  # longest names first in the table order
+        for key, value in GPU_PEAK_TFLOPS.items():  # the first key the name holds (the table orders them)
             if key in name:
                 return value
     return None
