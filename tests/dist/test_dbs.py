@@ -2,17 +2,20 @@
 
 One world of 4 runs every case once; each test checks one claim: with bsp the loss at every step is the
 single process's while the split moves (4 replicas, one slowed by injected faults; pp 2 inside each of 2
-replicas; ZeRO 1, 2 and 3 over dp_shard 2 inside each of 2 replicas), and a run resumed mid-way continues
-the saved split and the uninterrupted run's losses.
+replicas; ZeRO 1, 2 and 3 over dp_shard 2 inside each of 2 replicas), a replica's time per pipeline slot is
+measured as its step's compute over counts + pp - 1 slots (under a controlled clock), and a run resumed
+mid-way continues the saved split and the uninterrupted run's losses.
 """
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import pipetrain.trainer
 from pipetrain.config import FaultsConfig
 from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.dist.common import replica_trainer
@@ -36,6 +39,37 @@ def _steps(trainer, n):
     return records
 
 
+SLOT_S = (1.0, 1.35)  # the controlled clock's seconds per pipeline slot of replicas 0 and 1
+
+
+def _clocked_pp2(out, dims):
+    """2 replicas of a 2-stage pipeline under a controlled clock: a step of k microbatches takes exactly
+    SLOT_S[replica] x (k + pp - 1) seconds of compute. Returns every agreed measurement the split saw, and
+    the split after each step."""
+    clock = [0.0]
+    trainer = _make(out, dims, microbatches=4, dynamic_batch=True, dynamic_batch_every=2)
+    run = trainer.forward_backward
+
+    def timed(batch, num_targets):
+        loss = run(batch, num_targets)
+        clock[0] += SLOT_S[dims.dp_replicate_rank] * trainer.dbs.slots(trainer.microbatches())
+        return loss
+
+    seen, counts = [], []
+    observe = trainer.dbs.observe
+    trainer.forward_backward = timed
+    trainer.dbs.observe = lambda slot: (seen.append(list(slot)), observe(slot))
+    real_time, pipetrain.trainer.time = pipetrain.trainer.time, types.SimpleNamespace(perf_counter=lambda: clock[0])
+    try:
+        for _ in range(STEPS):
+            trainer.train_step()
+            trainer.agree()
+            counts.append(list(trainer.dbs.counts))
+    finally:
+        pipetrain.trainer.time = real_time
+    return {"seen": seen, "counts": counts}
+
+
 def _worker(rank, world_size, out):
     torch.manual_seed(0)
     res = {}
@@ -49,6 +83,7 @@ def _worker(rank, world_size, out):
     records = _steps(_make(out, pp2, microbatches=4, dynamic_batch=True, dynamic_batch_every=2,
                            faults=FaultsConfig(slow_ranks=[2, 3], slow_factor=4.0, slow_prob=1.0)), STEPS)
     res["pp2"] = {"loss": [r["loss"] for r in records], "shares": [r["dbs_shares"] for r in records]}
+    res["clocked"] = _clocked_pp2(out, pp2)
     hsdp = ParallelDims.from_degrees(dp_shard=2)  # 2 replicas x dp_shard 2: ZeRO shards inside each replica
     for zero in (1, 2, 3):  # the overlapped reduction waits for each step's own microbatch count
         records = _steps(_make(out, hsdp, microbatches=2, dp_shard=2, zero=zero, dynamic_batch=True,
@@ -93,6 +128,20 @@ def test_bsp_with_a_moving_split_gives_the_single_process_loss_at_every_step(wor
         # the slowed replica (the last) lost samples to the others once its slowness was measured
         assert got["shares"][-1][-1] < even[-1] and got["shares"][-1][-1] == min(got["shares"][-1]), got["shares"]
         assert got["shares"] == world4[0][case]["shares"]  # every rank logged the same split
+
+
+def test_a_replica_is_measured_per_pipeline_slot_counting_the_bubble(world4):
+    """pp 2 inside each of 2 replicas, replica 1 35% slower per slot by a controlled clock: every agreed
+    measurement is each replica's seconds per slot, before and after the split moves (a step of k
+    microbatches is k + 1 slots; counting k, the measurement moves with the split: 6 / 5 and 1.35 x 4 / 3 at
+    5 + 3). The split goes to 5 + 3 (DynamicBatch.propose of those times, tests/unit/test_dbs.py) and stays."""
+    for res in world4:
+        got = res["clocked"]
+        assert len(got["seen"]) == STEPS
+        for slot in got["seen"]:
+            assert slot == pytest.approx(list(SLOT_S), rel=1e-12), got["seen"]
+        assert got["counts"][0] == [4, 4] and got["counts"][-1] == [5, 3], got["counts"]
+        assert got["counts"][-3:] == [[5, 3]] * 3, got["counts"]  # moved once, then held under the same times
 
 
 def test_resume_continues_the_saved_split_and_the_losses(world4):
