@@ -22,8 +22,8 @@ on one of them within seconds:
   still a seeded bijection, but another order, so every resumed checkpoint of such a run would read other
   windows; the golden values in tests/unit/test_data.py only pin counts that are not powers of two).
 The shipped code passes every test here. Survivors left without a test: merge_lora keeping the adapters'
-param_shards entries (equivalent: it merges one-process models only, which hold no shards) and wsd's decay
-length by int() instead of round() (the lr_schedule docstring does not fix the rounding).
+param_shards entries (equivalent: it merges one-process models only, which hold no shards). wsd's decay
+length by int() instead of round() is now caught by tests/unit/test_lr_schedule.py (the docstring fixes it).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from pipetrain.config import ConfigError, TrainConfig, build_recipe
-from pipetrain.lr_schedule import lr_at
+from pipetrain.lr_schedule import decay_start, lr_at
 from pipetrain.optim.build import lr_at as optim_lr_at
 
 BASE = dict(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
@@ -51,6 +51,15 @@ def test_wsd_is_stable_then_decays_over_the_last_fraction():
     assert lr_at(90, c) == pytest.approx(0.55)
     assert lr_at(100, c) == pytest.approx(0.1)
     assert lr_at(81, c) < 1.0
+
+
+def test_wsd_decay_length_rounds_to_the_nearest_step():
+    """decay_fraction x steps rounded to the nearest step (the docstring's contract; torchtitan's too):
+    0.25 x 30 = 7.5 -> 8 decay steps (halves to even), 0.27 x 30 = 8.1 -> 8, 0.29 x 30 = 8.7 -> 9."""
+    for fraction, decay in ((0.25, 8), (0.27, 8), (0.29, 9)):
+        c = cfg("wsd", steps=30, decay_fraction=fraction)
+        assert decay_start(c) == 30 - decay
+        assert lr_at(30 - decay, c) == 1.0 and lr_at(31 - decay, c) < 1.0
 
 
 def test_wsd_decay_longer_than_the_run_starts_after_warmup():
