@@ -8,8 +8,9 @@ run recomputes the same rate from its step count and nothing needs saving.
   linear   then lr -> min_lr in a straight line, reaching min_lr at train.steps
   constant then lr until the end (min_lr is not used)
   wsd      warmup-stable-decay: lr until the last decay_fraction * train.steps steps (rounded to
-           the nearest step, halves to even), which fall linearly to min_lr, reaching it at train.steps. The stable phase never starts before
-           warmup ends: a decay longer than the steps after warmup starts right after warmup.
+           the nearest step, halves to even), which fall linearly to min_lr, reaching it at
+           train.steps. The stable phase never starts before warmup ends: a decay longer than the
+           steps after warmup starts right after warmup.
 """
 from __future__ import annotations
 
