@@ -214,7 +214,8 @@ class MetricsLogger:
                    f"{m.n_heads} heads, vocab {m.vocab_size}{experts})")
         pipeline = f" | schedule {p.schedule}" + (f" x{p.virtual_stages} virtual" if p.virtual_stages > 1 else "")
         cp = f" x cp {dims.cp}" if dims.cp > 1 else ""
-        self.write(f"layout: {dims.world_size} rank(s) = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}{cp} | "
+        ep = f" (experts over ep {dims.ep} of the dp ranks)" if dims.ep > 1 else ""
+        self.write(f"layout: {dims.world_size} rank(s) = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}{cp}{ep} | "
                    f"zero {p.zero} | {p.microbatches} microbatch(es){pipeline if dims.pp > 1 else ''} | "
                    f"recompute {p.recompute}{' | sequence parallel' if p.sequence_parallel else ''} | "
                    f"{t.precision} on {dims.device.type}")

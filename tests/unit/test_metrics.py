@@ -1,5 +1,6 @@
 """Run feedback and trackers: metrics.jsonl holds every step while the console prints every
 log_every; banner, ETA, checkpoint, eval and summary lines of a real run; explicit trackers."""
+import dataclasses
 import json
 import os
 import sys
@@ -9,7 +10,9 @@ import pytest
 
 from pipetrain.config import ConfigError, build_recipe
 from pipetrain.metrics import MetricsLogger, format_duration, steady_tokens_per_sec
+from pipetrain.parallel.mesh.dims import ParallelDims
 from tests.e2e.common import run_train
+from tests.unit.common import TINY_MOE
 from tests.unit.short_run import LOG_EVERY, STEPS, short_run
 
 
@@ -64,6 +67,19 @@ def test_a_real_run_reports_where_it_is():
     steady = steady_tokens_per_sec([m["tokens_per_sec"] for m in metrics if "loss" in m])
     assert f"tok/s wall clock), steady state {steady:,.0f} tok/s (median of steps 3-{STEPS})" in done[0], done[0]
     assert "--- sample after 6 steps ---" in proc.stdout
+
+
+def test_the_banner_names_expert_parallelism_and_the_replicas(tmp_path, capsys):
+    """ep and HSDP's dp_shard split the dp ranks: the layout line names the ep degree and the replicas line
+    dp_shard, so a run's log says how the experts and the shards were laid out."""
+    recipe = build_recipe({"model": dataclasses.asdict(TINY_MOE), "train": {"global_batch": 8, "seq_len": 32},
+                           "data": {"path": "x", "tokenizer": "y"}})
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=1, progress=False)
+    logger.banner(recipe, ParallelDims(dp=4, ep=2, dp_shard=2))
+    logger.close()
+    printed = capsys.readouterr().out
+    assert "layout: 4 rank(s) = dp 4 x tp 1 x pp 1 (experts over ep 2 of the dp ranks) | " in printed, printed
+    assert "replicas: 2 x dp_shard 2 | " in printed, printed
 
 
 def test_unknown_tracker_is_a_config_error_and_exits_2_with_one_line(tmp_path):
