@@ -92,8 +92,11 @@ def test_the_loader_reads_its_rank_slice():
 def test_state_dict_resumes_at_the_exact_next_sample():
     data = PackedData(*_stream(), 16, 0.1, seed=1)
     a = Loader(data, 4, 0, 1)
-    for _ in range(7):  # crosses an epoch boundary: 5000 tokens / 16 = 312 windows, ~281 train
+    # past the first epoch (5000 tokens / 16 = 312 windows, ~281 train): 7 steps (28 samples) stayed inside it, so
+    # a resume that read the position within the epoch (samples % windows) replayed epoch 0's order unseen
+    while a.samples <= data.num_train_windows:
         a.next()
+    assert a.samples // data.num_train_windows == 1 and a.samples % data.num_train_windows > 0, a.samples
     state = json.loads(json.dumps(a.state_dict()))  # must survive JSON (checkpoint manifest)
     expected, _ = a.next()
     b = Loader(data, 4, 0, 1)
