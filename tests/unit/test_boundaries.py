@@ -7,13 +7,22 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _imports(path: pathlib.Path) -> set[str]:
+def _imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
+    """Every module an import in path names, however spelled: relative imports resolved against path's package
+    (root/kernels is installed as pipetrain.kernels), and `from pkg import name` counted as pkg and pkg.name
+    (name may be a module: `from pipetrain.parallel import tensor` imports parallel.tensor)."""
+    package = list(path.relative_to(root).parts[:-1])  # a module's and an __init__'s package: its folder
+    if package[:1] == ["kernels"]:
+        package.insert(0, "pipetrain")
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package[:len(package) - node.level + 1] if node.level else []
+            base = ".".join(anchor + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -124,28 +133,41 @@ LAYERS = {
 PARALLEL_SIBLINGS = {"expert": {"mesh", "data"}}
 
 
-def test_parallel_subpackages_import_only_their_siblings():
+def sibling_violations(root: pathlib.Path) -> list[str]:
+    bad = []
     for pkg, allowed in PARALLEL_SIBLINGS.items():
-        for path in sorted((ROOT / "pipetrain" / "parallel" / pkg).rglob("*.py")):
-            siblings = {n.split(".")[2] for n in _imports(path) if n.startswith("pipetrain.parallel.")}
-            assert siblings <= allowed | {pkg}, f"parallel/{pkg}/{path.name} imports parallel.{siblings - allowed}"
+        paths = sorted((root / "pipetrain" / "parallel" / pkg).rglob("*.py"))
+        assert paths, f"no modules found under parallel/{pkg}"
+        for path in paths:
+            siblings = {n.split(".")[2] for n in _imports(path, root) if n.startswith("pipetrain.parallel.")}
+            if not siblings <= allowed | {pkg}:
+                bad.append(f"parallel/{pkg}/{path.name} imports parallel.{sorted(siblings - allowed - {pkg})}")
+    return bad
 
 
-def _pipetrain_imports(path: pathlib.Path) -> set[str]:
+def test_parallel_subpackages_import_only_their_siblings():
+    bad = sibling_violations(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_sibling_scan_sees_every_spelling(tmp_path):
+    """`from pipetrain.parallel import tensor` and `from ..tensor import fp8` passed the scan, which read only
+    absolute module names below pipetrain.parallel."""
+    folder = tmp_path / "pipetrain" / "parallel" / "expert"
+    folder.mkdir(parents=True)
+    for source in ("import pipetrain.parallel.tensor.fp8", "from pipetrain.parallel.tensor import fp8",
+                   "from pipetrain.parallel import tensor", "from ..tensor import fp8", "from .. import tensor",
+                   "def f():\n    from ..pipeline.stage import build_stage"):
+        (folder / "m.py").write_text(source)
+        assert len(sibling_violations(tmp_path)) == 1, source
+    for source in ("from ..mesh import comm", "from . import dispatch", "from pipetrain.parallel.data import zero"):
+        (folder / "m.py").write_text(source)
+        assert sibling_violations(tmp_path) == [], source
+
+
+def _pipetrain_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
     """The top-level pipetrain package (or module) of every pipetrain import in path, absolute or relative."""
-    tops = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            continue  # relative imports stay inside their own package (kernels/ is the only user)
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "pipetrain" and len(parts) > 1:
-                tops.add(parts[1])
-            elif parts[0] == "pipetrain" and isinstance(node, ast.ImportFrom):
-                tops.update(a.name for a in node.names)  # from pipetrain import x
-    return tops
+    return {name.split(".")[1] for name in _imports(path, root) if name.startswith("pipetrain.")}
 
 
 def layer_violations(root: pathlib.Path) -> list[str]:
@@ -155,7 +177,7 @@ def layer_violations(root: pathlib.Path) -> list[str]:
         paths = sorted(folder.rglob("*.py"))
         assert paths, f"no modules found under {folder}"
         for path in paths:
-            extra = _pipetrain_imports(path) - allowed - {layer}
+            extra = _pipetrain_imports(path, root) - allowed - {layer}
             if extra:
                 bad.append(f"{path.relative_to(root)} imports pipetrain.{sorted(extra)}")
     return bad
@@ -169,7 +191,8 @@ def test_each_layer_imports_only_the_layers_below_it():
 
 def test_the_layer_scan_sees_every_spelling(tmp_path):
     for source in ("import pipetrain.build", "from pipetrain.trainer import Trainer", "from pipetrain import cli",
-                   "def f():\n    from pipetrain.checkpoint import load"):
+                   "def f():\n    from pipetrain.checkpoint import load", "from ...checkpoint import load",
+                   "from ... import trainer"):  # relative: m.py's package is pipetrain.parallel.x
         (tmp_path / "pipetrain" / "parallel" / "x").mkdir(parents=True, exist_ok=True)
         for layer in ("models", "kernels"):
             (tmp_path / ("kernels" if layer == "kernels" else f"pipetrain/{layer}")).mkdir(parents=True, exist_ok=True)
