@@ -115,3 +115,30 @@ def test_a_model_on_the_meta_device_runs_a_forward_for_its_shapes(family):
     model = build(cfg, device="meta")
     out = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
     assert out.shape == (2, 8, 64) and out.device.type == "meta" and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe"])
+def test_init_follows_its_rule_per_parameter(family):
+    """Biases 0, norm weights 1, the residual branches' output projections (attention wo, MLP and expert down)
+    normal with model.init_std / sqrt(2 n_layers) (GPT-2's scaling), every other weight with model.init_std.
+    Nothing checked the scales: an init that dropped the residual scaling or ignored init_std passed the suite."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=32)
+    cfg = tiny(family, n_layers=3, init_std=0.05, **(moe if family == "qwen3_moe" else {}))
+    model = materialize(build(cfg), cfg, seed=0, device="cpu")
+    scaled = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+    kinds = set()
+    for name, p in model.named_parameters():
+        module, leaf = name.rsplit(".", 2)[-2:] if name.count(".") >= 1 else ("", name)
+        if leaf == "bias":
+            assert torch.equal(p, torch.zeros_like(p)), name
+            kinds.add("bias")
+        elif "norm" in module:
+            assert torch.equal(p, torch.ones_like(p)), name
+            kinds.add("norm")
+        else:
+            out = module in ("wo", "down") or name.endswith("experts.down")
+            want = scaled if out else cfg.init_std
+            assert abs(p.detach().mean().item()) < 0.2 * want, name
+            assert p.detach().std().item() == pytest.approx(want, rel=0.2), (name, want)
+            kinds.add("scaled" if out else "std")
+    assert {"norm", "scaled", "std"} <= kinds and (family != "gpt2" or "bias" in kinds), kinds
