@@ -3,7 +3,8 @@ nor the copy of a tied embedding that the last pipeline stage holds as head.weig
 runs that share these groups (a layout against one process, ZeRO against zero 0, the parameter servers' replay
 against decays itself), so decaying the norms and biases, or the embedding, passed the whole suite. Here one
 AdamW step with zero gradients moves exactly the decayed parameters, each by lr x weight_decay, through the
-optimizer a run builds (zero 0), and ZeRO puts the same parameters in its decayed group."""
+optimizer a run builds (zero 0), and ZeRO puts the same parameters in its decayed group. And the recipe's
+AdamW betas reach that optimizer."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,3 +71,27 @@ def test_zero_puts_the_same_parameters_in_its_decayed_group(case):
     assert [group["weight_decay"] for group in opt.torch_opt.param_groups] == [WD, 0.0]
     decayed = {names[i] for i, view in opt.views.items() if id(view) in in_group[0]}
     assert len(opt.views) == len(names) and decayed == _should_decay(model)
+
+
+def test_the_run_s_adamw_takes_the_recipe_s_betas():
+    """train.beta1 and train.beta2 reach the AdamW a run steps (every run compared elsewhere shares it, so betas
+    fixed at torch's defaults passed the suite): two steps of the zero 0 optimizer against torch.optim.AdamW
+    built by hand with the recipe's betas, eps 1e-8 and the decay groups above."""
+    cfg = TrainConfig(lr=LR, weight_decay=WD, beta1=0.5, beta2=0.6)
+    model = _model(LLAMA, 0)
+    ref = _model(LLAMA, 0)
+    decay = _should_decay(ref)
+    named = dict(ref.named_parameters())
+    torch_ref = torch.optim.AdamW([{"params": [named[n] for n in named if n in decay], "weight_decay": WD},
+                                   {"params": [named[n] for n in named if n not in decay], "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.5, 0.6), eps=1e-8)
+    opt = Optimizer(model, ParallelDims(), cfg)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen) * (1 + step * 3)  # a changed scale: the moments matter
+            q.grad = p.grad.clone()
+        opt.step(LR)
+        torch_ref.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
