@@ -49,6 +49,29 @@ def test_moe_output_equals_dense_per_token_reference():
     torch.testing.assert_close(moe(x), dense_reference(moe, x, idx, w), rtol=1e-5, atol=1e-6)
 
 
+def test_a_shared_expert_adds_its_swiglu_of_every_token():
+    """model.shared_expert_intermediate_size: an always-on SwiGLU MLP beside the routed experts (docs/models.md),
+    its output added for every token. No reference checked it (transformers' MoE families here have none, and
+    the layouts compare with a single process that shares it): its output multiplied by 0 passed test_moe,
+    test_moe_hf and test_compile."""
+    model = materialize(build(QWEN3_MOE), QWEN3_MOE, 0, "cpu").eval()
+    moe = model.layers["0"].mlp
+    s = moe.shared
+    assert s is not None and s.gate.weight.shape == (QWEN3_MOE.shared_expert_intermediate_size, QWEN3_MOE.d_model)
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    idx, w, _ = moe.route(want_x)
+    shared = F.linear(F.silu(F.linear(want_x, s.gate.weight)) * F.linear(want_x, s.up.weight), s.down.weight)
+    routed = dense_reference(moe, want_x, idx, w)
+    assert shared.abs().max() > 1e-3 * routed.abs().max()  # large enough to show
+    got = moe(got_x)
+    torch.testing.assert_close(got, routed + shared, rtol=1e-5, atol=1e-6)
+    (got * dy).sum().backward()
+    ((routed + shared) * dy).sum().backward()  # and the input's gradient through the shared expert too
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_every_token_to_one_expert_drops_no_token():
     moe = _moe()
     with torch.no_grad():  # a router that prefers expert 2 for every token, by a wide margin
