@@ -279,11 +279,14 @@ def test_aux_free_bias_moves_toward_balance():
         router.weight.zero_()
         router.weight[3] = 0.5  # expert 3 wins for every token with a positive mean
     x = torch.randint(0, 64, (4, 16))
+    assert not router.expert_bias.any()
     model(x)
     counts = router.step_counts.clone()
     record = moe_step_end(model, lambda t: t)
     over = counts > counts.mean()
     assert over.any() and (router.expert_bias[over] < 0).all() and (router.expert_bias[~over] > 0).all()
+    # the step is the rate times the sign, whatever the imbalance (a step proportional to it passed the signs)
+    assert torch.equal(router.expert_bias, 0.01 * torch.sign(counts.mean() - counts).float())
     assert router.step_counts.sum() == 0  # reset for the next step
     assert record["expert_load_max"][0] == counts.max() and len(record["expert_load_mean"]) == 2
 
