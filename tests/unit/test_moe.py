@@ -2,6 +2,7 @@
 aux-free bias, and a few single-process training steps of a tiny MoE."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -269,6 +270,27 @@ def test_aux_gradient_matches_autograd_of_the_explicit_loss():
     for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert moe.router.weight.grad is not None
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_logged_aux_loss_is_the_coefficient_times_the_layers_mean_balance(tmp_path, microbatches):
+    """The step's "aux_loss": router_aux_loss_coef x the sum over layers of the per-sequence balance averaged
+    over the global batch's sequences, each balance written out from the layer's input (_explicit_aux). Only
+    aux_loss > 0 was checked (and layouts against a single process), so a sum over the sequences instead of
+    their mean passed."""
+    cfg = ModelConfig(**{**QWEN3_MOE.__dict__, "router_aux_loss_coef": 0.01})
+    trainer = build_trainer(cfg, str(tmp_path), steps=1, global_batch=4, seq_len=16, microbatches=microbatches)
+    sums = []
+
+    def explicit(module, args, out):
+        with torch.no_grad():  # the mean over this microbatch's sequences, times them
+            sums.append(float(_explicit_aux(module, args[0])) * args[0].shape[0])
+    hooks = [block.mlp.register_forward_hook(explicit) for block in trainer.model.layers.values()]
+    record = trainer.train_step()
+    for hook in hooks:
+        hook.remove()
+    assert len(sums) == cfg.n_layers * microbatches
+    assert record["aux_loss"] == pytest.approx(0.01 * sum(sums) / 4, rel=1e-5)
 
 
 def test_aux_free_bias_moves_toward_balance():
