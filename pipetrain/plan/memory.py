@@ -2,9 +2,9 @@
 
 Model states (exact for the parameter and AdamW tensors a run allocates, see tests/unit/test_plan_memory.py):
 parameters are fp32 and are the master weights (train.precision=bf16 autocasts compute only), gradients are
-fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers with the local shapes
-pipetrain.plan.shapes gives (tp's splits, experts / ep). ZeRO shards
-each parameter's dim 0 in dp row ranges (parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
+fp32, AdamW keeps two fp32 moments. A rank holds its pp stage(s)' layers with the local shapes pipetrain.plan.shapes
+gives (tp's splits, experts / ep). ZeRO shards each parameter's dim 0 in dp row ranges
+(parallel.data.zero.dp_row_ranges); dp rank 0 holds the largest, the ceiling.
 Expert parallelism (parallel.ep) keeps num_experts/ep experts per rank; ZeRO shards them over expert-dp
 (dp/ep ranks, times cp under cp: parallel/expert/zero.py), the rest over dp (times cp); under HSDP over one
 replica's dp_shard/ep and dp_shard ranks.
@@ -79,12 +79,12 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        """Peak bytes: parameters, optimizer and replica state, pending gradients and pulled rows always, plus
-        the largest of three phases. Gradients are freed at every step's start (zero_grad(set_to_none=True)),
-        so the forward's peak (up to the loss's backward) holds the activations in flight with only the
-        gradients earlier microbatches made; the end of the backward holds the full gradients and the reduction buffers; the optimizer step
-        the reduced gradients and AdamW's temporaries (beside the exchanged gradient), then ZeRO's all-gather
-        buffers or the replicas' parameter exchange."""
+        """Peak bytes: parameters, optimizer and replica state, pending gradients and pulled rows always, plus the
+        largest of three phases. Gradients are freed at every step's start (zero_grad(set_to_none=True)), so the
+        forward's peak (up to the loss's backward) holds the activations in flight with only the gradients earlier
+        microbatches made; the end of the backward the full gradients and the reduction buffers; the optimizer
+        step the reduced gradients and AdamW's temporaries (beside the exchanged gradient), then ZeRO's
+        all-gather buffers or the replicas' parameter exchange."""
         # the loss's backward starts before any gradient of its microbatch exists, so before any reduction
         # bucket is in flight: its temporaries and the buffers are not live together
         forward = (self.activations + self.recompute_temp + self.deferred_w + self.grads_live
@@ -195,13 +195,16 @@ def zero3_gather_bytes(recipe: Recipe, pp_rank: int) -> tuple[int, int]:
 
 
 def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool, recompute: str,
-                          cp: int = 1, kernels: bool = False, logit_bytes: int = FP32) -> tuple[float, float, float]:
+                          cp: int = 1, kernels: bool = False, logit_bytes: int = FP32,
+                          rope_rows: bool = False, document_mask: bool = False) -> tuple[float, float, float]:
     """(one block, the first stage's extras, the last stage's extras) bytes saved for backward per token.
 
     Per block (fp32 elements per token, none): the norm's input, statistics and output and the flattened
     copy its linear saves; q, k, v (after RoPE), the attention output and its log-sum-exp; the same norm
     group before the MLP; gate, up, their SwiGLU product and its flattened copy (gpt2: the GELU input and
-    its output). RoPE's cos/sin tables (T x K each) are saved per block and per sequence position.
+    its output). RoPE's cos/sin: the (T, K) tables once a block (_layer_bytes), or with rope_rows (cp > 1,
+    data.document_mask) the rows gathered per token (2 K). document_mask: SDPA's (B, 1, T, T) mask, kept as a
+    bias of q's dtype (T a token) unless the core is recomputed (selective) or cp's core checkpoints its chunks.
     selective drops the log-sum-exp (the attention core's own saved state); full keeps the block input.
     cp > 1 (per token of a rank's slice): the cp attention core (parallel/context/attention.py) checkpoints
     its chunks, so no log-sum-exp, and keeps the all-gathered K and V of the whole sequence, cp x the slice's;
@@ -218,10 +221,10 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     normed = 0 if gpt2 or kernels else D  # the torch RMSNorm's x * rstd, which the Triton kernel does not keep
     norm_group = (D + stats + normed) / sp + D  # x, stats, (x * rstd), the output the linears keep
     q, kv = m.n_heads * K / tp, kv_rows(m, tp)
-    lse = m.n_heads / tp
-    if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp (the chunks are checkpointed)
-        kv, lse = kv * cp, 0
-    attn = norm_group + q + 2 * kv + q + lse + (0 if gpt2 else 2 * K)  # rope tables amortised below
+    lse, mask = m.n_heads / tp, (seq_len if document_mask else 0)  # log-sum-exp; document masks: SDPA's bias
+    if cp > 1:  # gathered K/V instead of the slice's, and no log-sum-exp or mask (the chunks are checkpointed)
+        kv, lse, mask = kv * cp, 0, 0
+    attn = norm_group + q + 2 * kv + q + lse + mask + (2 * K if rope_rows and not gpt2 else 0)
     gated = 3 if kernels else 4  # gate, up, (silu(gate)), the product the down linear keeps (experts: the same)
     mlp = norm_group + (2 * Fh / tp if gpt2 else gated * Fh / tp)
     # router probabilities; each of the k copies of the token sorted to its expert and its output. Not / sp:
@@ -231,7 +234,7 @@ def saved_bytes_per_token(m: ModelConfig, tp: int, seq_len: int, sequence_parall
     if recompute == "full":
         block = D / sp
     elif recompute == "selective":
-        block = attn + mlp - lse
+        block = attn + mlp - lse - mask
     else:
         block = attn + mlp
     first = 2.0  # token ids, int64 (2 fp32 words)
@@ -281,8 +284,10 @@ def _layer_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool) -
     """(one block's saved bytes for one microbatch under recipe's parallel.recompute with RoPE's tables, the
     weight copies autocast keeps in bf16 and fp8: one chunk's share)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
+    rope_rows = p.cp > 1 or recipe.data.document_mask  # RoPE gathers rows by position; else its tables, once a block
     block = saved_bytes_per_token(m, p.tp, t.seq_len, p.sequence_parallel, p.recompute,
-                                  p.cp if p.recompute != "selective" else 1, kernels)[0]
+                                  p.cp if p.recompute != "selective" else 1, kernels, rope_rows=rope_rows,
+                                  document_mask=recipe.data.document_mask)[0]
     weight_casts = 0
     if t.precision in ("bf16", "fp8") and p.recompute != "full":  # full: the block input, fp32 residual stream
         block /= 2
@@ -297,9 +302,11 @@ def _layer_bytes(recipe: Recipe, world_size: int, pp_rank: int, kernels: bool) -
             cached = fp8_linear_elements(m, p.tp) * len(rank_stages(recipe, pp_rank)[0]) \
                 if fp8_weights_once_a_run(recipe) else 0
             weight_casts = (model_state_bytes(recipe, world_size, pp_rank)[0] // 2 - 2 * cached) // p.virtual_stages
-    # RoPE's cos/sin per block, not per sequence; none under cp, whose RoPE reads rows of the tables by position
-    rope = 0 if m.family == "gpt2" or p.recompute == "full" or p.cp > 1 else FP32 * 2 * t.seq_len * m.head_dim
-    return rank_tokens(recipe, world_size) * block + rope, weight_casts
+    rope = 0 if m.family == "gpt2" or p.recompute == "full" or rope_rows else FP32 * 2 * t.seq_len * m.head_dim
+    # a sliding window without document masks: one (T, T) mask a block, kept by SDPA as a bias of q's dtype
+    mask = t.seq_len ** 2 * (FP32 if t.precision == "fp32" else 2) if (m.sliding_window or t.seq_len) < t.seq_len \
+        and p.cp == 1 and p.recompute == "none" and not recipe.data.document_mask else 0
+    return rank_tokens(recipe, world_size) * block + rope + mask, weight_casts
 
 
 def comm_bytes(recipe: Recipe, world_size: int, grad_bytes: int) -> int:
