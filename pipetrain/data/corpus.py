@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from pipetrain.config import ConfigError, clip
-from pipetrain.data.checks import check_utf8, unreadable
+from pipetrain.data.checks import check_json_depth, check_utf8, unreadable
 from pipetrain.data.sources import refuse_links_outside, source_files
 from pipetrain.folders import refuse_folder_links_outside
 from pipetrain.procs import pid_alive
@@ -251,6 +251,7 @@ def prepare(path: str, tokenizer, *, text_field: str = "text", cache_dir: Option
         return out_dir
     builder, files = source_files(path, where)
     check_utf8(files, where)
+    check_json_depth(files, where)
     if files and all(os.path.getsize(f) == 0 for f in files):
         raise ConfigError(f"data.path: {path!r} holds no documents (empty files); add data or remove this source")
     empty = [f for f in files if builder != "text" and os.path.getsize(f) == 0]

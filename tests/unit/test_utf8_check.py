@@ -1,10 +1,10 @@
 """data.checks.check_utf8: the offset it names past its first 4 MiB read, a multi-byte character split
 across two reads, and a file that ends inside one. tests/unit/test_prepare.py and test_config.py check a bad
-byte within the first read only."""
+byte within the first read only. At the end, check_json_depth: what it counts as nesting."""
 import pytest
 
 from pipetrain.config import ConfigError
-from pipetrain.data.checks import check_utf8
+from pipetrain.data.checks import MAX_JSON_DEPTH, check_json_depth, check_utf8
 
 BLOCK = 1 << 22  # check_utf8 reads this many bytes at a time
 
@@ -52,3 +52,20 @@ def test_a_parquet_folder_is_not_checked_as_text_and_prepares(tmp_path):
     out = prepare(str(raw), tokenizer, cache_dir=str(tmp_path / "cache"), progress=False)
     corpus = open_prepared(out, tokenizer, verify=True)
     assert corpus.manifest["num_documents"] == 3
+
+
+@pytest.mark.parametrize("text,deep", [
+    ('{"t": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}\n", True),  # the object's own level is one more
+    ('{"t": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}\n", False),
+    ('{"t": "' + "[{" * 500 + '"}\n', False),  # brackets inside a string are text
+    ('{"t": "a \\" ' + "[" * 500 + '"}\n', False),  # an escaped quote does not end the string
+    ("[\n" + '{"t":\n[\n' * 60 + "1" + "]}" * 60 + "\n]\n", True),  # a .json document nests across lines
+])
+def test_json_depth_counts_brackets_outside_strings_only(tmp_path, text, deep):
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    if deep:
+        with pytest.raises(ConfigError, match=rf"a.json nests arrays/objects more than {MAX_JSON_DEPTH} deep"):
+            check_json_depth([str(path)], "data.path")
+    else:
+        check_json_depth([str(path)], "data.path")
