@@ -43,7 +43,8 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
             kind = "loss" if isinstance(record, dict) and "loss" in record else "eval_loss"
             if not isinstance(record, dict) or kind not in record:
                 continue  # a line of another kind (a banner, a tracker's record): nothing to plot
-            bad = [key for key in ("step", kind, "lr") if not _number(record.get(key, 0.0))]
+            # lr may be absent (an eval line has none); a line without its step has nowhere to go
+            bad = [key for key in ("step", kind, "lr") if not _number(record.get(key, 0.0 if key == "lr" else None))]
             if bad:
                 values = ", ".join(f"{key}={clip(repr(record.get(key)))}" for key in bad)
                 raise ConfigError(f"plot: {path} line {number} has {values}, not a finite number; the file is damaged")

@@ -52,6 +52,16 @@ def test_a_damaged_metrics_file_exits_2_with_one_line(tmp_path, capsys, content)
         assert "lr='high', not a finite number" in err[0] and "loss=" not in err[0], err
 
 
+@pytest.mark.parametrize("content", [b'{"loss": 2.0, "lr": 0.1}\n', b'{"step": 1, "loss": 2.0}\n{"eval_loss": 2.0}\n'],
+                         ids=["train-line", "eval-line"])
+def test_a_metrics_line_without_its_step_exits_2_with_one_line(tmp_path, capsys, content):
+    """It was a KeyError traceback: the line passed the number checks (a missing key read as 0.0)."""
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    assert plot_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plot:") and "step=None, not a finite number" in err[0], err
+
+
 @pytest.mark.parametrize("where", ["missing-folder", "no-such-format", "a-folder"])
 def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
     pytest.importorskip("matplotlib")
