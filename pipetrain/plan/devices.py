@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from pipetrain.config import ConfigError
+from pipetrain.config import ConfigError, clip
 
 GB = 1e9
 GIB = 2 ** 30
@@ -104,6 +104,16 @@ DEVICES: dict[str, DeviceProfile] = {
 }
 
 
+def _finite(value) -> bool:
+    """A finite int or float, not a bool; an integer past a float's range (400 digits) is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def load_profile(name_or_path: str, where: str = "--device") -> DeviceProfile:
     """A DEVICES entry by name, or a JSON profile file written by --calibrate. where: what named it (the flag,
     or the PIPETRAIN_DEVICE variable), for errors."""
@@ -117,16 +127,15 @@ def load_profile(name_or_path: str, where: str = "--device") -> DeviceProfile:
         with open(name_or_path, "rb") as f:
             data = json.loads(f.read(1 << 20))
         profile = DeviceProfile(**data)
-    except (ValueError, TypeError) as exc:  # not JSON (or not UTF-8), not a mapping, unknown or missing fields
+    except (ValueError, TypeError, RecursionError) as exc:  # not JSON (or UTF-8, or too deep), not a mapping, fields
         raise ConfigError(f"{where} {name_or_path}: not a device profile ({str(exc)[:150]}); {fix}") from None
     numbers = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)
                if f.name not in ("name", "source")}
-    bad = [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or
-           not math.isfinite(v) or v < 0]
+    bad = [k for k, v in numbers.items() if not _finite(v) or v < 0]
     bad += [k for k in ("memory_bytes", "bf16_flops", "fp32_flops", "intra_bw", "inter_bw", "efficiency", "mem_bw")
             if k not in bad and numbers[k] <= 0]
     if bad or not isinstance(profile.name, str):
-        shown = ", ".join(f"{k}={numbers[k]!r}" for k in bad[:3]) or f"name={profile.name!r}"
+        shown = ", ".join(f"{k}={clip(repr(numbers[k]))}" for k in bad[:3]) or f"name={clip(repr(profile.name))}"
         raise ConfigError(f"{where} {name_or_path}: not a device profile ({shown}: each must be a finite number, "
                           f"rates and sizes > 0); {fix}")
     return profile

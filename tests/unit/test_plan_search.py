@@ -128,6 +128,9 @@ def test_device_profiles_load_by_name_and_from_a_file(tmp_path):
     ({"bf16_flops": 0, "fp32_flops": 0},
      r"not a device profile \(bf16_flops=0, fp32_flops=0: each must be a finite number, rates and sizes > 0"),
     ({"intra_latency": -1.0}, r"not a device profile \(intra_latency=-1.0"),
+    ("[" * 100_000 + "]" * 100_000, r"not a device profile \(maximum recursion depth"),  # was a RecursionError
+    ({"memory_bytes": 10 ** 400}, r"not a device profile \(memory_bytes=1000.*more characters\): each must be a "
+                                  "finite number"),  # was an OverflowError in math.isfinite
 ])
 def test_a_device_profile_that_is_not_one_is_refused_in_one_line_naming_its_source(tmp_path, content, message):
     path = tmp_path / "p.json"
