@@ -16,7 +16,7 @@ def pid_alive(pid) -> bool:
         return False
     try:
         os.kill(pid, 0)  # signal 0: existence and permission check only, nothing is sent
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number past any pid (a C long)
         return False
     except PermissionError:  # it exists, under another user
         return True

@@ -66,7 +66,7 @@ class RunLock:
 def _read_holder(fd: int) -> dict | None:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or arrays nested too deep for json
         return {"host": "?", "pid": "?"}
     return holder if isinstance(holder, dict) else None
 
