@@ -188,7 +188,8 @@ def _header_problem(m: dict, ckpt_dir: str) -> str | None:
             metadata = header.pop("__metadata__", None) or {}
             placed = json.loads(metadata.get(FILE_METADATA_KEY, "null"))
             ends = [e["data_offsets"][1] for e in header.values()]
-        except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError, KeyError, IndexError) as exc:
+        except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError, KeyError, IndexError,
+                RecursionError) as exc:  # RecursionError: JSON nested deeper than json can parse
             return f"file {file} has no readable safetensors header ({exc!r:.80})"
         if not isinstance(placed, dict):
             return f"file {file} does not record where its pieces belong (not written by this pipetrain)"
