@@ -79,7 +79,7 @@ def _custom_code_file(path: str) -> str:
             with open(file) as f:
                 if "auto_map" in json.load(f):
                     return file
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):  # unreadable: it names no code
             continue
     return ""
 
