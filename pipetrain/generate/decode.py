@@ -73,6 +73,9 @@ def forward_cached(model: Decoder, ids: torch.Tensor, cache: KVCache) -> torch.T
 def choose_token(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
                  generator: torch.Generator | None = None) -> int:
     """Next token from (V,) logits: argmax at temperature 0, else sampled after top-k and top-p (nucleus)."""
+    if not bool(torch.isfinite(logits).all()):  # finite weights past fp32's range: softmax of inf is NaN
+        raise ValueError("generate: the model's next-token logits hold inf or NaN, got weights whose products "
+                         "overflow fp32; the model is damaged: use an intact copy")
     if temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.double().cpu()

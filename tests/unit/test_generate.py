@@ -196,3 +196,27 @@ def test_a_hf_config_too_large_to_hold_is_refused_before_a_layer_is_built(tmp_pa
         (hf_dir / "config.json").write_text(json.dumps(cfg))
         line = _one_error_line(capsys, [str(hf_dir), "--prompt", "x"])
         assert "config.json describes" in line and "GB is available" in line, line
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_weights_whose_logits_overflow_are_one_line_not_a_sampling_error(tmp_path, capsys, temperature):
+    """A HF folder whose lm_head holds +-3e38 (finite: the NaN/inf check on loaded weights passes) gives inf
+    logits: sampling raised RuntimeError from torch.multinomial with a traceback, greedy printed noise."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    hf_dir = str(tmp_path / "llama")
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    save_tiny_hf(config, hf_dir, seed=2)
+    tokenizer.save_pretrained(hf_dir)
+    weights = os.path.join(hf_dir, "model.safetensors")
+    state = load_file(weights)
+    head = state["lm_head.weight"]
+    state["lm_head.weight"] = torch.where(torch.rand(head.shape, generator=torch.Generator().manual_seed(0)) > 0.5,
+                                          3e38, -3e38)
+    save_file(state, weights, metadata={"format": "pt"})
+    capsys.readouterr()  # save_pretrained's progress bar
+    line = _one_error_line(capsys, [hf_dir, "--prompt", "To be", "--temperature", temperature])
+    assert "next-token logits hold inf or NaN" in line, line
