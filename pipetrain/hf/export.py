@@ -248,7 +248,9 @@ def _numel(shape) -> int:
 
 # ---- export ----
 
-MODEL_FILES = (CONFIG_FILE, INDEX_FILE, "pipetrain_model.json")  # beside *.safetensors: what a model folder holds
+# beside *.safetensors: what a model folder holds (generation_config.json too: export writes it, and one left in
+# OUT, or a link of that name, was written through)
+MODEL_FILES = (CONFIG_FILE, INDEX_FILE, GENERATION_CONFIG_FILE, "pipetrain_model.json")
 
 
 def prepare_out_dir(out_dir: str, where: str, source_dir: str = "", overwrite: bool = False,

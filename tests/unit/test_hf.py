@@ -323,6 +323,20 @@ def test_export_rejects_bad_input(tmp_path):
         export_model(random_model(gqa_gpt2), gqa_gpt2, str(tmp_path / "e"))
 
 
+def test_export_never_writes_through_a_generation_config_link_in_out(tmp_path):
+    """OUT holding generation_config.json, a link to a file outside it, was written through: the export replaced
+    that file's contents and exited 0. It is a model file, refused as the others are."""
+    cfg = dataclasses.replace(EXPORT_CASES["llama_gqa"], vocab_size=8192)  # the shipped tokenizer's
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "generation_config.json")
+    with pytest.raises(ConfigError, match=r"already holds a model, got \['generation_config.json'\]"):
+        export_model(random_model(cfg), cfg, str(out), tokenizer_dir=TOKENIZER)
+    assert victim.read_text() == "precious" and os.listdir(out) == ["generation_config.json"]
+
+
 def _save_checkpoint(model, recipe, out_dir: str) -> str:
     """A real pipetrain checkpoint (pipetrain.checkpoint.save.Checkpointer) of model, saved by one process."""
     dims = ParallelDims()
