@@ -1,9 +1,11 @@
-"""Checkpoint files damaged in ways a checksum of the manifest cannot see: every reader refuses them in one
-line (the checkpoint tool's exit 2), so that --resume auto can skip to an older checkpoint."""
+"""Checkpoint files damaged in ways a checksum of the manifest cannot see, and manifests re-sealed with a fresh
+checksum (as a buggy writer would): every reader refuses them in one line (the checkpoint tool's exit 2), at
+once, so that --resume auto can skip to an older checkpoint."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipetrain.build import build_trainer
+from pipetrain.checkpoint.manifest import CHECKSUM_KEY, seal
 from pipetrain.config import ParallelConfig, Recipe, RunConfig, TrainConfig
 from pipetrain.data import Loader, PackedData
 from tests.harness import run_script
@@ -55,3 +58,33 @@ def test_a_safetensors_header_nested_too_deep_is_one_line(checkpoint, tmp_path, 
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "has no readable safetensors header (RecursionError" in lines[0], lines
+
+
+def _many_pieces(manifest: dict) -> None:
+    """A 1-D tensor of 200,000 pieces of one element each (they tile it: only the overlap check can refuse)."""
+    name, info = next((n, i) for n, i in manifest["tensors"].items() if len(i["global_shape"]) == 1)
+    file = info["pieces"][0]["file"]
+    manifest["tensors"][name] = {**info, "global_shape": [200_000],
+                                 "pieces": [{"file": file, "offsets": [i], "shape": [1]} for i in range(200_000)]}
+    manifest["tensors"][name]["pieces"][-1].update(offsets=[199_998], shape=[2])  # overlaps the one before it
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["layout"].update(world_size=10 ** 12), r"rng should name a saved file for each of the 10+ ranks"),
+    (lambda m: m["layout"].update(ps_servers=10 ** 12), r"rng should name a saved file for each of the 10+1 ranks"),
+    (_many_pieces, r"pieces \[199998\] and \[199998\] overlap"),
+], ids=["world-size", "ps-servers", "pieces"])
+def test_a_resealed_manifest_of_absurd_size_is_refused_at_once(checkpoint, tmp_path, edit, message):
+    """Each hung inspect (and every reader): a world size of 1e12 listed every rank's name before comparing, and the
+    overlap check compared every pair of a tensor's pieces in Python (2e10 pairs)."""
+    case = str(tmp_path / os.path.basename(checkpoint))
+    shutil.copytree(checkpoint, case)
+    with open(os.path.join(case, "manifest.json")) as f:
+        manifest = {k: v for k, v in json.load(f).items() if k != CHECKSUM_KEY}
+    edit(manifest)
+    with open(os.path.join(case, "manifest.json"), "w") as f:
+        json.dump(seal(manifest), f)
+    proc = run_script("pipetrain.checkpoint", ["inspect", case], timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(message, lines[0]), lines
