@@ -38,6 +38,8 @@ from pipetrain.run_lock import RunLock
 from pipetrain.stopping import INTERRUPT_EXIT, StopGuard
 from pipetrain.trainer import TrainingDiverged
 
+MAX_TIMEOUT_MIN = 10 ** 6  # about two years; 1e20 minutes overflowed timedelta (a traceback)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(prog="train.py", description="Train a GPT-style model with pipetrain.")
@@ -53,13 +55,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def whole_number(text: str) -> bool:
+    """Digits 0-9 only (around spaces): str.isdigit() also takes a superscript such as "\u00b2", which int() refuses."""
+    return text.strip().isascii() and text.strip().isdigit()
+
+
 def launcher_int(name: str, default: int, minimum: int = 0) -> int:
     """A whole number the launcher (torchrun) sets in the environment (WORLD_SIZE, RANK), or default when it is
     unset; ConfigError (one line) for anything else."""
     raw = os.environ.get(name)
     if raw is None:
         return default
-    if not raw.strip().isdigit() or int(raw) < minimum:
+    if not whole_number(raw) or int(raw) < minimum:
         raise ConfigError(f"{name}={raw!r}: must be a whole number >= {minimum}; launch with torchrun, which sets "
                           "it, or unset it")
     return int(raw)
@@ -74,9 +81,9 @@ def _init_distributed(world_size: int) -> None:
     else:
         backend = "gloo"
     minutes = os.environ.get("PIPETRAIN_TIMEOUT_MIN", "10")
-    if not minutes.strip().isdigit() or int(minutes) < 1:
-        raise ConfigError(f"PIPETRAIN_TIMEOUT_MIN={minutes!r}: must be a whole number of minutes >= 1 (the "
-                          "collectives' timeout); unset it for the default 10")
+    if not whole_number(minutes) or not 1 <= int(minutes) <= MAX_TIMEOUT_MIN:
+        raise ConfigError(f"PIPETRAIN_TIMEOUT_MIN={minutes!r}: must be a whole number of minutes in [1, "
+                          f"{MAX_TIMEOUT_MIN}] (the collectives' timeout); unset it for the default 10")
     timeout = timedelta(minutes=int(minutes))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent hosts one store for every attempt and env:// does not prefix its keys, so after

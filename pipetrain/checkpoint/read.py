@@ -40,7 +40,7 @@ def step_dir_name(step: int) -> str:
 def step_of(ckpt_dir: str) -> int:
     """The step a checkpoint folder's name says (step_dir_name's inverse; -1 for a name that is no step)."""
     digits = os.path.basename(os.path.normpath(ckpt_dir))[len("step-"):]
-    return int(digits) if digits.isdigit() else -1
+    return int(digits) if digits.isascii() and digits.isdigit() else -1  # "step-\u00b2" is no step (int() refuses it)
 
 
 def file_sha256(path: str) -> str:

@@ -236,7 +236,7 @@ def remove_dead_temps(out_dir: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         pid = name[len(prefix):] if name.startswith(prefix) else ""
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if pid.isascii() and pid.isdigit() and not pid_alive(int(pid)):  # isdigit alone takes "\u00b2"
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             removed.append(os.path.join(parent, name))
     return removed

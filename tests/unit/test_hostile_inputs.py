@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from pipetrain import cli
+from pipetrain.checkpoint.read import step_of
 from pipetrain.cli import _prepare_output_dir, launcher_int
 from pipetrain.config import ConfigError, Recipe, RunConfig, dump_recipe
 from pipetrain.config.loading import bounded_yaml
@@ -117,7 +119,7 @@ def test_an_error_is_one_line_whatever_it_quotes():
     assert str(ConfigError("data.path: /d/bad\nname.txt is not UTF-8")) == "data.path: /d/bad\\nname.txt is not UTF-8"
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", " "])
+@pytest.mark.parametrize("value", ["abc", "0", "-1", " ", "\u00b2"])  # a superscript 2: isdigit() but not int()
 def test_a_malformed_launcher_variable_is_one_line(monkeypatch, value):
     monkeypatch.setenv("WORLD_SIZE", value)
     with pytest.raises(ConfigError, match=rf"WORLD_SIZE={value!r}: must be a whole number >= 1"):
@@ -126,6 +128,22 @@ def test_a_malformed_launcher_variable_is_one_line(monkeypatch, value):
     assert launcher_int("WORLD_SIZE", 1, minimum=1) == 4
     monkeypatch.delenv("WORLD_SIZE")
     assert launcher_int("WORLD_SIZE", 1, minimum=1) == 1
+
+
+@pytest.mark.parametrize("value", ["\u00b2", str(10 ** 20), "0"])
+def test_a_malformed_collective_timeout_is_one_line(monkeypatch, value):
+    """A superscript digit was a ValueError from int(), 1e20 minutes an OverflowError from timedelta: tracebacks
+    before the process group started."""
+    monkeypatch.setenv("PIPETRAIN_TIMEOUT_MIN", value)
+    monkeypatch.setattr(cli.dist, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match=r"PIPETRAIN_TIMEOUT_MIN=.*: must be a whole number of minutes in \[1, "):
+        cli._init_distributed(2)
+
+
+def test_a_step_folder_named_with_a_superscript_is_no_step():
+    """A stray checkpoints/step-\u00b2 folder crashed a resumed run at its first save (ValueError from int() while
+    rotating old checkpoints), after the steps it had trained."""
+    assert step_of("/run/checkpoints/step-\u00b2") == -1 and step_of("/run/checkpoints/step-00000012") == 12
 
 
 def test_a_manifest_json_value_survives_the_round_trip(tmp_path):

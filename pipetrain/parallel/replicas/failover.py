@@ -112,7 +112,7 @@ def replica_from_env(recipe: Recipe, world_size: int, env=os.environ) -> tuple[R
     if raw is None:
         problems.append(f"parallel.fault_tolerance=torchft: {REPLICA_ENV} is not set; launch replica group g "
                         f"(0..{groups - 1}) with {REPLICA_ENV}=g")
-    elif not raw.isdigit() or int(raw) >= groups:
+    elif not (raw.isascii() and raw.isdigit()) or int(raw) >= groups:  # isdigit alone takes "\u00b2"
         problems.append(f"{REPLICA_ENV}: must be a replica group index in [0, {groups}) (parallel.dp={dp} / "
                         f"{shard} dp rank(s) per group), got {raw!r}")
     if problems:
