@@ -7,7 +7,7 @@ bf16 and fp8 check these (docs/planner.md).
 """
 from __future__ import annotations
 
-from pipetrain.config import ModelConfig, Recipe
+from pipetrain.config import ConfigError, ModelConfig, Recipe
 from pipetrain.kernels.dispatch import HAS_TRITON, kernel_mode
 from pipetrain.plan.shapes import kv_rows
 
@@ -24,7 +24,10 @@ def triton_path(device_type: str) -> bool:
     imports, unless PIPETRAIN_KERNELS=torch), whose ops keep less for backward than the torch references that the
     CPU runs. Checking a card this machine lacks (PIPETRAIN_DEVICE) on one without triton counts the references:
     more, never less."""
-    mode = kernel_mode()
+    try:
+        mode = kernel_mode()
+    except ValueError as exc:  # kernels/ raises ValueError (it knows nothing of pipetrain): bad input, one line
+        raise ConfigError(str(exc)) from None
     return device_type == "cuda" and mode != "torch" and (HAS_TRITON or mode == "triton")
 
 

@@ -140,6 +140,14 @@ def test_a_malformed_collective_timeout_is_one_line(monkeypatch, value):
         cli._init_distributed(2)
 
 
+def test_an_unknown_kernel_mode_is_one_line_before_a_run_is_built(monkeypatch, capsys, tmp_path):
+    """train.py exited 1 with the ValueError of kernels/dispatch.py and its traceback (the memory check reads it)."""
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "bogus")
+    assert cli.main(["--recipe", "tiny", "--dry-run", "--set", f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: PIPETRAIN_KERNELS='bogus' is not one of auto, torch, triton; unset it for auto"], err
+
+
 def test_a_step_folder_named_with_a_superscript_is_no_step():
     """A stray checkpoints/step-\u00b2 folder crashed a resumed run at its first save (ValueError from int() while
     rotating old checkpoints), after the steps it had trained."""
