@@ -56,7 +56,11 @@ def _check_type(where: str, value: Any, hint: Any, problems: list[str]) -> Any:
             problems.append(f"{where}={clip(repr(value))} is not one of {options}")
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of 309 digits or more: no float holds it
+            problems.append(f"{where}={clip(repr(value))} must be a finite number, got an integer past a float's range")
+            return value
     if hint is float and isinstance(value, str):
         # PyYAML reads "2e-3" (no dot) as a string: accept any text that is a float literal.
         try:

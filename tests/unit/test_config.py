@@ -214,6 +214,12 @@ def test_a_rerun_is_the_same_recipe_in_every_key_but_train_steps_and_run():
     ("data", "sources", [{"path": "a", "weight": 1e-300}, {"path": "b", "weight": 1}],
      "give a share of 1e-300 to one source"),
     ("data", "sources", [{"path": "a", "weight": 1e308}, {"path": "b", "weight": 1e308}], "overflow their sum"),
+    # an integer of 400 digits where a float goes: no float holds it (OverflowError tracebacks from float())
+    ("model", "rope_theta", 10 ** 400, r"model.rope_theta=1000.*more characters\) must be a finite number, got an "
+                                       "integer past a float's range"),
+    ("train", "lr", -10 ** 400, r"train.lr=-1000.* must be a finite number, got an integer past a float's range"),
+    ("data", "sources", [{"path": "a", "weight": 10 ** 400}],
+     r"data.sources\[0\].weight=1000.* must be a positive finite number"),
 ])
 def test_out_of_range_and_non_finite_values_are_refused_at_load(section, key, value, message):
     with pytest.raises(ConfigError, match=message):
