@@ -147,6 +147,10 @@ def _prepare_output_dir(recipe: Recipe, rank: int, resume: str | None, eval_only
             raise ConfigError(f"run.output_dir={out}: {metrics} is a folder where the metrics file goes; move it away")
         if resume is None and not eval_only and os.path.lexists(metrics):
             os.remove(metrics)  # a fresh run starts a fresh metrics file
+        elif os.path.islink(metrics) or (os.path.lexists(metrics) and not os.path.isfile(metrics)):
+            # kept, read and appended to: a pipe blocked a resume forever, --eval-only appended through a link
+            kind = "a link" if os.path.islink(metrics) else "not a regular file (a pipe, a socket or a device)"
+            raise ConfigError(f"run.output_dir={out}: {metrics} is {kind} where the metrics file goes; move it away")
     except BaseException:
         lock.release()
         raise

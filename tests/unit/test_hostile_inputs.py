@@ -114,6 +114,26 @@ def test_an_output_folder_inside_a_checkpoint_or_with_a_metrics_folder_is_refuse
         _prepare_output_dir(Recipe(run=RunConfig(output_dir=str(other))), 0, None)
 
 
+@pytest.mark.parametrize("kind", ["pipe", "link"])
+def test_a_metrics_file_that_is_a_pipe_or_a_link_is_refused_where_a_run_keeps_it(tmp_path, kind):
+    """--resume auto read a pipe named metrics.jsonl forever (a hang); --eval-only appended its line through a link
+    to a file outside the run folder. A fresh run removes whatever is there, as before."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    metrics = out / "metrics.jsonl"
+    recipe = Recipe(run=RunConfig(output_dir=str(out)))
+    for resume, eval_only in (("auto", False), (None, True)):
+        os.mkfifo(metrics) if kind == "pipe" else os.symlink(victim, metrics)
+        with pytest.raises(ConfigError, match=rf"metrics.jsonl is {'a link' if kind == 'link' else 'not a regular'}"):
+            _prepare_output_dir(recipe, 0, resume, eval_only)
+        os.remove(metrics)
+    os.mkfifo(metrics) if kind == "pipe" else os.symlink(victim, metrics)
+    _prepare_output_dir(recipe, 0, None).release()
+    assert not os.path.lexists(metrics) and victim.read_text() == "precious"
+
+
 def test_an_error_is_one_line_whatever_it_quotes():
     """A file name holding a newline split the error line in two."""
     assert str(ConfigError("data.path: /d/bad\nname.txt is not UTF-8")) == "data.path: /d/bad\\nname.txt is not UTF-8"
