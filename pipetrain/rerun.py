@@ -81,7 +81,7 @@ def finished_report(saved: SavedRun, recipe: Recipe) -> str:
     """What a finished run prints when launched again: its checkpoint and final metrics from metrics.jsonl."""
     last_step = last_eval = None
     path = os.path.join(recipe.run.output_dir, "metrics.jsonl")
-    if os.path.exists(path):
+    if os.path.isfile(path) and not os.path.islink(path):  # a pipe blocked the read forever; a link leads elsewhere
         with open(path) as f:
             for line in f:
                 try:
