@@ -38,11 +38,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check_writable_file(path: str) -> None:
-    """ConfigError unless path can be written as a file: not a folder, in a folder that exists."""
+    """ConfigError unless path can be written as a file: not a folder or a pipe (whose write waited forever for a
+    reader, after the minute of measuring), in a folder that exists."""
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        raise ConfigError(f"--out {path}: " + ("is a folder" if os.path.isdir(path) else f"no folder {folder}")
-                          + "; pass the path of the profile file to write, e.g. plan-profile.json")
+    if os.path.isdir(path):
+        what = "is a folder"
+    elif os.path.exists(path) and not os.path.isfile(path):
+        what = "is not a regular file (a pipe, a socket or a device)"
+    elif not os.path.isdir(folder):
+        what = f"no folder {folder}"
+    else:
+        return
+    raise ConfigError(f"--out {path}: {what}; pass the path of the profile file to write, e.g. plan-profile.json")
 
 
 def run(args: argparse.Namespace) -> int:

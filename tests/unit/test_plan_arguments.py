@@ -23,11 +23,18 @@ def test_top_below_1_is_refused(capsys, top):
     assert f"--top: must be >= 1 (how many layouts to list), got {top}" in line
 
 
-@pytest.mark.parametrize("where", ["folder", "missing-parent"])
+@pytest.mark.parametrize("where", ["folder", "missing-parent", "pipe"])
 def test_calibrate_out_that_cannot_be_written_is_refused_before_measuring(capsys, tmp_path, monkeypatch, where):
+    """pipe: the profile's write waited for a reader forever (a hang, after the measuring)."""
     measured = []
     monkeypatch.setattr("pipetrain.plan.__main__.calibrate", lambda **kw: measured.append(1))
-    out = str(tmp_path) if where == "folder" else str(tmp_path / "no" / "p.json")
-    line = _one_error(capsys, plan_main(["--recipe", TINY, "--nproc", "2", "--calibrate", "--out", out]))
-    assert f"--out {out}: " in line and ("is a folder" if where == "folder" else "no folder") in line
+    monkeypatch.setattr("pipetrain.plan.__main__.save_profile", lambda *a: measured.append(2))  # never blocks here
+    out = {"folder": str(tmp_path), "missing-parent": str(tmp_path / "no" / "p.json"),
+           "pipe": str(tmp_path / "p.json")}[where]
+    if where == "pipe":
+        os.mkfifo(out)
+    code = plan_main(["--recipe", TINY, "--nproc", "2", "--calibrate", "--out", out])
+    line = _one_error(capsys, code)
+    assert f"--out {out}: " in line and {"folder": "is a folder", "missing-parent": "no folder",
+                                         "pipe": "is not a regular file"}[where] in line
     assert measured == []
