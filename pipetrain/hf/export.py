@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import sys
+from fractions import Fraction
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -71,7 +72,7 @@ def parse_size(text: str) -> int:
     unit = m.group(2).rstrip("B")
     scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    return int(Fraction(m.group(1)) * scale)  # exact: float() made 400 digits inf, and int(inf) raised
 
 
 # ---- config.json ----

@@ -323,6 +323,12 @@ def test_export_rejects_bad_input(tmp_path):
         export_model(random_model(gqa_gpt2), gqa_gpt2, str(tmp_path / "e"))
 
 
+def test_a_shard_size_of_any_length_is_a_size():
+    """400 digits were a float of inf, and int(inf) an OverflowError traceback from export and consolidate."""
+    assert parse_size("9" * 400 + "GB") == int("9" * 400) * 10 ** 9
+    assert parse_size("1.5KiB") == 1536 and parse_size("2GB") == 2 * 10 ** 9 and parse_size("1000") == 1000
+
+
 def test_export_never_writes_through_a_generation_config_link_in_out(tmp_path):
     """OUT holding generation_config.json, a link to a file outside it, was written through: the export replaced
     that file's contents and exited 0. It is a model file, refused as the others are."""
