@@ -65,6 +65,8 @@ def _own_problems(r: Recipe) -> list[str]:
     for sec, name in [(t, "seed"), (d, "seed"), (f, "seed")]:
         need(0 <= getattr(sec, name) < SEED_LIMIT, f"{_sec(sec)}.{name}={getattr(sec, name)} must be in [0, 2**63)")
     need(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
+    # a step count is a 64-bit counter: 400 digits trained a step, then the ETA's float overflowed (a traceback)
+    need(t.steps < SEED_LIMIT, f"train.steps={clip(str(t.steps))} must be below 2**63")
     need(t.lr >= 0, f"train.lr={t.lr} must be >= 0 (0 keeps the weights frozen)")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")

@@ -14,6 +14,8 @@ from tests.unit.test_config import _with
     ("train", "seed", 2 ** 63, r"train.seed=9223372036854775808 must be in \[0, 2\*\*63\)"),
     ("data", "seed", 2 ** 63, r"data.seed=9223372036854775808 must be in \[0, 2\*\*63\)"),
     ("model", "lora_rank", 65, r"model.lora_rank=65 must be <= model.d_model=64"),
+    ("train", "steps", 2 ** 63, r"train.steps=9223372036854775808 must be below 2\*\*63"),
+    ("train", "steps", int("9" * 400), r"train.steps=9999.*more characters\) must be below 2\*\*63"),
 ])
 def test_the_first_value_past_each_bound_is_refused(section, key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -23,6 +25,7 @@ def test_the_first_value_past_each_bound_is_refused(section, key, value, message
 @pytest.mark.parametrize("section, key, value", [
     ("train", "beta1", 0.0), ("train", "beta2", 0.999999), ("run", "eval_batches", 1),
     ("train", "seed", 2 ** 63 - 1), ("data", "seed", 0), ("model", "lora_rank", 64),
+    ("train", "steps", 2 ** 63 - 1),
 ])
 def test_the_last_value_inside_each_bound_is_accepted(section, key, value):
     recipe = build_recipe(_with(**{section: {key: value}}))
