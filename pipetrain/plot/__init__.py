@@ -10,6 +10,7 @@ import math
 import os
 
 from pipetrain.config import ConfigError, clip
+from pipetrain.folders import refuse_outside
 
 
 def _number(value) -> bool:
@@ -27,6 +28,8 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"plot: {path} not found; pass a run folder (run.output_dir) of a run that took a step")
+    refuse_outside(run_dir, os.path.realpath(run_dir), path, os.path.realpath(path), "plot",
+                   "pass the run folder that holds the metrics file")  # nothing is read from outside the folder
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     with open(path, "rb") as f:

@@ -62,6 +62,19 @@ def test_a_metrics_line_without_its_step_exits_2_with_one_line(tmp_path, capsys,
     assert len(err) == 1 and err[0].startswith("error: plot:") and "step=None, not a finite number" in err[0], err
 
 
+def test_a_metrics_file_linked_from_outside_the_run_folder_is_not_read(tmp_path, capsys):
+    """It was read and plotted (exit 0): a link leading out of the folder given."""
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text('{"step": 1, "loss": 2.0, "lr": 0.1}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(outside, run / "metrics.jsonl")
+    assert plot_main([str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl links outside the folder" in err[0], err
+    assert os.listdir(run) == ["metrics.jsonl"]
+
+
 @pytest.mark.parametrize("where", ["missing-folder", "no-such-format", "a-folder"])
 def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
     pytest.importorskip("matplotlib")
