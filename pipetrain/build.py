@@ -426,7 +426,9 @@ def _truncate_metrics(path: str, step: int) -> int:
             newest = max(newest, record["step"])
         if record.get("step", 0) <= step:
             keep.append(raw + b"\n")
-    with open(path + ".tmp", "wb") as f:
+    if os.path.lexists(path + ".tmp"):  # a link of that name was written through, then became metrics.jsonl
+        os.remove(path + ".tmp")
+    with open(path + ".tmp", "xb") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
     return newest

@@ -248,7 +248,9 @@ def _first(failures) -> dict | None:
 
 def _write_latest(root: str, name: str) -> None:
     tmp = os.path.join(root, ".latest.tmp")
-    with open(tmp, "w") as f:
+    if os.path.lexists(tmp):  # a link of that name was written through (its target overwritten), then became latest
+        os.remove(tmp)
+    with open(tmp, "x") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -9,7 +9,9 @@ import os
 import pytest
 
 from pipetrain import cli
+from pipetrain.build import _truncate_metrics
 from pipetrain.checkpoint.read import step_of
+from pipetrain.checkpoint.writer import _write_latest
 from pipetrain.cli import _prepare_output_dir, launcher_int
 from pipetrain.config import ConfigError, Recipe, RunConfig, dump_recipe
 from pipetrain.config.loading import bounded_yaml
@@ -96,6 +98,24 @@ def test_links_in_the_output_folder_are_never_written_through(tmp_path):
     dump_recipe(Recipe(), str(out / "recipe.yaml"))
     assert victim.read_text() == "precious" and not os.path.islink(out / "recipe.yaml")
     assert [n for n in os.listdir(out) if ".tmp-" in n] == []
+
+
+def test_the_temporary_files_of_latest_and_metrics_are_never_written_through(tmp_path):
+    """checkpoints/.latest.tmp and metrics.jsonl.tmp left as links (to files outside the run folder) were opened
+    through: a resumed run overwrote both targets, and the links became checkpoints/latest and metrics.jsonl."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    victims = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for victim in victims:
+        victim.write_text("precious")
+    os.symlink(victims[0], run / "checkpoints" / ".latest.tmp")
+    os.symlink(victims[1], run / "metrics.jsonl.tmp")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    _write_latest(str(run / "checkpoints"), "step-00000001")
+    assert _truncate_metrics(str(run / "metrics.jsonl"), 1) == 1
+    assert [v.read_text() for v in victims] == ["precious", "precious"]
+    assert not os.path.islink(run / "checkpoints" / "latest") and not os.path.islink(run / "metrics.jsonl")
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000001\n"
 
 
 def test_an_output_folder_inside_a_checkpoint_or_with_a_metrics_folder_is_refused(tmp_path):
