@@ -92,7 +92,13 @@ def _rope_theta(raw: dict, path: str, problems: list[str]) -> float:
 
 
 def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    """A number > 0 that a float holds: an integer of 309 digits passed `< inf`, then float() overflowed."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return 0 < float(value) < float("inf")
+    except OverflowError:
+        return False
 
 
 def _hf_values(raw: dict, family: str, path: str) -> dict:
@@ -108,8 +114,9 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
         value = raw.get(key)
         if value is None and default is not None:
             return default
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"{path}: {key} must be a positive integer, got {clip(repr(value))}")
+        # below 2**63: an integer of 400 digits overflowed the float arithmetic of the size check
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2 ** 63:
+            problems.append(f"{path}: {key} must be a positive integer below 2**63, got {clip(repr(value))}")
             return 1
         return value
 

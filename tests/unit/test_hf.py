@@ -134,6 +134,10 @@ def _copy_with_config(src: str, dst, **changes) -> str:
     ("gpt2", dict(tie_word_embeddings="yes"), r"tie_word_embeddings must be true or false, got 'yes'"),
     ("qwen2", dict(use_sliding_window="false"), r"use_sliding_window must be true or false, got 'false'"),
     ("llama", dict(attention_bias="false"), r"attention_bias must be true or false, got 'false'"),
+    # integers of 400 digits: float() overflowed (epsilon, theta) and so did the size check (vocab_size)
+    ("llama", dict(rms_norm_eps=int("9" * 400)), r"rms_norm_eps must be a positive number, got 9999"),
+    ("llama", dict(rope_parameters=None, rope_theta=int("9" * 400)), r"rope_theta must be a positive number, got 99"),
+    ("llama", dict(vocab_size=int("9" * 400)), r"vocab_size must be a positive integer below 2\*\*63, got 9999"),
 ])
 def test_unsupported_config_option_is_rejected_by_name(hf_models, tmp_path, family, changes, pattern):
     hf_dir = _copy_with_config(hf_models[family][0], tmp_path / "m", **changes)
