@@ -53,7 +53,9 @@ class DeviceProfile:
         return "cpu" if self.staged_collectives else "cuda"
 
     def flops(self, precision: str) -> float:
-        return self.bf16_flops if precision == "bf16" else self.fp32_flops
+        """The matmul peak a run of train.precision computes at: fp8 runs every matmul but its fp8 linears' under
+        bf16 autocast (and those at least as fast), so bf16's; fp32 the fp32 (TF32) one."""
+        return self.bf16_flops if precision in ("bf16", "fp8") else self.fp32_flops
 
     def as_dict(self) -> dict:
         return asdict(self)
