@@ -35,7 +35,7 @@ the gradient group without cp, by test_plan_search's zero-3 case):
   L02  the fused loss's sequence-parallel gather of the hidden states (N x D) dropped
   L03  the fused loss's fp32 chunk copy on the CPU in bf16 dropped
   L04  the unfused loss backward holding 2 N x V/tp fp32 tensors, not 3
-  L05  the Triton cross-entropy's logit gradient counted in fp32, not the logits' bf16
+  L05  (also; test_plan_memory_gpu's fp8 case kills it) the Triton cross-entropy's logit gradient counted in fp32
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def test_a_1f1b_pipeline_is_m_plus_p_minus_1_slots_of_the_busiest_stage_plus_its
 
 def test_the_dp_all_reduce_hides_behind_the_last_backward_and_zero_adds_the_gather_after_the_step():
     """dp 2 on devices: the gradient all-reduce (2 x 1/2 of the bytes) overlaps the last microbatch's backward
-    (2 F), the rest is exposed; ZeRO 1 all-reduces and ZeRO 2 reduce-scatters (1/2), and both all-gather the parameters after
-    the step (1/2), exposed."""
+    (2 F), the rest is exposed; ZeRO 1 all-reduces and ZeRO 2 reduce-scatters (1/2), and both all-gather the
+    parameters after the step (1/2), exposed."""
     grads = 64e6  # bytes: large enough that the all-reduce outlasts the backward
     f = GB // 2 * T * flops_per_token(MODEL, T) / 3 / PEAK
     plain = step_time(_recipe(), 2, PROFILE, states=(grads, grads, 0))
