@@ -16,6 +16,7 @@ from pipetrain.parallel.mesh.rules import layout_problems, resolve_dp
 from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
 from pipetrain.parallel.pipeline.schedules.timeline import render_timeline
 from pipetrain.plan.cost import backward_ratio
+from pipetrain.plan.in_flight import zbv_stage_costs
 from pipetrain.plan.memory import RankMemory
 from pipetrain.plan.shapes import rank_stages
 from pipetrain.plan.shapes import model_params
@@ -52,8 +53,10 @@ def dry_run_details(recipe: Recipe, world_size: int) -> tuple[str, list[RankMemo
     if p.pp > 1:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # microbatches < pp: the bubble line says it
+            costs = zbv_stage_costs(recipe)  # zbv orders its computes by them, as the run's builder does
             actions = build_all_schedules(p.schedule, p.pp, p.microbatches, p.virtual_stages,
-                                          backward_cost=backward_ratio(recipe), split_backward=p.split_backward)
+                                          backward_cost=backward_ratio(recipe), split_backward=p.split_backward,
+                                          stage_costs=None if costs is None else list(costs))
         sim = simulate(actions, cost_f=1.0, cost_b=backward_ratio(recipe), virtual_stages=p.virtual_stages,
                        placement=placement_of(p.schedule))
         lines += [f"schedule {p.schedule} (F = 1, B = {backward_ratio(recipe):g}): bubble {sim.bubble:.1%}",

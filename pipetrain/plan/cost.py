@@ -41,7 +41,7 @@ from pipetrain.models import flops_per_token
 from pipetrain.parallel.mesh.rules import resolve_dp
 from pipetrain.parallel.pipeline.stage import layer_costs
 from pipetrain.plan.devices import DeviceProfile
-from pipetrain.plan.in_flight import schedule_shape
+from pipetrain.plan.in_flight import schedule_shape, zbv_stage_costs
 from pipetrain.plan.memory import FP32, MOMENTS, model_state_bytes, rank_tokens, zero3_gather_bytes
 from pipetrain.plan.shapes import kv_rows, rank_stages
 
@@ -169,7 +169,8 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
             b_cost += v * hop
         # simulated at the nominal B/F (cached across layouts), scaled to this layout's F + B
         ratio = backward_ratio(recipe)
-        makespan_unit, _ = schedule_shape(p.schedule, pp, p.microbatches, v, p.split_backward, ratio)
+        makespan_unit, _ = schedule_shape(p.schedule, pp, p.microbatches, v, p.split_backward, ratio,
+                                          zbv_stage_costs(recipe))
         makespan_unit *= (f_cost + b_cost) / (1 + ratio) / f_cost
         pp_comm = 2 * (pp - 1) * v * hop
         pipeline = makespan_unit * f_cost + pp_comm

@@ -17,6 +17,7 @@ from pipetrain.config import Recipe
 from pipetrain.parallel.mesh.rules import count_rules, resolve_dp, resolve_dp_shard
 from pipetrain.parallel.pipeline.schedules import (B, F, build_all_schedules, peak_in_flight, placement_of, simulate,
                                                    stage_of)
+from pipetrain.parallel.pipeline.stage import stage_costs
 
 
 def busiest_microbatches(recipe: Recipe, world_size: int) -> int:
@@ -32,20 +33,28 @@ def busiest_microbatches(recipe: Recipe, world_size: int) -> int:
     return replicas * p.microbatches - (replicas - 1) * minimum
 
 
+def zbv_stage_costs(recipe: Recipe) -> tuple[float, ...] | None:
+    """The stage costs a zbv run orders its computes by (build._training_schedule passes them to the builder), so
+    the planner simulates the schedule the run executes; None for every other schedule (fixed orders)."""
+    p = recipe.parallel
+    return tuple(stage_costs(recipe.model, p, recipe.train.seq_len)) if p.schedule == "zbv" else None
+
+
 def schedule_in_flight(recipe: Recipe, world_size: int) -> list[int]:
     """Most (microbatch, chunk) activations each pp rank holds at once under the recipe's schedule."""
     p = recipe.parallel
     if p.pp == 1:
         return [1]  # forward and backward of one microbatch at a time
     return list(schedule_shape(p.schedule, p.pp, busiest_microbatches(recipe, world_size), p.virtual_stages,
-                               p.split_backward, 3.0 if p.recompute == "full" else 2.0)[1])
+                               p.split_backward, 3.0 if p.recompute == "full" else 2.0, zbv_stage_costs(recipe))[1])
 
 
 @functools.lru_cache(maxsize=4096)
 def schedule_shape(schedule: str, pp: int, microbatches: int, virtual_stages: int, split_backward: bool,
-                   backward_cost: float) -> tuple[float, tuple[int, ...]]:
-    """(makespan at F = 1, peak in-flight units per rank) of the schedule; cached: the search asks often."""
-    actions = _build(schedule, pp, microbatches, virtual_stages, split_backward, backward_cost)
+                   backward_cost: float, costs: tuple[float, ...] | None = None) -> tuple[float, tuple[int, ...]]:
+    """(makespan at F = 1, peak in-flight units per rank) of the schedule; cached: the search asks often.
+    costs: zbv's stage costs (zbv_stage_costs)."""
+    actions = _build(schedule, pp, microbatches, virtual_stages, split_backward, backward_cost, costs)
     result = simulate(actions, cost_f=1.0, cost_b=backward_cost, virtual_stages=virtual_stages,
                       placement=placement_of(schedule))
     return result.makespan, tuple(peak_in_flight(a) for a in actions)
@@ -58,13 +67,13 @@ def end_chunks_in_flight(recipe: Recipe, world_size: int) -> list[tuple[int, int
     if p.pp == 1:
         return [(1, 1)]
     return list(_end_chunks(p.schedule, p.pp, busiest_microbatches(recipe, world_size), p.virtual_stages,
-                            p.split_backward, 3.0 if p.recompute == "full" else 2.0))
+                            p.split_backward, 3.0 if p.recompute == "full" else 2.0, zbv_stage_costs(recipe)))
 
 
 @functools.lru_cache(maxsize=4096)
 def _end_chunks(schedule: str, pp: int, microbatches: int, virtual_stages: int, split_backward: bool,
-                backward_cost: float) -> tuple[tuple[int, int], ...]:
-    actions = _build(schedule, pp, microbatches, virtual_stages, split_backward, backward_cost)
+                backward_cost: float, costs: tuple[float, ...] | None = None) -> tuple[tuple[int, int], ...]:
+    actions = _build(schedule, pp, microbatches, virtual_stages, split_backward, backward_cost, costs)
     placement, last_stage = placement_of(schedule), pp * virtual_stages - 1
     out = []
     for rank, rank_actions in enumerate(actions):
@@ -84,8 +93,8 @@ def _forwarded_peak(actions, chunk: int) -> int:
 
 
 def _build(schedule: str, pp: int, microbatches: int, virtual_stages: int, split_backward: bool,
-           backward_cost: float):
+           backward_cost: float, costs: tuple[float, ...] | None = None):
     with warnings.catch_warnings():  # 1f1b with microbatches < pp warns; the search scores it instead
         warnings.simplefilter("ignore")
         return build_all_schedules(schedule, pp, microbatches, virtual_stages, backward_cost=backward_cost,
-                                   split_backward=split_backward)
+                                   split_backward=split_backward, stage_costs=None if costs is None else list(costs))
