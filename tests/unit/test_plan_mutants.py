@@ -155,6 +155,7 @@ def test_a_pipeline_under_full_recompute_takes_the_simulated_makespan_at_its_own
     schedules) must be timed at that ratio: the step's pipeline time is the simulator's makespan at these F and B
     (pipetrain.parallel.pipeline.schedules.simulate), within the head's share."""
     from pipetrain.parallel.pipeline.schedules import build_all_schedules, placement_of, simulate
+    from pipetrain.parallel.pipeline.stage import stage_costs
     m, pp = 4, 2
     recipe = Recipe(model=SMALL_HEAD, train=TrainConfig(global_batch=GB, seq_len=T),
                     parallel=ParallelConfig(pp=pp, microbatches=m, schedule=schedule, virtual_stages=v,
@@ -165,7 +166,8 @@ def test_a_pipeline_under_full_recompute_takes_the_simulated_makespan_at_its_own
     tokens, layers = GB // m * T, SMALL_HEAD.n_layers // pp
     f = tokens * (layers * block + head) / PEAK
     b = 2 * f + tokens * layers * block / PEAK
-    actions = build_all_schedules(schedule, pp, m, v, backward_cost=3.0, split_backward=split)
+    costs = stage_costs(SMALL_HEAD, recipe.parallel, T) if schedule == "zbv" else None  # as the run builds it
+    actions = build_all_schedules(schedule, pp, m, v, backward_cost=3.0, split_backward=split, stage_costs=costs)
     makespan = simulate(actions, cost_f=f, cost_b=b, virtual_stages=v, placement=placement_of(schedule)).makespan
     assert t.total - t.pp_comm == pytest.approx(makespan, rel=1e-3)
 
