@@ -8,7 +8,8 @@ Mutants these tests kill (each survived the existing tests of its module):
   E02  cross-entropy's shard test local_t <= V: a target at the next shard's first column read past the row
   W04  SwiGLU's forward rounding silu(g) * u once, not silu(g) first as torch's bf16 ops do
   X02  PIPETRAIN_KERNELS taken verbatim (" Torch" or "AUTO" refused)
-  G02  models/compile.compiled_pieces leaving a MoE block's shared expert eager under expert parallelism
+  G02  (also; tests/dist/test_compile.py's ep2 case counts its graphs, in seconds more) models/compile.compiled_pieces
+       leaving a MoE block's shared expert eager under expert parallelism
 """
 from __future__ import annotations
 
