@@ -339,27 +339,26 @@ def deferred_w_bytes(recipe: Recipe, world_size: int, pp_rank: int) -> int:
     passes leave every linear's weight-gradient operands for its deferred W: the output gradients, which are
     no saved activation, and under full recompute the inputs too (otherwise saved activations already). One
     chunk's worth: W runs before the next chunk's backward would add more on most ranks."""
-    p = recipe.parallel
+    p, m, t = recipe.parallel, recipe.model, recipe.train
     layers = rank_stages(recipe, pp_rank)[0]
     if not layers or p.pp == 1 or not (p.split_backward or placement_of(p.schedule) == "v"):
         return 0
-    m, t = recipe.model, recipe.train
     tokens = rank_tokens(recipe, world_size)
-    inputs, grads = weight_grad_operand_bytes(m, p.tp)
+    inputs, grads = weight_grad_operand_bytes(m, p.tp, fp8=t.precision == "fp8")
     per_token = grads + (inputs if p.recompute == "full" else 0)
     return int(tokens * per_token * len(layers) / p.virtual_stages / (2 if t.precision == "bf16" else 1))
 
 
-def weight_grad_operand_bytes(m: ModelConfig, tp: int) -> tuple[float, float]:
+def weight_grad_operand_bytes(m: ModelConfig, tp: int, fp8: bool = False) -> tuple[float, float]:
     """(inputs, output gradients): bytes per token of one block's linears' weight-gradient operands with tp's
     shards: the inputs are the two norm outputs, the attention output and the MLP's hidden product; the
-    output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output."""
-    D, Fh = m.d_model, m.active_ffn
-    q, kv = m.n_heads * m.head_dim / tp, kv_rows(m, tp)
-    hidden = Fh / tp
-    inputs = D + D + q + hidden
-    grads = q + 2 * kv + D + (hidden if m.family == "gpt2" else 2 * hidden) + D
-    return FP32 * inputs, FP32 * grads
+    output gradients those of q, k, v, the attention projection, gate and up (gpt2: fc) and the MLP output.
+    A mixture of experts: its shared expert's (if any) as the MLP's (its router and experts compute dW in B).
+    fp8: the fp8 linears (parallel/tensor/fp8.FP8_PLAN) compute dW in B too; a shared expert stays."""
+    D, hidden = m.d_model, (m.shared_expert_intermediate_size if m.is_moe else 0 if fp8 else m.active_ffn) / tp
+    q, kv = (0, 0) if fp8 else (m.n_heads * m.head_dim / tp, kv_rows(m, tp))
+    mlp_inputs, mlp_grads = (0, 0) if not hidden else (D + hidden, (hidden if m.family == "gpt2" else 2 * hidden) + D)
+    return FP32 * ((0 if fp8 else D + q) + mlp_inputs), FP32 * ((0 if fp8 else q + 2 * kv + D) + mlp_grads)
 
 
 def _gather_bytes(recipe: Recipe, world_size: int, param_bytes: int, staged: bool) -> int:

@@ -25,13 +25,14 @@ from pipetrain.parallel.data.allreduce import DEFAULT_BUCKET_BYTES
 from pipetrain.parallel.mesh.dims import ParallelDims
 from pipetrain.parallel.pipeline.stage import build_stage
 from pipetrain.parallel.pipeline.recompute import apply_recompute
+from pipetrain.parallel.pipeline.weight_grads import apply_grad_accumulation_fusion, deferring, weight_grad_modules
 from pipetrain.parallel.data.zero3 import compute_in_bf16
-from pipetrain.parallel.tensor.fp8 import FP8_PLAN
+from pipetrain.parallel.tensor.fp8 import FP8_PLAN, apply_fp8
 from pipetrain.plan.memory import (activation_bytes, deferred_w_bytes, model_state_bytes, rank_memory,
                                    weight_grad_operand_bytes, zero3_unit_bytes)
 from pipetrain.plan.shapes import rank_stages
 from tests.harness import run_ranks, saved_activation_bytes
-from tests.unit.common import GPT2, LLAMA, build_trainer
+from tests.unit.common import GPT2, LLAMA, TINY_MOE, build_trainer
 
 # (model, dp, tp, pp, zero, extra parallel keys); dp*tp*pp = 2. LLAMA's rows divide by 2 (no ZeRO padding).
 GRID = [(LLAMA, 2, 1, 1, 0, {}), (LLAMA, 2, 1, 1, 1, {}), (LLAMA, 2, 1, 1, 2, {}), (GPT2, 2, 1, 1, 2, {}),
@@ -163,6 +164,34 @@ def test_a_split_backward_holds_the_deferred_weight_gradient_operands_beyond_the
                   {"microbatches": 4, "schedule": "zbv", "virtual_stages": 2})
     assert deferred_w_bytes(zbv, 2, 0) > 0  # the V schedules always split
     assert rank_memory(split, 2)[0].total > rank_memory(joined, 2)[0].total
+
+
+@pytest.mark.parametrize("model_cfg,fp8", [(LLAMA, False), (GPT2, False), (TINY_MOE, False),
+                                           (dataclasses.replace(TINY_MOE, shared_expert_intermediate_size=40), False),
+                                           (LLAMA, True), (TINY_MOE, True)],
+                         ids=["llama", "gpt2", "moe", "moe_shared", "llama_fp8", "moe_fp8"])
+def test_deferred_weight_gradient_operands_are_what_the_deferring_linears_record(model_cfg, fp8):
+    """weight_grad_operand_bytes against the (x, dy) a split backward's B records for W, counted from a built
+    model: every linear of a dense block; a mixture of experts' attention and shared expert (its router and
+    experts compute dW in B; the shared expert deferred at tp 1 as under tp, where its linears are tp's
+    WeightGradModules); under fp8 only a shared expert (the fp8 linears compute dW in B): a dense model defers
+    nothing and deferred_w_bytes is 0."""
+    model = build(model_cfg, device="meta")
+    materialize(model, model_cfg, 0, "cpu")
+    apply_grad_accumulation_fusion(model, 0)
+    if fp8:
+        apply_fp8(model, ParallelDims(), model_cfg, emulate=True)
+    B, T = 2, 16
+    tokens = torch.randint(0, model_cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    work = []
+    with deferring(weight_grad_modules(model.layers), work):
+        model(tokens).float().sum().backward()
+    recorded = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for *_, x2, dy2 in work for t in (x2, dy2)}
+    inputs, grads = weight_grad_operand_bytes(model_cfg, 1, fp8)
+    assert sum(recorded.values()) == B * T * (inputs + grads) * model_cfg.n_layers
+    split = Recipe(model=model_cfg, parallel=ParallelConfig(pp=2, microbatches=2, split_backward=True),
+                   train=TrainConfig(global_batch=8, seq_len=16, precision="fp8" if fp8 else "fp32"))
+    assert (deferred_w_bytes(split, 2, 0) == 0) == (not recorded)
 
 
 def _zero3_units(model_cfg: ModelConfig, low: set[int], fp8: bool = False) -> list[int]:

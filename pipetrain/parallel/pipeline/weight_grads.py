@@ -313,7 +313,8 @@ GRAD_PLAN: dict[str, tuple[type, type]] = {
     "embed": (nn.Embedding, WeightGradEmbedding),
     "pos_embed": (PositionEmbedding, WeightGradPositionEmbedding),
     **{name: (nn.Linear, WeightGradLinear) for name in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate",
-                                                        "mlp.up", "mlp.down", "head")},
+                                                        "mlp.up", "mlp.down", "mlp.shared.gate", "mlp.shared.up",
+                                                        "mlp.shared.down", "head")},
 }
 _EMBEDDINGS = ("embed", "pos_embed")  # fused at any size: their backward is a scatter, not a GEMM
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
