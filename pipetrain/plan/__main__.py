@@ -19,6 +19,7 @@ from pipetrain.plan import format_plan_row, plan_header
 from pipetrain.plan.auto import fixed_parallel_keys
 from pipetrain.plan.calibrate import calibrate, save_profile
 from pipetrain.plan.devices import load_profile
+from pipetrain.plan.precision import triton_path
 from pipetrain.plan.search import nothing_fits, refused_by_rules, search, world_problem
 
 
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc/--nodes: must be >= 1, got {args.nproc}/{args.nodes}; pass positive counts")
     if args.top < 1:
         raise ConfigError(f"--top: must be >= 1 (how many layouts to list), got {args.top}")
+    triton_path("cuda")  # reads PIPETRAIN_KERNELS: an unknown mode is refused as such, not in every candidate
     recipe = load_recipe(args.recipe, args.set, rules=parallel_problems)
     if args.calibrate:  # the profile's file is checked before the measurement (about a minute), not after it
         _check_writable_file(args.out)

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from pipetrain import cli
+from pipetrain.plan.__main__ import main as plan_main
 from pipetrain.build import _truncate_metrics
 from pipetrain.checkpoint.read import step_of
 from pipetrain.checkpoint.writer import _write_latest
@@ -184,6 +185,15 @@ def test_an_unknown_kernel_mode_is_one_line_before_a_run_is_built(monkeypatch, c
     """train.py exited 1 with the ValueError of kernels/dispatch.py and its traceback (the memory check reads it)."""
     monkeypatch.setenv("PIPETRAIN_KERNELS", "bogus")
     assert cli.main(["--recipe", "tiny", "--dry-run", "--set", f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: PIPETRAIN_KERNELS='bogus' is not one of auto, torch, triton; unset it for auto"], err
+
+
+def test_the_planner_names_an_unknown_kernel_mode_alone(monkeypatch, capsys):
+    """python -m pipetrain.plan refused every candidate with it, in a line saying that no layout keeps the fixed
+    keys and to drop one or launch another world size."""
+    monkeypatch.setenv("PIPETRAIN_KERNELS", "bogus")
+    assert plan_main(["--recipe", "tiny", "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: PIPETRAIN_KERNELS='bogus' is not one of auto, torch, triton; unset it for auto"], err
 
