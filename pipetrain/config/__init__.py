@@ -22,11 +22,11 @@ from pipetrain.config.loading import build_recipe, dump_recipe, load_recipe, par
 from pipetrain.config.schema import (CheckpointConfig, ConfigError, DataConfig, FaultsConfig, ModelConfig,
                                      ParallelConfig, Recipe, RunConfig, TrainConfig, clip, fp8_weights_once_a_run,
                                      fused_loss_on, lora_projections)
-from pipetrain.config.validation import validate
+from pipetrain.config.validation import positive_finite, validate
 
 __all__ = [
     "Recipe", "ModelConfig", "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "RunConfig",
     "FaultsConfig", "ConfigError", "clip", "fp8_weights_once_a_run", "fused_loss_on", "lora_projections",
     "load_recipe", "build_recipe", "dump_recipe", "parse_override", "section_type_problems", "validate",
-    "ArgumentParser",
+    "ArgumentParser", "positive_finite",
 ]

@@ -85,11 +85,11 @@ def _own_problems(r: Recipe) -> list[str]:
         ok = isinstance(src, dict) and set(src) <= {"path", "weight"} and isinstance(src.get("path"), str)
         need(ok and bool(src["path"]), f"data.sources[{i}]={clip(repr(src))} must be a mapping {{path: ..., weight: ...}}")
         w = src.get("weight", 1.0) if ok else 1.0
-        need(_positive_finite(w),
+        need(positive_finite(w),
              f"data.sources[{i}].weight={clip(repr(w))} must be a positive finite number; give every source a "
              "weight > 0")
     weights = [src.get("weight", 1.0) for src in d.sources or [] if isinstance(src, dict)]
-    if weights and all(_positive_finite(w) for w in weights):
+    if weights and all(positive_finite(w) for w in weights):
         # shares are weight / sum: a sum that overflows, or a share that rounds to nothing, trained as another blend
         total = sum(float(w) for w in weights)
         need(total < float("inf") and min(weights) / total >= 1e-9,
@@ -209,7 +209,7 @@ def _sec(obj) -> str:
     return {v: k for k, v in SECTIONS.items()}[type(obj)]
 
 
-def _positive_finite(value) -> bool:
+def positive_finite(value) -> bool:
     """A number > 0 that a float holds: an integer of 309 digits passed `< inf`, then overflowed float()."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 
-from pipetrain.config import ConfigError, ModelConfig, clip
+from pipetrain.config import ConfigError, ModelConfig, clip, positive_finite
 from pipetrain.folders import refuse_folder_links_outside
 from pipetrain.jsonfile import read_json
 
@@ -85,20 +85,10 @@ def _rope_theta(raw: dict, path: str, problems: list[str]) -> float:
             problems.append(f"{path}: {key}.partial_rotary_factor must be 1.0, got {factor}")
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if not _positive_number(theta):
+    if not positive_finite(theta):
         problems.append(f"{path}: rope_theta must be a positive number, got {clip(repr(theta))}")
         return 10000.0
     return float(theta)
-
-
-def _positive_number(value) -> bool:
-    """A number > 0 that a float holds: an integer of 309 digits passed `< inf`, then float() overflowed."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return 0 < float(value) < float("inf")
-    except OverflowError:
-        return False
 
 
 def _hf_values(raw: dict, family: str, path: str) -> dict:
@@ -134,7 +124,7 @@ def _hf_values(raw: dict, family: str, path: str) -> dict:
     def num(key: str, default: float) -> float:
         """A positive finite number field (epsilons)."""
         value = raw.get(key, default)
-        if not _positive_number(value):
+        if not positive_finite(value):
             problems.append(f"{path}: {key} must be a positive number, got {clip(repr(value))}")
             return default
         return float(value)
