@@ -75,7 +75,7 @@ def backward_ratio(recipe: Recipe) -> float:
     return 3.0 if recipe.parallel.recompute == "full" else 2.0
 
 
-def activation_bytes(recipe: Recipe) -> int:
+def activation_width(recipe: Recipe) -> int:
     """Bytes per element of the activations the collectives move: bf16 under autocast (bf16 and fp8 runs: fp8's
     linears return the autocast dtype, parallel/tensor/fp8.py), else fp32."""
     return 2 if recipe.train.precision in ("bf16", "fp8") else FP32
@@ -100,7 +100,7 @@ def a2a_bytes(recipe: Recipe, world_size: int) -> int:
     of its tokens (T/cp of every sequence under cp), (ep-1)/ep of them to other ranks under balanced routing."""
     m, p = recipe.model, recipe.parallel
     micro_tokens = rank_tokens(recipe, world_size)
-    return int(micro_tokens * m.num_experts_per_tok * m.d_model * activation_bytes(recipe) * (p.ep - 1) / p.ep)
+    return int(micro_tokens * m.num_experts_per_tok * m.d_model * activation_width(recipe) * (p.ep - 1) / p.ep)
 
 
 def all_to_all_seconds(n: int, nbytes: float, bw: float, latency: float) -> float:
@@ -137,7 +137,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
         extra_fwd = micro_tokens * layers_busiest * 2 * m.n_heads * m.head_dim * t.seq_len / tp / peak
 
     # tp: 4 collectives per block per microbatch on the (B, T, D) activation
-    act_bytes = micro_tokens * m.d_model * activation_bytes(recipe)
+    act_bytes = micro_tokens * m.d_model * activation_width(recipe)
     bw, lat = _link(profile, tp, ranks_per_node)
     tp_fwd = 2 * layers_busiest * _ring(tp, act_bytes, bw, lat, 2)
     if p.sequence_parallel:  # a reduce-scatter and an all-gather in place of each all-reduce
@@ -152,7 +152,7 @@ def step_time(recipe: Recipe, world_size: int, profile: DeviceProfile, ranks_per
     fwd += launch
     # cp: K and V of the whole sequence gathered per block (B x T = cp x this rank's tokens), their
     # gradients reduce-scattered backward; a recompute reruns the gather inside the backward
-    kv_bytes = 2 * micro_tokens * cp * kv_rows(m, tp) * activation_bytes(recipe)
+    kv_bytes = 2 * micro_tokens * cp * kv_rows(m, tp) * activation_width(recipe)
     bw_cp, lat_cp = _link(profile, tp * cp, ranks_per_node)
     cp_fwd = layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.all_gather_ratio
     cp_bwd = (layers_busiest * _ring(cp, kv_bytes, bw_cp, lat_cp, 1) * profile.reduce_scatter_ratio
